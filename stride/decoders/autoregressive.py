@@ -1,0 +1,26 @@
+"""Plain decoding: score the last token, sample one."""
+
+from __future__ import annotations
+
+import torch
+
+from stride.decoders import sampling
+from stride.decoders.base import Commit, Decoder, Proposal, StepContext
+from stride.engine.sequence import Sequence
+
+
+class Autoregressive(Decoder):
+    name = "ar"
+
+    def commit(
+        self,
+        seqs: list[Sequence],
+        proposals: list[Proposal],
+        logits: list[torch.Tensor],
+        ctx: StepContext,
+    ) -> list[Commit]:
+        rows = [sampling.Row(s) for s in seqs]
+        stacked = torch.cat(logits)
+        tokens = sampling.sample(stacked, rows, ctx.eos_ids)
+        lps = sampling.logprobs(stacked, tokens, rows)
+        return [Commit([t], [lp]) for t, lp in zip(tokens, lps)]

@@ -1,0 +1,82 @@
+"""The decoder protocol: propose tokens to score, then commit from their logits.
+
+A step of the scheduler, for every running sequence whose uncached tail fits in the batch:
+
+1. `extra_tokens(seq, cap)` says how many tokens the decoder will add after the tail (0 for plain
+   decoding, K for K drafts, W for a Jacobi window), so the scheduler can budget and reserve KV.
+2. `propose(seqs)` returns those tokens (with positions or a mask if not plainly causal), for
+   all of the decoder's sequences at once so that drafting can be batched.
+3. The engine scores tails and proposals of all sequences in one forward pass. Each sequence gets
+   logits for its last tail token and every proposed token (`1 + len(proposal.tokens)` rows).
+4. `commit(seqs, proposals, logits)` returns, per sequence, the tokens it accepts and how many
+   proposed tokens keep their KV (`kv_keep`, a prefix); the rest is rolled back.
+
+Adding a strategy is one new module implementing `Decoder` plus one line in the registry.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from stride.decoders.sampling import TokenLogprob
+from stride.engine.sequence import SamplingParams, Sequence
+
+
+class DecoderError(ValueError):
+    """A request asked a decoder for something it cannot do; the server answers 400."""
+
+
+@dataclass
+class Proposal:
+    tokens: list[int] = field(default_factory=list)
+    positions: list[int] | None = None  # default: consecutive after the tail
+    mask: torch.Tensor | None = None  # [n, n] over tail + tokens; default causal
+
+
+@dataclass
+class Commit:
+    tokens: list[int]
+    logprobs: list[TokenLogprob | None]
+    kv_keep: int = 0  # how many proposed tokens (a prefix) keep their KV
+
+
+@dataclass
+class StepContext:
+    """What a decoder may need from the engine beyond its sequences' logits."""
+
+    eos_ids: set[int]
+    device: torch.device
+    engine: Any = None  # the engine (runner, model) for decoders that run extra forwards
+
+
+class Decoder:
+    name: str = ""
+
+    def validate(self, params: SamplingParams, options: dict[str, Any]) -> dict[str, Any]:
+        """Check a request's options at admission; return them normalised or raise DecoderError."""
+        if options:
+            raise DecoderError(f"decoder {self.name!r} takes no options, got {sorted(options)}")
+        return options
+
+    def extra_tokens(self, seq: Sequence, cap: int) -> int:
+        """How many tokens to propose after `seq`'s tail this step, at most `cap`."""
+        return 0
+
+    def propose(self, seqs: list[Sequence], ctx: StepContext) -> list[Proposal]:
+        return [Proposal() for _ in seqs]
+
+    def commit(
+        self,
+        seqs: list[Sequence],
+        proposals: list[Proposal],
+        logits: list[torch.Tensor],
+        ctx: StepContext,
+    ) -> list[Commit]:
+        raise NotImplementedError
+
+    def release(self, seq: Sequence, ctx: StepContext) -> None:
+        """The sequence finished or was preempted: drop whatever state the decoder kept for it."""
+        seq.decoder_state = None

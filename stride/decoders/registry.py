@@ -1,0 +1,29 @@
+"""Decoders by name. A new strategy registers here with one line."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from stride.decoders.autoregressive import Autoregressive
+from stride.decoders.base import Decoder, DecoderError
+
+DECODERS: dict[str, type[Decoder]] = {
+    Autoregressive.name: Autoregressive,
+}
+
+
+def parse_spec(spec: str | dict[str, Any] | None, default: str | dict[str, Any]) -> tuple[str, dict]:
+    """`"ar"` or `{"type": "ar", ...options}` (None: the server default) → (name, options)."""
+    spec = default if spec is None else spec
+    if isinstance(spec, str):
+        name, options = spec, {}
+    elif isinstance(spec, dict):
+        options = dict(spec)
+        name = options.pop("type", None)
+        if not isinstance(name, str):
+            raise DecoderError("decoder object needs a string field 'type'")
+    else:
+        raise DecoderError("decoder must be a name or an object with a 'type' field")
+    if name not in DECODERS:
+        raise DecoderError(f"unknown decoder {name!r}; valid decoders: {', '.join(DECODERS)}")
+    return name, options

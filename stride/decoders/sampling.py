@@ -1,0 +1,143 @@
+"""Turning logits rows into tokens: penalties, bias, temperature, top-k/top-p/min-p, seeded draws.
+
+Every function works on a batch of rows at once. A row belongs to a sequence and sits at some
+offset past its last committed token (a draft position in speculative decoding), so penalties and
+min_tokens see the history up to that row. Seeded rows draw from their sequence's own generator,
+which makes a seeded request reproducible whatever else shares the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from stride.engine.sequence import SamplingParams, Sequence
+
+
+@dataclass
+class Row:
+    """One logits row: its sequence, and tokens assumed to precede it beyond the sequence's own."""
+
+    seq: Sequence
+    pending: list[int] = field(default_factory=list)
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.seq.params
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+def adjust(logits: torch.Tensor, rows: list[Row], eos_ids: set[int]) -> torch.Tensor:
+    """Apply logit_bias, penalties and min_tokens to raw logits; returns a new tensor."""
+    logits = logits.clone()
+    for i, row in enumerate(rows):
+        p = row.params
+        if p.logit_bias:
+            ids = torch.tensor(list(p.logit_bias), device=logits.device)
+            logits[i, ids] += torch.tensor(list(p.logit_bias.values()), device=logits.device)
+        if p.has_penalties:
+            _penalize(logits[i], row)
+        produced = row.seq.num_output_tokens + len(row.pending)
+        if produced < p.min_tokens:
+            banned = set(p.stop_token_ids) | (set() if p.ignore_eos else eos_ids)
+            if banned:
+                logits[i, list(banned)] = float("-inf")
+    return logits
+
+
+def _penalize(logits: torch.Tensor, row: Row) -> None:
+    p, seq = row.params, row.seq
+    vocab = logits.shape[-1]
+    output = torch.tensor(seq.output_ids + row.pending, dtype=torch.long, device=logits.device)
+    output = output[output < vocab]
+    counts = torch.bincount(output, minlength=vocab).to(logits.dtype)
+    if p.repetition_penalty != 1.0:
+        seen = counts > 0
+        prompt = torch.tensor(seq.prompt_ids, dtype=torch.long, device=logits.device)
+        seen[prompt[prompt < vocab]] = True
+        r = p.repetition_penalty
+        logits[seen] = torch.where(logits[seen] > 0, logits[seen] / r, logits[seen] * r)
+    logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+
+
+def probabilities(logits: torch.Tensor, rows: list[Row]) -> torch.Tensor:
+    """Temperature, top-k, top-p and min-p, as one distribution per row (greedy rows: one-hot)."""
+    params = [r.params for r in rows]
+    dev = logits.device
+    greedy = torch.tensor([p.greedy for p in params], device=dev)
+    temps = torch.tensor([1.0 if p.greedy else p.temperature for p in params], device=dev)
+    probs = torch.softmax(logits / temps[:, None], dim=-1)
+
+    top_k = [p.top_k for p in params]
+    top_p = [p.top_p for p in params]
+    min_p = [p.min_p for p in params]
+    if any(k > 0 for k in top_k) or any(x < 1.0 for x in top_p):
+        probs = _top_k_top_p(probs, top_k, top_p)
+    if any(x > 0 for x in min_p):
+        floor = torch.tensor(min_p, device=dev)[:, None] * probs.max(dim=-1, keepdim=True).values
+        probs = torch.where(probs < floor, 0.0, probs)
+    probs = probs / probs.sum(dim=-1, keepdim=True)
+    if greedy.any():
+        one_hot = torch.zeros_like(probs).scatter_(1, logits.argmax(-1, keepdim=True), 1.0)
+        probs = torch.where(greedy[:, None], one_hot, probs)
+    return probs
+
+
+def _top_k_top_p(probs: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    vocab = probs.shape[-1]
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    rank = torch.arange(vocab, device=probs.device)[None, :]
+    k = torch.tensor([kk if kk > 0 else vocab for kk in top_k], device=probs.device)[:, None]
+    keep = rank < k
+    # top-p: keep the smallest prefix whose mass reaches p (the first token always stays).
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    keep &= mass_before < torch.tensor(top_p, device=probs.device)[:, None]
+    keep[:, 0] = True
+    sorted_probs = torch.where(keep, sorted_probs, 0.0)
+    return torch.zeros_like(probs).scatter_(1, order, sorted_probs)
+
+
+def draw(probs: torch.Tensor, rows: list[Row]) -> list[int]:
+    """One token per row; rows whose sequence has a seed use that sequence's generator."""
+    out = torch.multinomial(probs, 1).squeeze(1)
+    for i, row in enumerate(rows):
+        if row.params.greedy:
+            out[i] = probs[i].argmax()
+        elif row.seq.generator is not None:
+            out[i] = torch.multinomial(probs[i], 1, generator=row.seq.generator)[0]
+    return out.tolist()
+
+
+def uniform(row: Row, device: torch.device) -> float:
+    """A U(0,1) draw from the row's own generator when seeded (speculative acceptance tests)."""
+    return torch.rand((), generator=row.seq.generator, device=device).item()
+
+
+def sample(logits: torch.Tensor, rows: list[Row], eos_ids: set[int]) -> list[int]:
+    return draw(probabilities(adjust(logits, rows, eos_ids), rows), rows)
+
+
+def logprobs(
+    logits: torch.Tensor, tokens: list[int], rows: list[Row]
+) -> list[TokenLogprob | None]:
+    """Log-probabilities of the chosen tokens under the model (raw logits), plus top alternatives."""
+    wanted = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+    out: list[TokenLogprob | None] = [None] * len(rows)
+    if not wanted:
+        return out
+    lp = torch.log_softmax(logits[wanted].float(), dim=-1)
+    k_max = max(rows[i].params.logprobs or 0 for i in wanted)
+    top_v, top_i = lp.topk(k_max, dim=-1) if k_max else (lp[:, :0], lp[:, :0].long())
+    chosen = lp.gather(1, torch.tensor([[tokens[i]] for i in wanted], device=lp.device))
+    top_v, top_i, chosen = top_v.tolist(), top_i.tolist(), chosen[:, 0].tolist()
+    for j, i in enumerate(wanted):
+        k = rows[i].params.logprobs or 0
+        out[i] = TokenLogprob(tokens[i], chosen[j], list(zip(top_i[j][:k], top_v[j][:k])))
+    return out

@@ -1,0 +1,137 @@
+"""Plain records shared by every room: what a request asks for and where its sequence stands.
+
+A `Sequence` keeps one invariant that the whole design leans on: `token_ids[:num_cached]` have
+their keys and values in the KV cache, and the rest (`tail`) must be fed to the next forward pass.
+A decoder extends a step by proposing extra tokens after the tail and, on commit, says how many of
+the scored tokens keep their KV; anything it rejected is rolled back by lowering `num_cached`.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass
+class SamplingParams:
+    """Per-request sampling and stopping rules (OpenAI/vLLM semantics)."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 disables
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    logprobs: int | None = None  # None: none; k: the chosen token plus k alternatives
+    skip_special_tokens: bool = True
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 1e-5
+
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class DecodeStats:
+    """What a decoder bought for one request; returned to the client and counted in metrics."""
+
+    forward_passes: int = 0  # target forwards that produced tokens for this request
+    draft_tokens: int = 0  # speculative: tokens proposed by the drafter
+    accepted_tokens: int = 0  # speculative: drafted tokens the target accepted
+    accepted_per_position: list[int] = field(default_factory=list)
+    committed_per_pass: list[int] = field(default_factory=list)  # tokens committed per pass
+
+    def as_dict(self) -> dict[str, Any]:
+        passes = max(self.forward_passes, 1)
+        committed = sum(self.committed_per_pass)
+        out: dict[str, Any] = {
+            "forward_passes": self.forward_passes,
+            "tokens_per_pass": round(committed / passes, 4),
+        }
+        if self.draft_tokens:
+            out.update(
+                draft_tokens=self.draft_tokens,
+                accepted_tokens=self.accepted_tokens,
+                acceptance_rate=round(self.accepted_tokens / self.draft_tokens, 4),
+                mean_accepted_length=round(committed / passes, 4),
+                accepted_per_position=list(self.accepted_per_position),
+            )
+        return out
+
+
+@dataclass
+class Sequence:
+    """One generation stream: prompt plus output, its KV bookkeeping and its decoder's state."""
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    decoder: str = "ar"
+    decoder_options: dict[str, Any] = field(default_factory=dict)
+    priority: int = 0
+    deadline: float | None = None  # time.monotonic() after which the request fails
+    arrival_time: float = field(default_factory=time.monotonic)
+
+    token_ids: list[int] = field(init=False)
+    num_cached: int = 0
+    block_table: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    generator: torch.Generator | None = None
+    decoder_state: Any = None
+    stats: DecodeStats = field(default_factory=DecodeStats)
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    num_preemptions: int = 0
+
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.prompt_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_ids) :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_ids)
+
+    @property
+    def tail(self) -> list[int]:
+        """Tokens not yet in the KV cache; the next forward must score them."""
+        return self.token_ids[self.num_cached :]
+
+    @property
+    def in_prefill(self) -> bool:
+        return self.num_tokens - self.num_cached > 1

@@ -1,0 +1,276 @@
+"""The step loop's body: schedule, let decoders propose, one forward, let decoders commit.
+
+`EngineCore` is single-threaded and synchronous; `client.EngineClient` runs it on its own thread
+and feeds it through queues. Every admitted request leaves through exactly one terminal output.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from typing import Any
+
+import torch
+
+from stride.decoders.base import Commit, Decoder, DecoderError, Proposal, StepContext
+from stride.decoders.registry import DECODERS
+from stride.engine.engine import Engine
+from stride.engine.runner import Chunk
+from stride.engine.sequence import Sequence
+from stride.scheduler.detokenizer import Detokenizer
+from stride.scheduler.outputs import (
+    EngineError,
+    GenerateRequest,
+    QueueFull,
+    RequestOutput,
+    RequestRejected,
+)
+from stride.scheduler.policy import Scheduled, Scheduler, SchedulerConfig
+
+
+class EngineCore:
+    def __init__(
+        self,
+        engine: Engine,
+        config: SchedulerConfig | None = None,
+        decoders: dict[str, Decoder] | None = None,
+    ) -> None:
+        self.engine = engine
+        self.config = config or SchedulerConfig()
+        self.scheduler = Scheduler(self.config, engine.cache, engine.max_model_len)
+        self.decoders = decoders or {name: cls() for name, cls in DECODERS.items()}
+        self.ctx = StepContext(eos_ids=engine.eos_ids, device=engine.device, engine=engine)
+        self.seqs: dict[str, Sequence] = {}
+        self._detok: dict[str, Detokenizer] = {}
+        self.last_batch_size = 0
+        self.last_num_tokens = 0
+
+    # ---- admission and cancellation ---------------------------------------------------------
+
+    def add(self, req: GenerateRequest) -> None:
+        """Admit a request or raise RequestRejected / QueueFull; nothing else is touched then."""
+        if req.request_id in self.seqs:
+            raise RequestRejected(f"duplicate request id {req.request_id!r}")
+        if len(self.scheduler.waiting) >= self.config.max_waiting:
+            raise QueueFull("the waiting queue is full")
+        n_prompt, p = len(req.prompt_ids), req.params
+        if n_prompt == 0:
+            raise RequestRejected("the prompt is empty", param="prompt")
+        if n_prompt + p.max_tokens > self.engine.max_model_len:
+            raise RequestRejected(
+                f"this model's maximum context length is {self.engine.max_model_len} tokens; "
+                f"the prompt has {n_prompt} and max_tokens asks for {p.max_tokens}",
+                code="context_length_exceeded",
+                param="max_tokens",
+            )
+        cache = self.engine.cache
+        if -(-(n_prompt + p.max_tokens) // cache.block_size) > cache.num_usable_blocks:
+            raise RequestRejected(
+                "prompt plus max_tokens do not fit in this server's KV cache",
+                code="context_length_exceeded",
+                param="max_tokens",
+            )
+        vocab = self.engine.hf_config.vocab_size
+        if any(t < 0 or t >= vocab for t in req.prompt_ids):
+            raise RequestRejected(f"prompt token ids must lie in [0, {vocab})", param="prompt")
+        decoder = self.decoders.get(req.decoder)
+        if decoder is None:
+            raise RequestRejected(
+                f"unknown decoder {req.decoder!r}; valid decoders: {', '.join(self.decoders)}",
+                param="decoder",
+            )
+        try:
+            options = decoder.validate(p, req.decoder_options)
+        except DecoderError as e:
+            raise RequestRejected(str(e), param="decoder") from e
+
+        seq = Sequence(
+            request_id=req.request_id,
+            prompt_ids=list(req.prompt_ids),
+            params=p,
+            decoder=req.decoder,
+            decoder_options=options,
+            priority=req.priority,
+            deadline=None if req.timeout is None else time.monotonic() + req.timeout,
+        )
+        if p.seed is not None:
+            seq.generator = torch.Generator(self.engine.device).manual_seed(p.seed)
+        self.seqs[seq.request_id] = seq
+        self._detok[seq.request_id] = Detokenizer(
+            self.engine.tokenizer, p.stop, p.skip_special_tokens
+        )
+        self.scheduler.enqueue(seq)
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        seq = self.seqs.get(request_id)
+        return None if seq is None else self._finish(seq, "abort")
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.seqs)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    # ---- the step ---------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        outputs = self._expire_deadlines()
+        plan = self.scheduler.schedule(self._extra_tokens, self._release)
+        self.last_batch_size = len(plan)
+        if not plan:
+            return outputs
+
+        decoding = [s for s in plan if s.completes_tail]
+        by_decoder: dict[str, list[Scheduled]] = defaultdict(list)
+        for item in decoding:
+            by_decoder[item.seq.decoder].append(item)
+        proposals: dict[str, Proposal] = {}
+        for name, items in by_decoder.items():
+            seqs = [i.seq for i in items]
+            for item, prop in zip(items, self.decoders[name].propose(seqs, self.ctx)):
+                if len(prop.tokens) > item.extra:
+                    raise RuntimeError(f"decoder {name} proposed more tokens than it reserved")
+                proposals[item.seq.request_id] = prop
+
+        chunks = [self._chunk(item, proposals.get(item.seq.request_id)) for item in plan]
+        self.last_num_tokens = sum(len(c.token_ids) for c in chunks)
+        logits = self.engine.runner.forward(chunks)
+        by_id = {item.seq.request_id: lg for item, lg in zip(plan, logits)}
+
+        for item in plan:
+            if not item.completes_tail:
+                item.seq.num_cached += item.num_tail
+        for name, items in by_decoder.items():
+            seqs = [i.seq for i in items]
+            props = [proposals[s.request_id] for s in seqs]
+            commits = self.decoders[name].commit(
+                seqs, props, [by_id[s.request_id] for s in seqs], self.ctx
+            )
+            for seq, prop, commit in zip(seqs, props, commits):
+                out = self._apply(seq, prop, commit)
+                if out is not None:
+                    outputs.append(out)
+        return outputs
+
+    def _extra_tokens(self, seq: Sequence, cap: int) -> int:
+        return self.decoders[seq.decoder].extra_tokens(seq, cap)
+
+    def _release(self, seq: Sequence) -> None:
+        self.decoders[seq.decoder].release(seq, self.ctx)
+
+    def _chunk(self, item: Scheduled, prop: Proposal | None) -> Chunk:
+        seq = item.seq
+        tail = seq.tail[: item.num_tail]
+        if seq.first_scheduled_time is None:
+            seq.first_scheduled_time = time.monotonic()
+        if prop is None:
+            return Chunk(seq, tail, num_logits=0)
+        positions = None
+        if prop.positions is not None:
+            start = seq.num_cached
+            positions = list(range(start, start + len(tail))) + prop.positions
+        return Chunk(seq, tail + prop.tokens, 1 + len(prop.tokens), positions, prop.mask)
+
+    def _apply(self, seq: Sequence, prop: Proposal, commit: Commit) -> RequestOutput | None:
+        """Append a commit's tokens under the stop rules, roll back rejected KV, emit output."""
+        seq.num_cached += len(seq.tail) + commit.kv_keep
+        self.engine.cache.trim(seq)
+        seq.stats.forward_passes += 1
+        if seq.first_token_time is None:
+            seq.first_token_time = time.monotonic()
+
+        p, detok = seq.params, self._detok[seq.request_id]
+        out = RequestOutput(seq.request_id)
+        reason: str | None = None
+        stop_reason: str | int | None = None
+        for token, lp in zip(commit.tokens, commit.logprobs):
+            seq.token_ids.append(token)
+            out.token_ids.append(token)
+            out.logprobs.append(lp)
+            produced = seq.num_output_tokens
+            stop_string = detok.add(token)
+            if produced >= p.min_tokens:
+                if token in p.stop_token_ids:
+                    reason, stop_reason = "stop", token
+                elif not p.ignore_eos and token in self.ctx.eos_ids:
+                    reason = "stop"
+                elif stop_string is not None:
+                    reason, stop_reason = "stop", stop_string
+            if reason is None and produced >= p.max_tokens:
+                reason = "length"
+            if reason is not None:
+                break
+        seq.stats.committed_per_pass.append(len(out.token_ids))
+        if reason is not None:
+            return self._finish(seq, reason, out, stop_reason)
+        out.text = detok.take(final=False)
+        self._fill_counts(seq, out)
+        return out
+
+    def _finish(
+        self,
+        seq: Sequence,
+        reason: str,
+        out: RequestOutput | None = None,
+        stop_reason: str | int | None = None,
+        error: EngineError | None = None,
+    ) -> RequestOutput:
+        out = out or RequestOutput(seq.request_id)
+        self._release(seq)
+        self.scheduler.remove(seq)
+        del self.seqs[seq.request_id]
+        out.text = self._detok.pop(seq.request_id).take(final=True)
+        out.finish_reason = reason
+        out.stop_reason = stop_reason
+        out.error = error
+        self._fill_counts(seq, out)
+        out.decoder_stats = {"decoder": seq.decoder, **seq.stats.as_dict()}
+        out.timings = _timings(seq)
+        return out
+
+    def _fill_counts(self, seq: Sequence, out: RequestOutput) -> None:
+        out.num_prompt_tokens = seq.num_prompt_tokens
+        out.num_output_tokens = seq.num_output_tokens
+
+    def _expire_deadlines(self) -> list[RequestOutput]:
+        now = time.monotonic()
+        late = [s for s in self.seqs.values() if s.deadline is not None and s.deadline <= now]
+        return [
+            self._finish(
+                s,
+                "deadline",
+                error=EngineError("deadline_exceeded", "the request's deadline passed"),
+            )
+            for s in late
+        ]
+
+    def fail_all(self, message: str) -> list[RequestOutput]:
+        """The loop is dying: every request still in flight gets an error as its last output."""
+        error = EngineError("engine_dead", message)
+        outs = []
+        for seq in list(self.seqs.values()):
+            try:
+                outs.append(self._finish(seq, "error", error=error))
+            except Exception:  # the state may be broken; still answer the client
+                outs.append(RequestOutput(seq.request_id, finish_reason="error", error=error))
+                self.seqs.pop(seq.request_id, None)
+        return outs
+
+
+def _timings(seq: Sequence) -> dict[str, Any]:
+    now = time.monotonic()
+    t: dict[str, Any] = {"e2e": now - seq.arrival_time}
+    if seq.first_scheduled_time is not None:
+        t["queue"] = seq.first_scheduled_time - seq.arrival_time
+    if seq.first_token_time is not None:
+        t["ttft"] = seq.first_token_time - seq.arrival_time
+        decode_time = now - seq.first_token_time
+        if seq.num_output_tokens > 1 and decode_time > 0:
+            t["decode_tokens_per_s"] = (seq.num_output_tokens - 1) / decode_time
+    return t

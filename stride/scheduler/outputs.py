@@ -1,0 +1,66 @@
+"""Plain records that cross the boundary between the HTTP edge and the step loop.
+
+Only data goes in and out (no engine objects), so the loop can later move to its own process.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from stride.decoders.sampling import TokenLogprob
+from stride.engine.sequence import SamplingParams
+
+
+@dataclass
+class GenerateRequest:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    decoder: str = "ar"
+    decoder_options: dict[str, Any] = field(default_factory=dict)
+    priority: int = 0  # lower runs first; ties in arrival order
+    timeout: float | None = None  # seconds from arrival until the request fails with 'deadline'
+    user: str | None = None
+
+
+@dataclass
+class EngineError:
+    """A request's terminal error, in OpenAI's vocabulary (the server maps code to a status)."""
+
+    code: str  # e.g. "deadline_exceeded", "engine_dead", "context_length_exceeded"
+    message: str
+
+
+@dataclass
+class RequestOutput:
+    """New tokens of one request since its last output; the last one carries the end."""
+
+    request_id: str
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: list[TokenLogprob | None] = field(default_factory=list)
+    finish_reason: str | None = None  # "stop", "length", "abort", "deadline" or None
+    stop_reason: str | int | None = None  # the stop string or token that ended it
+    error: EngineError | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    decoder_stats: dict[str, Any] = field(default_factory=dict)
+    timings: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None or self.error is not None
+
+
+class QueueFull(RuntimeError):
+    """The waiting queue is at capacity; the server answers 429."""
+
+
+class RequestRejected(ValueError):
+    """The request cannot be admitted as asked (too long, bad decoder options); 400."""
+
+    def __init__(self, message: str, code: str = "invalid_request", param: str | None = None):
+        super().__init__(message)
+        self.code = code
+        self.param = param

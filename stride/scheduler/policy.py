@@ -1,0 +1,126 @@
+"""Who runs this step: queues, budgets, chunked prefill and preemption.
+
+Running sequences go first (in priority, then arrival order): each takes its uncached tail plus
+whatever its decoder wants to add, under two budgets, sequences and query tokens. Waiting
+sequences then fill what is left, their prompts chunked to fit. When the KV cache cannot hold a
+running sequence's next tokens, the latest arrival is preempted: its blocks are freed and it
+goes back to the waiting queue, to be recomputed from its tokens later.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from stride.engine.kv_cache import KVCache, OutOfBlocks
+from stride.engine.sequence import Sequence, Status
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_waiting: int = 1024
+
+
+@dataclass
+class Scheduled:
+    seq: Sequence
+    num_tail: int  # how many tail tokens are scored this step
+    extra: int  # tokens the decoder adds after the tail (only when the whole tail fits)
+
+    @property
+    def completes_tail(self) -> bool:
+        return self.num_tail == len(self.seq.tail)
+
+
+def _order(seq: Sequence) -> tuple[int, float]:
+    return (seq.priority, seq.arrival_time)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, cache: KVCache, max_model_len: int) -> None:
+        self.config = config
+        self.cache = cache
+        self.max_model_len = max_model_len
+        self.waiting: list[Sequence] = []  # sorted by (priority, arrival)
+        self.running: list[Sequence] = []
+
+    def enqueue(self, seq: Sequence) -> None:
+        seq.status = Status.WAITING
+        keys = [_order(s) for s in self.waiting]
+        self.waiting.insert(bisect.bisect_right(keys, _order(seq)), seq)
+
+    def remove(self, seq: Sequence) -> None:
+        """Take a finished or cancelled sequence out and free its KV at once."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.cache.free(seq)
+        seq.status = Status.FINISHED
+
+    def schedule(
+        self,
+        extra_tokens: Callable[[Sequence, int], int],
+        on_preempt: Callable[[Sequence], None],
+    ) -> list[Scheduled]:
+        """Pick this step's work. `extra_tokens(seq, cap)` asks the sequence's decoder."""
+        budget = self.config.max_num_batched_tokens
+        plan: list[Scheduled] = []
+        self.running.sort(key=_order)
+
+        queue = list(self.running)
+        while queue and budget > 0 and len(plan) < self.config.max_num_seqs:
+            seq = queue.pop(0)
+            item = self._fit(seq, budget, extra_tokens)
+            while not self._try_reserve(item):
+                victim = queue.pop() if queue else seq
+                self._preempt(victim, on_preempt)
+                if victim is seq:
+                    item = None
+                    break
+            if item is not None:
+                plan.append(item)
+                budget -= item.num_tail + item.extra
+
+        while self.waiting and budget > 0 and len(plan) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            item = self._fit(seq, budget, extra_tokens)
+            if not self._try_reserve(item):
+                break
+            self.waiting.pop(0)
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            plan.append(item)
+            budget -= item.num_tail + item.extra
+        return plan
+
+    def _fit(self, seq: Sequence, budget: int, extra_tokens) -> Scheduled:
+        tail = len(seq.tail)
+        n = min(tail, budget)
+        extra = 0
+        if n == tail:
+            cap = min(
+                budget - n,
+                seq.params.max_tokens - seq.num_output_tokens - 1,
+                self.max_model_len - seq.num_tokens - 1,
+            )
+            extra = min(max(cap, 0), extra_tokens(seq, max(cap, 0)))
+        return Scheduled(seq, n, extra)
+
+    def _try_reserve(self, item: Scheduled) -> bool:
+        seq = item.seq
+        try:
+            self.cache.reserve(seq, seq.num_cached + item.num_tail + item.extra)
+        except OutOfBlocks:
+            return False
+        return True
+
+    def _preempt(self, seq: Sequence, on_preempt: Callable[[Sequence], None]) -> None:
+        self.running.remove(seq)
+        self.cache.free(seq)
+        seq.num_preemptions += 1
+        on_preempt(seq)
+        self.enqueue(seq)
