@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from stride.decoders.autoregressive import Autoregressive
 from stride.decoders.base import Decoder, DecoderError
+from stride.engine.engine import Engine
 
 DECODERS: dict[str, type[Decoder]] = {
     Autoregressive.name: Autoregressive,
@@ -27,3 +29,16 @@ def parse_spec(spec: str | dict[str, Any] | None, default: str | dict[str, Any])
     if name not in DECODERS:
         raise DecoderError(f"unknown decoder {name!r}; valid decoders: {', '.join(DECODERS)}")
     return name, options
+
+
+@dataclass
+class DecodersConfig:
+    """Server-wide decoder settings (command-line flags); per-request options come on top."""
+
+    default: str | dict[str, Any] = "ar"
+
+
+def build_decoders(engine: Engine, config: DecodersConfig | None = None) -> dict[str, Decoder]:
+    """One instance of every registered decoder, set up for `engine`."""
+    config = config or DecodersConfig()
+    return {name: cls() for name, cls in DECODERS.items()}

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from stride.decoders.base import Commit, Decoder, DecoderError, Proposal, StepContext
-from stride.decoders.registry import DECODERS
+from stride.decoders.registry import build_decoders
 from stride.engine.engine import Engine
 from stride.engine.runner import Chunk
 from stride.engine.sequence import Sequence
@@ -38,7 +38,7 @@ class EngineCore:
         self.engine = engine
         self.config = config or SchedulerConfig()
         self.scheduler = Scheduler(self.config, engine.cache, engine.max_model_len)
-        self.decoders = decoders or {name: cls() for name, cls in DECODERS.items()}
+        self.decoders = decoders or build_decoders(engine)
         self.ctx = StepContext(eos_ids=engine.eos_ids, device=engine.device, engine=engine)
         self.seqs: dict[str, Sequence] = {}
         self._detok: dict[str, Detokenizer] = {}

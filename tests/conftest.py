@@ -1,0 +1,45 @@
+"""Shared fixtures: tiny random models on disk, engines over them, the real default model."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from stride.engine.engine import Engine, EngineConfig
+from stride.scheduler.core import EngineCore
+from stride.scheduler.policy import SchedulerConfig
+from tests.tiny import load_hf, make_model_dir
+
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+
+@pytest.fixture(scope="session")
+def tiny_dirs(tmp_path_factory) -> dict[str, Path]:
+    """One tiny random model per supported architecture, written once per session."""
+    root = tmp_path_factory.mktemp("models")
+    return {arch: make_model_dir(root / arch, arch) for arch in ("llama", "qwen2", "qwen3", "mistral")}
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tiny_dirs) -> Path:
+    return tiny_dirs["llama"]
+
+
+@pytest.fixture(scope="session")
+def tiny_hf(tiny_dir):
+    return load_hf(tiny_dir)
+
+
+def make_core(model_dir: Path | str | None, kv_bytes: int = 16 << 20, **sched) -> EngineCore:
+    engine = Engine(EngineConfig(model=None if model_dir is None else str(model_dir),
+                                 device="cpu", kv_cache_memory=kv_bytes))
+    return EngineCore(engine, SchedulerConfig(**sched))
+
+
+@pytest.fixture(scope="session")
+def default_engine() -> Engine:
+    """The real SmolLM2-135M-Instruct (converted once into STRIDE_CACHE)."""
+    return Engine(EngineConfig(device="cpu", kv_cache_memory=256 << 20))
