@@ -36,6 +36,10 @@ class DecodersConfig:
     """Server-wide decoder settings (command-line flags); per-request options come on top."""
 
     default: str | dict[str, Any] = "ar"
+    draft_model: str | None = None  # speculative: a causal LM sharing the target's tokenizer
+    num_speculative_tokens: int = 4  # speculative: default K (the adaptive policy may lower it)
+    diffusion_model: str | None = None  # refine/diffusion: a masked diffusion LM
+    trust_remote_code: bool = False  # diffusion models loaded through AutoModel need it
 
 
 def build_decoders(engine: Engine, config: DecodersConfig | None = None) -> dict[str, Decoder]:
