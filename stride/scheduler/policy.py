@@ -46,6 +46,7 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.waiting: list[Sequence] = []  # sorted by (priority, arrival)
         self.running: list[Sequence] = []
+        self.num_preemptions = 0  # since start
 
     def enqueue(self, seq: Sequence) -> None:
         seq.status = Status.WAITING
@@ -122,5 +123,6 @@ class Scheduler:
         self.running.remove(seq)
         self.cache.free(seq)
         seq.num_preemptions += 1
+        self.num_preemptions += 1
         on_preempt(seq)
         self.enqueue(seq)
