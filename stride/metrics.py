@@ -1,0 +1,328 @@
+"""Every Prometheus metric Stride emits, defined here and recorded where the event happens.
+
+Two feeders: the step loop calls `Metrics.on_step` after every engine step (gauges, step time,
+tokens per step, preemptions), and the HTTP edge wraps each request in `Metrics.track(...)`, which
+sees the request's outputs as they stream (tokens, TTFT, inter-token latency) and its last one
+(finish reason, engine-side timings, the decoder's summary). Labels stay bounded: `user` comes
+only from a configured allowlist (anything else is `other`, no user is `none`), and `decoder`
+from the registry. One `CollectorRegistry` per server, so tests can build many apps in a process.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import Counter as Tally
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    ProcessCollector,
+    generate_latest,
+)
+
+if TYPE_CHECKING:
+    from stride.scheduler.core import EngineCore
+    from stride.scheduler.outputs import RequestOutput
+
+USERS_ENV = "STRIDE_METRICS_USERS"
+OTHER_USER = "other"
+NO_USER = "none"
+REJECT_REASONS = ("queue_full", "deadline", "auth", "validation")
+
+# Fine at the low end: CPU/GPU decode steps and inter-token gaps are often well under 10 ms.
+STEP_BUCKETS = (
+    0.0005, 0.001, 0.002, 0.003, 0.004, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075,
+    0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0,
+)  # fmt: skip
+ITL_BUCKETS = STEP_BUCKETS
+REQUEST_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 0.75, 1.0, 1.5,
+    2.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0,
+)  # fmt: skip
+TOKENS_PER_STEP_BUCKETS = tuple(float(2**i) for i in range(15))  # 1 .. 16384
+TOKENS_PER_PASS_BUCKETS = (1.0, 1.1, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 4.0, 5.0, 6.0, 8.0, 12.0, 16.0,
+                           32.0, 64.0)  # fmt: skip
+
+
+def parse_users(value: str | Iterable[str] | None) -> frozenset[str]:
+    """`"a,b"` (the flag / STRIDE_METRICS_USERS) or names → the user label allowlist."""
+    if value is None:
+        value = os.environ.get(USERS_ENV, "")
+    names = value.split(",") if isinstance(value, str) else value
+    return frozenset(n.strip() for n in names if n and n.strip())
+
+
+class Metrics:
+    """The metric objects of one server, and the hooks that feed them."""
+
+    def __init__(
+        self,
+        model: str,
+        users: str | Iterable[str] | None = None,
+        registry: CollectorRegistry | None = None,
+    ) -> None:
+        self.model = model
+        self.users = parse_users(users)
+        self.registry = registry if registry is not None else CollectorRegistry()
+        ProcessCollector(registry=self.registry)
+        r = self.registry
+        m, md, mdu = ["model"], ["model", "decoder"], ["model", "decoder", "user"]
+
+        # ---- engine state (step loop) ----
+        self.requests_running = Gauge(
+            "stride_requests_running", "Sequences in the running batch.", md, registry=r
+        )
+        self.requests_waiting = Gauge(
+            "stride_requests_waiting", "Sequences waiting to be scheduled.", md, registry=r
+        )
+        self.kv_cache_usage = Gauge(
+            "stride_kv_cache_usage_ratio", "Fraction of KV cache blocks in use (0-1).", m,
+            registry=r,
+        )  # fmt: skip
+        self.batch_size = Gauge(
+            "stride_batch_size", "Sequences scheduled in the last engine step.", m, registry=r
+        )
+        self.step_duration = Histogram(
+            "stride_engine_step_duration_seconds", "Wall time of one engine step.", m,
+            buckets=STEP_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.step_tokens = Histogram(
+            "stride_engine_step_tokens", "Tokens scored in one engine step (tails + proposals).",
+            m, buckets=TOKENS_PER_STEP_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.preemptions = Counter(
+            "stride_preemptions", "Sequences preempted for lack of KV cache.", m, registry=r
+        )
+
+        # ---- requests (HTTP edge) ----
+        self.requests_received = Counter(
+            "stride_requests_received", "Generation requests that reached the server.", m,
+            registry=r,
+        )  # fmt: skip
+        self.requests_rejected = Counter(
+            "stride_requests_rejected",
+            "Requests refused or failed before completion, by reason "
+            "(queue_full, deadline, auth, validation).",
+            ["model", "reason"],
+            registry=r,
+        )
+        self.requests_finished = Counter(
+            "stride_requests_finished", "Admitted requests that ended, by finish reason.",
+            mdu + ["finish_reason"], registry=r,
+        )  # fmt: skip
+        self.prompt_tokens = Counter(
+            "stride_prompt_tokens", "Prompt tokens of admitted requests.", mdu, registry=r
+        )
+        self.generation_tokens = Counter(
+            "stride_generation_tokens", "Tokens generated and sent to clients.", mdu, registry=r
+        )
+
+        def request_hist(name: str, doc: str, buckets=REQUEST_BUCKETS) -> Histogram:
+            return Histogram(name, doc, mdu, buckets=buckets, registry=r)
+
+        self.ttft = request_hist(
+            "stride_time_to_first_token_seconds", "From arrival to the first token, at the edge."
+        )
+        self.itl = request_hist(
+            "stride_inter_token_latency_seconds",
+            "Gap between tokens at the edge; a burst of k tokens counts k gaps of 1/k each.",
+            ITL_BUCKETS,
+        )
+        self.tpot = request_hist(
+            "stride_time_per_output_token_seconds",
+            "Per request: (e2e - ttft) / (output tokens - 1).",
+            ITL_BUCKETS,
+        )
+        self.e2e = request_hist(
+            "stride_e2e_request_latency_seconds", "From arrival to the last output, at the edge."
+        )
+        self.queue_time = request_hist(
+            "stride_request_queue_time_seconds", "Engine: from admission to first scheduled."
+        )
+        self.prefill_time = request_hist(
+            "stride_request_prefill_time_seconds", "Engine: from first scheduled to first token."
+        )
+        self.decode_time = request_hist(
+            "stride_request_decode_time_seconds", "Engine: from first token to the end."
+        )
+
+        # ---- decoders ----
+        self.forward_passes = Counter(
+            "stride_decoder_forward_passes",
+            "Target forward passes that produced tokens for a request.",
+            mdu,
+            registry=r,
+        )
+        self.tokens_per_pass = Histogram(
+            "stride_decoder_tokens_per_pass",
+            "Per request: mean tokens committed per forward pass (refinement, speculation).",
+            md,
+            buckets=TOKENS_PER_PASS_BUCKETS,
+            registry=r,
+        )
+        self.spec_drafts = Counter(
+            "stride_spec_drafts", "Speculative: verification passes, one draft each.", mdu,
+            registry=r,
+        )  # fmt: skip
+        self.spec_draft_tokens = Counter(
+            "stride_spec_draft_tokens", "Speculative: tokens proposed by the drafter.", mdu,
+            registry=r,
+        )  # fmt: skip
+        self.spec_accepted_tokens = Counter(
+            "stride_spec_accepted_tokens", "Speculative: drafted tokens the target accepted.",
+            mdu, registry=r,
+        )  # fmt: skip
+        self.spec_accepted_by_position = Counter(
+            "stride_spec_accepted_tokens_by_position",
+            "Speculative: accepted drafted tokens by their position in the draft (0-based).",
+            ["model", "decoder", "position"],
+            registry=r,
+        )
+        self._preemptions_seen = 0
+
+    # ---- labels ---------------------------------------------------------------------------
+
+    def user_label(self, user: str | None) -> str:
+        if not user:
+            return NO_USER
+        return user if user in self.users else OTHER_USER
+
+    # ---- step loop ------------------------------------------------------------------------
+
+    def on_step(self, core: EngineCore, step_seconds: float, outputs: list[RequestOutput]) -> None:
+        """`EngineClient.on_step`: runs on the engine thread after every step."""
+        model = self.model
+        running = Tally(s.decoder for s in core.scheduler.running)
+        waiting = Tally(s.decoder for s in core.scheduler.waiting)
+        for name in core.decoders:
+            self.requests_running.labels(model, name).set(running[name])
+            self.requests_waiting.labels(model, name).set(waiting[name])
+        self.kv_cache_usage.labels(model).set(core.engine.cache.usage)
+        self.batch_size.labels(model).set(core.last_batch_size)
+        if core.last_batch_size:
+            self.step_duration.labels(model).observe(step_seconds)
+            self.step_tokens.labels(model).observe(core.last_num_tokens)
+        preempted = core.scheduler.num_preemptions - self._preemptions_seen
+        if preempted > 0:
+            self.preemptions.labels(model).inc(preempted)
+            self._preemptions_seen += preempted
+
+    # ---- HTTP edge ------------------------------------------------------------------------
+
+    def received(self) -> None:
+        self.requests_received.labels(self.model).inc()
+
+    def rejected(self, reason: str) -> None:
+        """A request refused before admission (queue_full, auth, validation) or timed out."""
+        if reason not in REJECT_REASONS:
+            raise ValueError(f"unknown rejection reason {reason!r}")
+        self.requests_rejected.labels(self.model, reason).inc()
+
+    def track(self, decoder: str, user: str | None) -> RequestTracker:
+        """Start timing one admitted-to-be request (arrival is now); feed it every output."""
+        return RequestTracker(self, (self.model, decoder, self.user_label(user)))
+
+    def render(self) -> tuple[bytes, str]:
+        """The exposition for `GET /metrics`: (body, content type)."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+@dataclass
+class _Stream:
+    """Timing of one sample (n > 1 runs several) as seen at the edge."""
+
+    first_token: float | None = None
+    last_token: float | None = None
+    num_tokens: int = 0
+    counted_prompt: bool = False
+
+
+@dataclass
+class RequestTracker:
+    """One request's metrics, fed by the server with each `RequestOutput` it receives.
+
+    Use as a context manager: a sample that never saw its terminal output (the client went
+    away, the iterator was closed) is counted as finished with reason `abort`.
+    """
+
+    metrics: Metrics
+    labels: tuple[str, str, str]  # model, decoder, user
+    arrival: float = field(default_factory=time.perf_counter)
+    streams: dict[str, _Stream] = field(default_factory=dict)
+    finished: set[str] = field(default_factory=set)
+
+    def __enter__(self) -> RequestTracker:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for rid in set(self.streams) - self.finished:
+            self._count_finish("abort")
+            self.finished.add(rid)
+
+    def observe(self, out: RequestOutput) -> None:
+        now = time.perf_counter()
+        m, labels = self.metrics, self.labels
+        s = self.streams.setdefault(out.request_id, _Stream())
+        if not s.counted_prompt and out.num_prompt_tokens:
+            m.prompt_tokens.labels(*labels).inc(out.num_prompt_tokens)
+            s.counted_prompt = True
+        k = len(out.token_ids)
+        if k:
+            m.generation_tokens.labels(*labels).inc(k)
+            if s.first_token is None:  # tokens arriving with the first one have no gap
+                m.ttft.labels(*labels).observe(now - self.arrival)
+                s.first_token = now
+            else:
+                gap = (now - s.last_token) / k
+                itl = m.itl.labels(*labels)
+                for _ in range(k):
+                    itl.observe(gap)
+            s.last_token = now
+            s.num_tokens += len(out.token_ids)
+        if out.finished and out.request_id not in self.finished:
+            self.finished.add(out.request_id)
+            self._finish(out, s, now)
+
+    def _finish(self, out: RequestOutput, s: _Stream, now: float) -> None:
+        m, labels = self.metrics, self.labels
+        reason = out.finish_reason or "error"
+        if out.error is not None and out.error.code == "deadline_exceeded":
+            reason = "deadline"
+        self._count_finish(reason)
+        if reason == "deadline":
+            m.rejected("deadline")
+        m.e2e.labels(*labels).observe(now - self.arrival)
+        if s.first_token is not None and s.num_tokens > 1:
+            m.tpot.labels(*labels).observe((s.last_token - s.first_token) / (s.num_tokens - 1))
+
+        t = out.timings
+        if "queue" in t:
+            m.queue_time.labels(*labels).observe(t["queue"])
+            if "ttft" in t:
+                m.prefill_time.labels(*labels).observe(t["ttft"] - t["queue"])
+        if "ttft" in t and "e2e" in t:
+            m.decode_time.labels(*labels).observe(t["e2e"] - t["ttft"])
+
+        stats = out.decoder_stats
+        passes = int(stats.get("forward_passes", 0))
+        if passes:
+            m.forward_passes.labels(*labels).inc(passes)
+            m.tokens_per_pass.labels(*labels[:2]).observe(float(stats["tokens_per_pass"]))
+        drafted = int(stats.get("draft_tokens", 0))
+        if drafted:
+            m.spec_drafts.labels(*labels).inc(passes)
+            m.spec_draft_tokens.labels(*labels).inc(drafted)
+            m.spec_accepted_tokens.labels(*labels).inc(int(stats.get("accepted_tokens", 0)))
+            for pos, n in enumerate(stats.get("accepted_per_position", ())):
+                if n:
+                    m.spec_accepted_by_position.labels(*labels[:2], str(pos)).inc(n)
+
+    def _count_finish(self, reason: str) -> None:
+        self.metrics.requests_finished.labels(*self.labels, reason).inc()
