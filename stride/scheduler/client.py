@@ -11,6 +11,7 @@ import dataclasses
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -104,8 +105,6 @@ class EngineClient:
     # ---- loop side (engine thread) ------------------------------------------------------------
 
     def _loop(self) -> None:
-        import time
-
         try:
             while not self._stop.is_set():
                 self._drain(block=not self.core.has_work)
@@ -119,11 +118,15 @@ class EngineClient:
         except Exception as e:  # the loop is broken: answer everyone, then refuse new work
             log.exception("engine loop died")
             self.dead = f"engine loop died: {type(e).__name__}: {e}"
-            self._deliver(self.core.fail_all(self.dead))
+            failed = self.core.fail_all(self.dead)
+            self._deliver(failed)
+            answered = {o.request_id for o in failed}
             with self._lock:
-                streams = list(self._streams.items())
+                streams = [(r, t) for r, t in self._streams.items() if r not in answered]
             for rid, (loop, q) in streams:  # requests admitted but not yet in the core
-                err = RequestOutput(rid, finish_reason="error", error=EngineError("engine_dead", self.dead))
+                err = RequestOutput(
+                    rid, finish_reason="error", error=EngineError("engine_dead", self.dead)
+                )
                 loop.call_soon_threadsafe(q.put_nowait, err)
             while not self._inbox.empty():
                 kind, payload = self._inbox.get()

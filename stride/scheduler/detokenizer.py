@@ -30,12 +30,12 @@ class Detokenizer:
             return None
         start = max(0, len(self.text) - self._hold)
         self.text += piece
-        for stop in self._stop:
-            at = self.text.find(stop, start)
-            if at != -1:
-                self.text = self.text[:at]
-                return stop
-        return None
+        found = [(at, stop) for stop in self._stop if (at := self.text.find(stop, start)) != -1]
+        if not found:
+            return None
+        at, stop = min(found)
+        self.text = self.text[:at]
+        return stop
 
     def take(self, final: bool) -> str:
         """New text safe to send: everything at the end, else all but a possible stop prefix."""
