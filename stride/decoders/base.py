@@ -80,3 +80,18 @@ class Decoder:
     def release(self, seq: Sequence, ctx: StepContext) -> None:
         """The sequence finished or was preempted: drop whatever state the decoder kept for it."""
         seq.decoder_state = None
+
+    def model_group(self, seq: Sequence) -> ModelGroup | None:
+        """The model group that runs `seq` instead of the target (a diffusion LM), if any."""
+        return None
+
+
+class ModelGroup:
+    """A model of a decoder's own that steps its sequences beside the target forward.
+
+    Its sequences never enter the target's scheduler or KV cache: every engine step the core
+    hands it all of them at once, and applies the returned commits under the usual stop rules.
+    """
+
+    def step(self, seqs: list[Sequence], ctx: StepContext) -> list[Commit]:
+        raise NotImplementedError
