@@ -1,0 +1,260 @@
+"""The FastAPI app: routes, the model loading in the background, and the drain on shutdown.
+
+`create_app(config)` returns an app that answers at once: `/health` says 503 while the model
+loads on a worker thread, and generation routes say `model_loading`. Once loaded, the engine
+client sits on `app.state.client` (hooks such as metrics attach there) and `app.state.serving`.
+`app.state.lifecycle.begin_drain()` (the CLI calls it on SIGTERM) turns new requests away with
+503 while the ones in flight finish.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Annotated, Any
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from stride.decoders.registry import DecodersConfig, build_decoders
+from stride.engine.engine import Engine, EngineConfig
+from stride.scheduler.client import EngineClient
+from stride.scheduler.core import EngineCore
+from stride.scheduler.policy import SchedulerConfig
+from stride.server import errors
+from stride.server import schemas as s
+from stride.server.auth import APIKeyMiddleware
+from stride.server.errors import APIError
+from stride.server.serving import Serving
+from stride.server.streaming import ClientGone
+
+log = logging.getLogger(__name__)
+
+PROBES = {"/health", "/metrics"}  # open while loading or draining, never counted as in flight
+
+
+@dataclass
+class ServerConfig:
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    decoders: DecodersConfig = field(default_factory=DecodersConfig)
+    api_key: str | None = None
+    protect_metrics: bool = False  # with an API key: require it on /metrics too
+
+
+class Phase(enum.Enum):
+    LOADING = "loading"
+    READY = "ready"
+    DRAINING = "draining"
+    FAILED = "failed"
+
+
+class Lifecycle:
+    """Where the server stands, and how many requests are in flight."""
+
+    def __init__(self) -> None:
+        self.phase = Phase.LOADING
+        self.client: EngineClient | None = None
+        self.error: str | None = None
+        self.in_flight = 0
+        self.on_failure: Callable[[str], None] | None = None  # e.g. the CLI exits
+
+    def begin_drain(self) -> None:
+        if self.phase is not Phase.FAILED:
+            self.phase = Phase.DRAINING
+
+    @property
+    def idle(self) -> bool:
+        return self.in_flight == 0
+
+    def health(self) -> tuple[str, str | None]:
+        if self.client is not None and self.client.dead:
+            return "dead", self.client.dead
+        if self.phase is Phase.READY:
+            return "ok", None
+        if self.phase is Phase.FAILED:
+            return "failed", self.error
+        return self.phase.value, None
+
+    def unavailable(self) -> APIError | None:
+        """Why a generation route cannot run now, if it cannot."""
+        if self.phase is Phase.LOADING:
+            return APIError("model_loading", "the model is still loading; retry shortly")
+        if self.phase is Phase.FAILED:
+            return APIError("model_load_failed", f"the model failed to load: {self.error}")
+        if self.client is not None and self.client.dead:
+            return APIError("engine_dead", self.client.dead)
+        return None
+
+
+class _Gate:
+    """Counts requests in flight; once draining, answers new ones with 503 (probes stay open)."""
+
+    def __init__(self, app: ASGIApp, lifecycle: Lifecycle) -> None:
+        self.app = app
+        self.lifecycle = lifecycle
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in PROBES:
+            return await self.app(scope, receive, send)
+        if self.lifecycle.phase is Phase.DRAINING:
+            error = APIError("server_draining", "the server is shutting down")
+            return await error.response()(scope, receive, send)
+        self.lifecycle.in_flight += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.lifecycle.in_flight -= 1
+
+
+def build_client(config: ServerConfig) -> EngineClient:
+    """Load the model and start the step loop (slow: runs on a worker thread)."""
+    engine = Engine(config.engine)
+    core = EngineCore(engine, config.scheduler, build_decoders(engine, config.decoders))
+    return EngineClient(core)
+
+
+def create_app(config: ServerConfig | None = None) -> FastAPI:
+    config = config or ServerConfig()
+    lifecycle = Lifecycle()
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        loop = asyncio.get_running_loop()
+
+        def load() -> None:
+            try:
+                client = build_client(config)
+            except Exception as e:
+                log.exception("loading the model failed")
+                loop.call_soon_threadsafe(_failed, f"{type(e).__name__}: {e}")
+                return
+            loop.call_soon_threadsafe(_ready, client)
+
+        def _ready(client: EngineClient) -> None:
+            lifecycle.client = app.state.client = client
+            app.state.serving = Serving(client, config.decoders.default)
+            if lifecycle.phase is Phase.LOADING:
+                lifecycle.phase = Phase.READY
+            log.info("serving %s", client.core.engine.name)
+
+        def _failed(message: str) -> None:
+            lifecycle.phase, lifecycle.error = Phase.FAILED, message
+            if lifecycle.on_failure is not None:
+                lifecycle.on_failure(message)
+
+        threading.Thread(target=load, name="stride-load", daemon=True).start()
+        try:
+            yield
+        finally:
+            if lifecycle.client is not None:
+                lifecycle.client.shutdown()
+
+    app = FastAPI(
+        title="Stride",
+        summary="OpenAI-compatible inference with a decoding strategy per request",
+        version="0.1.0",
+        lifespan=lifespan,
+    )
+    app.state.config = config
+    app.state.lifecycle = lifecycle
+    app.state.client = None
+    app.state.serving = None
+    errors.install(app)
+    app.add_exception_handler(ClientGone, _client_gone)
+    app.add_middleware(_Gate, lifecycle=lifecycle)
+    if config.api_key:
+        app.add_middleware(
+            APIKeyMiddleware, api_key=config.api_key, protect_metrics=config.protect_metrics
+        )
+    _routes(app)
+    return app
+
+
+async def _client_gone(_: Request, __: Exception) -> Response:
+    return Response(status_code=499)  # nobody is listening; nginx's code for it
+
+
+def serving(request: Request) -> Serving:
+    """The dependency of every route that needs the model: 503 until it is there."""
+    lifecycle: Lifecycle = request.app.state.lifecycle
+    error = lifecycle.unavailable()
+    if error is not None:
+        raise error
+    return request.app.state.serving
+
+
+Model = Annotated[Serving, Depends(serving)]
+
+ERRORS: dict[int | str, dict[str, Any]] = {
+    status: {"model": s.ErrorResponse, "description": description}
+    for status, description in [
+        (400, "invalid request, context length exceeded, unknown decoder"),
+        (401, "missing or wrong API key"),
+        (404, "unknown model"),
+        (429, "the waiting queue is full (see Retry-After)"),
+        (503, "loading, draining, or the engine died"),
+        (504, "the request's deadline passed"),
+    ]
+}
+
+
+def _streaming(model: type) -> dict[int | str, dict[str, Any]]:
+    ok = {
+        "model": model,
+        "description": "the response, or server-sent events of chunks when `stream` is true",
+        "content": {"text/event-stream": {"schema": {"type": "string"}}},
+    }
+    return {200: ok, **ERRORS}
+
+
+def _routes(app: FastAPI) -> None:
+    @app.get("/health", response_model=s.Health, responses={503: {"model": s.Health}})
+    async def health(request: Request):
+        status, detail = request.app.state.lifecycle.health()
+        body = s.Health(status=status, detail=detail)
+        return JSONResponse(body.model_dump(), status_code=200 if status == "ok" else 503)
+
+    @app.get("/v1/models", response_model=s.ModelList, responses=ERRORS)
+    async def models(srv: Model):
+        card = s.ModelCard(id=srv.model_name, max_model_len=srv.max_model_len)
+        return s.ModelList(data=[card])
+
+    @app.post(
+        "/v1/completions",
+        response_model=s.CompletionResponse,
+        responses=_streaming(s.CompletionResponse),
+    )
+    async def completions(body: s.CompletionRequest, request: Request, srv: Model):
+        return await srv.completions(request, body)
+
+    @app.post(
+        "/v1/chat/completions",
+        response_model=s.ChatCompletionResponse,
+        responses=_streaming(s.ChatCompletionResponse),
+    )
+    async def chat_completions(body: s.ChatCompletionRequest, request: Request, srv: Model):
+        return await srv.chat(request, body)
+
+    @app.post("/tokenize", response_model=s.TokenizeResponse, responses=ERRORS)
+    async def tokenize(body: s.TokenizeRequest, srv: Model):
+        srv.check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError("invalid_request", "give exactly one of 'prompt' and 'messages'")
+        if body.prompt is not None:
+            ids = srv.encode(body.prompt, special=body.add_special_tokens)
+        else:
+            ids = srv.render_chat(body.messages)
+        return s.TokenizeResponse(tokens=ids, count=len(ids), max_model_len=srv.max_model_len)
+
+    @app.post("/detokenize", response_model=s.DetokenizeResponse, responses=ERRORS)
+    async def detokenize(body: s.DetokenizeRequest, srv: Model):
+        srv.check_model(body.model)
+        srv.check_ids(body.tokens, "tokens")
+        return s.DetokenizeResponse(prompt=srv.decode(body.tokens))

@@ -1,0 +1,135 @@
+"""Every failure leaves as OpenAI's error shape: `{"error": {message, type, param, code}}`.
+
+Codes are strings a client can switch on; the HTTP status follows from them. FastAPI's 422 for
+validation errors becomes a 400, as OpenAI answers.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
+
+from stride.decoders.base import DecoderError
+from stride.scheduler.client import EngineDead
+from stride.scheduler.outputs import EngineError, QueueFull, RequestRejected
+
+log = logging.getLogger(__name__)
+
+RETRY_AFTER_S = 1
+
+# code -> (HTTP status, OpenAI error type)
+CODES: dict[str, tuple[int, str]] = {
+    "invalid_request": (400, "invalid_request_error"),
+    "invalid_decoder": (400, "invalid_request_error"),
+    "context_length_exceeded": (400, "invalid_request_error"),
+    "invalid_api_key": (401, "authentication_error"),
+    "model_not_found": (404, "invalid_request_error"),
+    "not_found": (404, "invalid_request_error"),
+    "method_not_allowed": (405, "invalid_request_error"),
+    "queue_full": (429, "rate_limit_error"),
+    "internal_error": (500, "server_error"),
+    "model_loading": (503, "service_unavailable"),
+    "model_load_failed": (503, "service_unavailable"),
+    "server_draining": (503, "service_unavailable"),
+    "engine_dead": (503, "service_unavailable"),
+    "deadline_exceeded": (504, "timeout_error"),
+}
+
+
+class APIError(Exception):
+    def __init__(
+        self,
+        code: str,
+        message: str,
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.param = param
+        self.headers = headers or {}
+
+    @property
+    def status(self) -> int:
+        return CODES.get(self.code, (500, ""))[0]
+
+    def body(self) -> dict[str, Any]:
+        kind = CODES.get(self.code, (500, "server_error"))[1]
+        return {
+            "error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}
+        }
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def from_exception(e: BaseException) -> APIError:
+    """Map what the engine client and decoder registry raise onto API errors."""
+    if isinstance(e, APIError):
+        return e
+    if isinstance(e, QueueFull):
+        return APIError("queue_full", str(e), headers={"Retry-After": str(RETRY_AFTER_S)})
+    if isinstance(e, RequestRejected):
+        code = e.code if e.code in CODES and CODES[e.code][0] == 400 else "invalid_request"
+        return APIError(code, str(e), e.param)
+    if isinstance(e, DecoderError):
+        return APIError("invalid_decoder", str(e), "decoder")
+    if isinstance(e, EngineDead):
+        return APIError("engine_dead", str(e))
+    log.exception("unexpected error", exc_info=e)
+    return APIError("internal_error", f"internal error: {type(e).__name__}")
+
+
+def from_engine_error(error: EngineError) -> APIError:
+    code = error.code if error.code in CODES else "internal_error"
+    return APIError(code, error.message)
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    errors = exc.errors()
+    if not errors:
+        return "invalid request", None
+    first = errors[0]
+    loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+    param = ".".join(loc) or None
+    more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+    where = f"{param}: " if param else ""
+    return f"{where}{first.get('msg', 'invalid value')}{more}", param
+
+
+def install(app: FastAPI) -> None:
+    """Register the handlers that turn every exception into OpenAI's error shape."""
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = _validation_message(exc)
+        return APIError("invalid_request", message, param).response()
+
+    @app.exception_handler(HTTPException)
+    async def _http(_: Request, exc: HTTPException) -> JSONResponse:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        if code is None:
+            body = {
+                "error": {
+                    "message": str(exc.detail),
+                    "type": "invalid_request_error",
+                    "param": None,
+                    "code": str(exc.status_code),
+                }
+            }
+            return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
+        return APIError(code, str(exc.detail)).response()
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+        return from_exception(exc).response()

@@ -1,0 +1,245 @@
+"""OpenAI's wire format as pydantic models: what requests may say, and what responses look like.
+
+Requests forbid unknown fields (as OpenAI does) so a typo is a 400 rather than silently ignored.
+Stride's extensions (top_k, min_p, decoder, timeout, ...) sit next to OpenAI's fields; the SDK
+sends them through `extra_body`. Responses add `usage.decoder` and `usage.timings`.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+Seed = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
+StopString = Annotated[str, Field(min_length=1)]
+TokenId = Annotated[int, Field(ge=0)]
+DecoderSpec = str | dict[str, Any]
+
+
+class Request(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(Request):
+    include_usage: bool = False
+
+
+class SamplingFields(Request):
+    """Fields shared by completions and chat: sampling, stopping and Stride's extensions."""
+
+    model: str | None = Field(None, description="the served model's name (default: it)")
+    n: int = Field(1, ge=1, le=128)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=-1, description="0 or -1: no top-k")
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    seed: Seed | None = None
+    stop: StopString | Annotated[list[StopString], Field(max_length=16)] | None = None
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=64)] | None = None
+    min_tokens: int = Field(0, ge=0)
+    ignore_eos: bool = False
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = Field(
+        None, max_length=1024, description="token id (as a string) -> bias added to its logit"
+    )
+    skip_special_tokens: bool = True
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    decoder: DecoderSpec | None = Field(
+        None,
+        description='decoding strategy: a name ("ar") or {"type": name, ...options}; '
+        "default: the server's --decoder",
+    )
+    priority: int = Field(0, ge=-(2**31), le=2**31 - 1, description="lower runs first")
+    timeout: float | None = Field(
+        None, gt=0.0, le=86400.0, description="seconds until the request fails with a deadline"
+    )
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[str] | list[TokenId] | list[list[TokenId]] = Field(
+        ..., description="a string, strings, token ids, or lists of token ids"
+    )
+    max_tokens: int | None = Field(16, ge=1)
+    echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=20)
+
+
+class TextPart(Request):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(Request):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(..., min_length=1)
+    max_tokens: int | None = Field(None, ge=1, description="default: what the context allows")
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+
+
+class TokenizeRequest(Request):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+
+
+class DetokenizeRequest(Request):
+    model: str | None = None
+    tokens: list[TokenId]
+
+
+# ---- responses ----------------------------------------------------------------------------------
+
+
+class Response(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class Usage(Response):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    decoder: dict[str, Any] | list[dict[str, Any]] | None = Field(
+        None, description="what the decoder did (one dict per choice when n > 1)"
+    )
+    timings: dict[str, float] | list[dict[str, float]] | None = Field(
+        None, description="seconds: queue, ttft, e2e; decode_tokens_per_s"
+    )
+
+
+class CompletionLogprobs(Response):
+    tokens: list[str] = []
+    token_logprobs: list[float | None] = []
+    top_logprobs: list[dict[str, float] | None] = []
+    text_offset: list[int] = []
+
+
+class CompletionChoice(Response):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+
+def _created() -> int:
+    return int(time.time())
+
+
+class CompletionResponse(Response):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=_created)
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class TopLogprob(Response):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class TokenLogprobEntry(TopLogprob):
+    top_logprobs: list[TopLogprob] = []
+
+
+class ChatLogprobs(Response):
+    content: list[TokenLogprobEntry] | None = None
+
+
+class AssistantMessage(Response):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+
+
+class ChatChoice(Response):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+
+class ChatCompletionResponse(Response):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=_created)
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage | None = None
+
+
+class Delta(Response):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(Response):
+    index: int
+    delta: Delta
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+
+class ChatCompletionChunk(Response):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=_created)
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(Response):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=_created)
+    owned_by: str = "stride"
+    max_model_len: int | None = None
+
+
+class ModelList(Response):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class TokenizeResponse(Response):
+    tokens: list[int]
+    count: int
+    max_model_len: int
+
+
+class DetokenizeResponse(Response):
+    prompt: str
+
+
+class ErrorDetail(Response):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(Response):
+    error: ErrorDetail
+
+
+class Health(Response):
+    status: Literal["ok", "loading", "draining", "dead", "failed"]
+    detail: str | None = None

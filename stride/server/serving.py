@@ -1,0 +1,485 @@
+"""OpenAI requests in, engine requests out; engine outputs in, OpenAI responses (or SSE) out.
+
+`Serving` holds what the HTTP edge needs to know about the loaded model (its name, tokenizer,
+context length, vocabulary) and the engine client. It never touches engine internals: requests
+cross to the step loop as plain `GenerateRequest`s and come back as plain `RequestOutput`s.
+"""
+
+from __future__ import annotations
+
+import math
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi.responses import StreamingResponse
+from starlette.requests import Request
+
+from stride.decoders.base import DecoderError
+from stride.decoders.registry import parse_spec
+from stride.decoders.sampling import TokenLogprob
+from stride.engine.sequence import SamplingParams
+from stride.scheduler.client import EngineClient
+from stride.scheduler.outputs import GenerateRequest, RequestOutput
+from stride.server import schemas as s
+from stride.server.errors import APIError, from_engine_error, from_exception
+from stride.server.streaming import (
+    SSE_DONE,
+    SSE_HEADERS,
+    ClientGone,
+    Generation,
+    sse,
+    unless_disconnected,
+)
+
+
+@dataclass
+class Choice:
+    """Everything one choice produced, gathered from its outputs."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob | None] = field(default_factory=list)
+    last: RequestOutput | None = None
+
+    def add(self, out: RequestOutput) -> None:
+        self.text += out.text
+        self.token_ids += out.token_ids
+        self.logprobs += out.logprobs
+        if out.finished:
+            self.last = out
+
+
+def _failure(out: RequestOutput) -> APIError | None:
+    """The API error an output ends with, if any (a passed deadline included)."""
+    return None if out.error is None else from_engine_error(out.error)
+
+
+def _finite(x: float) -> float:
+    return x if math.isfinite(x) else -9999.0
+
+
+class Serving:
+    def __init__(self, client: EngineClient, default_decoder: str | dict[str, Any]) -> None:
+        engine = client.core.engine
+        self.client = client
+        self.default_decoder = default_decoder
+        self.model_name: str = engine.name
+        self.tokenizer = engine.tokenizer
+        self._backend = engine.tokenizer.backend_tokenizer  # immutable calls: thread-safe
+        self.max_model_len: int = engine.max_model_len
+        cache = engine.cache
+        self.capacity = min(self.max_model_len, cache.num_usable_blocks * cache.block_size)
+        self.vocab_size: int = engine.hf_config.vocab_size
+        self._pieces: dict[int, str] = {}
+
+    # ---- tokens ---------------------------------------------------------------------------------
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.model_name:
+            raise APIError(
+                "model_not_found",
+                f"the model {name!r} does not exist; this server serves {self.model_name!r}",
+                "model",
+            )
+
+    def encode(self, text: str, special: bool) -> list[int]:
+        try:
+            return self._backend.encode(text, add_special_tokens=special).ids
+        except Exception as e:  # e.g. lone surrogates the tokenizer cannot encode
+            raise APIError("invalid_request", f"cannot tokenize the text: {e}", "prompt") from e
+
+    def decode(self, ids: list[int]) -> str:
+        return self._backend.decode(ids, skip_special_tokens=False)
+
+    def piece(self, token_id: int) -> str:
+        """The text of one token on its own (what logprobs name tokens by)."""
+        text = self._pieces.get(token_id)
+        if text is None:
+            text = self._pieces[token_id] = self.decode([token_id])
+        return text
+
+    def check_ids(self, ids: list[int], param: str) -> None:
+        if any(t >= self.vocab_size for t in ids):
+            raise APIError(
+                "invalid_request", f"token ids must lie in [0, {self.vocab_size})", param
+            )
+
+    def render_chat(self, messages: list[s.ChatMessage]) -> list[int]:
+        plain = [{"role": m.role, "content": _content(m.content)} for m in messages]
+        try:
+            text = self.tokenizer.apply_chat_template(
+                plain, add_generation_prompt=True, tokenize=False
+            )
+        except Exception as e:
+            raise APIError("invalid_request", f"chat template failed: {e}", "messages") from e
+        return self.encode(text, special=False)
+
+    # ---- requests -------------------------------------------------------------------------------
+
+    def sampling(
+        self, body: s.SamplingFields, max_tokens: int, logprobs: int | None
+    ) -> SamplingParams:
+        stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+        stop_ids = list(body.stop_token_ids or [])
+        self.check_ids(stop_ids, "stop_token_ids")
+        bias: dict[int, float] = {}
+        for key, value in (body.logit_bias or {}).items():
+            try:
+                token = int(key)
+            except ValueError:
+                token = -1
+            if not 0 <= token < self.vocab_size:
+                raise APIError(
+                    "invalid_request",
+                    f"logit_bias keys must be token ids in [0, {self.vocab_size}), got {key!r}",
+                    "logit_bias",
+                )
+            bias[token] = value
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=body.temperature,
+            top_p=body.top_p,
+            top_k=max(body.top_k, 0),
+            min_p=body.min_p,
+            seed=body.seed,
+            presence_penalty=body.presence_penalty,
+            frequency_penalty=body.frequency_penalty,
+            repetition_penalty=body.repetition_penalty,
+            logit_bias=bias,
+            min_tokens=body.min_tokens,
+            ignore_eos=body.ignore_eos,
+            stop=stop,
+            stop_token_ids=stop_ids,
+            logprobs=logprobs,
+            skip_special_tokens=body.skip_special_tokens,
+        )
+
+    def default_max_tokens(self, prompts: list[list[int]]) -> int:
+        """What the context and the KV cache allow the longest prompt (at least 1)."""
+        return max(1, self.capacity - max(len(p) for p in prompts))
+
+    def generation(
+        self, body: s.SamplingFields, prompts: list[list[int]], params: SamplingParams, rid: str
+    ) -> Generation:
+        try:
+            decoder, options = parse_spec(body.decoder, self.default_decoder)
+        except DecoderError as e:
+            raise from_exception(e) from e
+        requests = [
+            GenerateRequest(
+                request_id=rid if len(prompts) == 1 else f"{rid}-{i}",
+                prompt_ids=prompt,
+                params=params,
+                decoder=decoder,
+                decoder_options=options,
+                priority=body.priority,
+                timeout=body.timeout,
+                user=body.user,
+            )
+            for i, prompt in enumerate(prompts)
+        ]
+        return Generation(self.client, requests, body.n)
+
+    async def _started(self, request: Request, gen: Generation) -> None:
+        try:
+            await unless_disconnected(request, gen.start())
+        except ClientGone:
+            raise
+        except Exception as e:
+            raise from_exception(e) from e
+
+    # ---- /v1/completions ------------------------------------------------------------------------
+
+    async def completions(self, request: Request, body: s.CompletionRequest):
+        self.check_model(body.model)
+        prompts, texts = self._prompts(body.prompt)
+        max_tokens = body.max_tokens or self.default_max_tokens(prompts)
+        params = self.sampling(body, max_tokens, body.logprobs)
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        gen = self.generation(body, prompts, params, rid)
+        await self._started(request, gen)
+        echo = [texts[i] if body.echo else "" for i in range(len(prompts))]
+        view = _CompletionView(self, body, rid, prompts, echo)
+        if body.stream:
+            return _sse(view.stream(gen))
+        return await unless_disconnected(request, view.collect(gen))
+
+    def _prompts(self, prompt: Any) -> tuple[list[list[int]], list[str]]:
+        """Token ids and text of every prompt, whatever form the request used."""
+        if isinstance(prompt, str):
+            prompt = [prompt]
+        if not prompt:
+            raise APIError("invalid_request", "the prompt is empty", "prompt")
+        if all(isinstance(p, int) for p in prompt):
+            prompt = [prompt]
+        if all(isinstance(p, str) for p in prompt):
+            ids = [self.encode(p, special=True) for p in prompt]
+            return ids, list(prompt)
+        for p in prompt:
+            self.check_ids(p, "prompt")
+        return [list(p) for p in prompt], [self.decode(p) for p in prompt]
+
+    # ---- /v1/chat/completions -------------------------------------------------------------------
+
+    async def chat(self, request: Request, body: s.ChatCompletionRequest):
+        self.check_model(body.model)
+        prompt = self.render_chat(body.messages)
+        max_tokens = (
+            body.max_completion_tokens or body.max_tokens or self.default_max_tokens([prompt])
+        )
+        k = (body.top_logprobs or 0) if body.logprobs else None
+        params = self.sampling(body, max_tokens, k)
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        gen = self.generation(body, [prompt], params, rid)
+        await self._started(request, gen)
+        view = _ChatView(self, body, rid, [prompt])
+        if body.stream:
+            return _sse(view.stream(gen))
+        return await unless_disconnected(request, view.collect(gen))
+
+    # ---- logprobs in OpenAI's two shapes --------------------------------------------------------
+
+    def completion_logprobs(
+        self, ids: list[int], lps: list[TokenLogprob | None], offset: int
+    ) -> s.CompletionLogprobs:
+        out = s.CompletionLogprobs()
+        for token, lp in zip(ids, lps, strict=True):
+            text = self.piece(token)
+            out.tokens.append(text)
+            out.text_offset.append(offset)
+            offset += len(text)
+            if lp is None:  # prompt tokens (echo): Stride does not score the prompt
+                out.token_logprobs.append(None)
+                out.top_logprobs.append(None)
+            else:
+                out.token_logprobs.append(_finite(lp.logprob))
+                out.top_logprobs.append({self.piece(t): _finite(v) for t, v in lp.top})
+        return out
+
+    def chat_logprobs(self, lps: list[TokenLogprob | None]) -> s.ChatLogprobs:
+        content = []
+        for lp in lps:
+            if lp is None:
+                continue
+            text = self.piece(lp.token_id)
+            top = [
+                s.TopLogprob(
+                    token=self.piece(t), logprob=_finite(v), bytes=list(self.piece(t).encode())
+                )
+                for t, v in lp.top
+            ]
+            content.append(
+                s.TokenLogprobEntry(
+                    token=text,
+                    logprob=_finite(lp.logprob),
+                    bytes=list(text.encode()),
+                    top_logprobs=top,
+                )
+            )
+        return s.ChatLogprobs(content=content)
+
+
+def _content(content: str | list[s.TextPart] | None) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    return "".join(part.text for part in content)
+
+
+def _sse(events: AsyncIterator[str]) -> StreamingResponse:
+    return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
+
+
+class _View:
+    """One response in the making: choices, usage, and the shape of its chunks."""
+
+    def __init__(
+        self, serving: Serving, body: s.SamplingFields, rid: str, prompts: list[list[int]]
+    ):
+        self.serving = serving
+        self.body = body
+        self.rid = rid
+        self.prompts = prompts
+        self.choices = [Choice() for _ in range(len(prompts) * body.n)]
+
+    def usage(self) -> s.Usage:
+        done = [c.last for c in self.choices if c.last is not None]
+        completion = sum(o.num_output_tokens for o in done)
+        prompt = sum(len(p) for p in self.prompts)
+        decoder = [o.decoder_stats for o in done]
+        timings = [o.timings for o in done]
+        return s.Usage(
+            prompt_tokens=prompt,
+            completion_tokens=completion,
+            total_tokens=prompt + completion,
+            decoder=decoder[0] if len(decoder) == 1 else decoder,
+            timings=timings[0] if len(timings) == 1 else timings,
+        )
+
+    async def collect(self, gen: Generation):
+        try:
+            async for index, out in gen:
+                if out.error is not None:
+                    raise _failure(out)
+                self.choices[index].add(out)
+        finally:
+            gen.close()
+        return self.response()
+
+    async def stream(self, gen: Generation) -> AsyncIterator[str]:
+        include_usage = bool(self.body.stream_options and self.body.stream_options.include_usage)
+        try:
+            for event in self.opening():
+                yield self._chunk(event, include_usage)
+            async for index, out in gen:
+                if out.error is not None and out.finish_reason != "deadline":
+                    yield sse(_failure(out).body())
+                    break
+                self.choices[index].add(out)
+                chunk = self.delta(index, out)
+                if chunk is not None:
+                    yield self._chunk(chunk, include_usage)
+            else:
+                if include_usage:
+                    yield self._chunk(self.final_chunk(), include_usage)
+            yield SSE_DONE
+        finally:
+            gen.close()
+
+    def _chunk(self, chunk: s.Response, include_usage: bool) -> str:
+        data = chunk.model_dump(mode="json")
+        if not include_usage:
+            data.pop("usage", None)
+        return sse(data)
+
+    def opening(self) -> list[s.Response]:
+        return []
+
+
+class _CompletionView(_View):
+    def __init__(self, serving, body: s.CompletionRequest, rid, prompts, echo: list[str]):
+        super().__init__(serving, body, rid, prompts)
+        self.echo = echo
+        self.offsets = [0] * len(self.choices)
+
+    def _prompt_of(self, index: int) -> int:
+        return index // self.body.n
+
+    def _logprobs(self, index: int, ids: list[int], lps: list) -> s.CompletionLogprobs:
+        out = self.serving.completion_logprobs(ids, lps, self.offsets[index])
+        if out.text_offset:
+            self.offsets[index] = out.text_offset[-1] + len(out.tokens[-1])
+        return out
+
+    def response(self) -> s.CompletionResponse:
+        choices = []
+        for i, c in enumerate(self.choices):
+            logprobs = None
+            if self.body.logprobs is not None:
+                ids, lps = c.token_ids, c.logprobs
+                if self.body.echo:
+                    prompt = self.prompts[self._prompt_of(i)]
+                    ids, lps = prompt + ids, [None] * len(prompt) + lps
+                logprobs = self._logprobs(i, ids, lps)
+            choices.append(
+                s.CompletionChoice(
+                    index=i,
+                    text=self.echo[self._prompt_of(i)] + c.text,
+                    logprobs=logprobs,
+                    finish_reason=c.last.finish_reason,
+                    stop_reason=c.last.stop_reason,
+                )
+            )
+        return s.CompletionResponse(
+            id=self.rid, model=self.serving.model_name, choices=choices, usage=self.usage()
+        )
+
+    def _chunk_of(self, choices: list[s.CompletionChoice], usage=None) -> s.CompletionResponse:
+        return s.CompletionResponse(
+            id=self.rid, model=self.serving.model_name, choices=choices, usage=usage
+        )
+
+    def opening(self) -> list[s.Response]:
+        if not self.body.echo:
+            return []
+        chunks = []
+        for i in range(len(self.choices)):
+            prompt = self.prompts[self._prompt_of(i)]
+            logprobs = None
+            if self.body.logprobs is not None:
+                logprobs = self._logprobs(i, prompt, [None] * len(prompt))
+            choice = s.CompletionChoice(
+                index=i, text=self.echo[self._prompt_of(i)], logprobs=logprobs
+            )
+            chunks.append(self._chunk_of([choice]))
+        return chunks
+
+    def delta(self, index: int, out: RequestOutput) -> s.Response | None:
+        wants_logprobs = self.body.logprobs is not None and out.token_ids
+        if not (out.text or out.finished or wants_logprobs):
+            return None
+        logprobs = None
+        if self.body.logprobs is not None:
+            logprobs = self._logprobs(index, out.token_ids, out.logprobs)
+        choice = s.CompletionChoice(
+            index=index,
+            text=out.text,
+            logprobs=logprobs,
+            finish_reason=out.finish_reason,
+            stop_reason=out.stop_reason,
+        )
+        return self._chunk_of([choice])
+
+    def final_chunk(self) -> s.Response:
+        return self._chunk_of([], self.usage())
+
+
+class _ChatView(_View):
+    body: s.ChatCompletionRequest
+
+    def response(self) -> s.ChatCompletionResponse:
+        choices = [
+            s.ChatChoice(
+                index=i,
+                message=s.AssistantMessage(content=c.text),
+                logprobs=self.serving.chat_logprobs(c.logprobs) if self.body.logprobs else None,
+                finish_reason=c.last.finish_reason,
+                stop_reason=c.last.stop_reason,
+            )
+            for i, c in enumerate(self.choices)
+        ]
+        return s.ChatCompletionResponse(
+            id=self.rid, model=self.serving.model_name, choices=choices, usage=self.usage()
+        )
+
+    def _chunk_of(self, choices: list[s.ChatChunkChoice], usage=None) -> s.ChatCompletionChunk:
+        return s.ChatCompletionChunk(
+            id=self.rid, model=self.serving.model_name, choices=choices, usage=usage
+        )
+
+    def opening(self) -> list[s.Response]:
+        return [
+            self._chunk_of(
+                [s.ChatChunkChoice(index=i, delta=s.Delta(role="assistant", content=""))]
+            )
+            for i in range(len(self.choices))
+        ]
+
+    def delta(self, index: int, out: RequestOutput) -> s.Response | None:
+        wants_logprobs = self.body.logprobs and out.token_ids
+        if not (out.text or out.finished or wants_logprobs):
+            return None
+        choice = s.ChatChunkChoice(
+            index=index,
+            delta=s.Delta(content=out.text or None),
+            logprobs=self.serving.chat_logprobs(out.logprobs) if self.body.logprobs else None,
+            finish_reason=out.finish_reason,
+            stop_reason=out.stop_reason,
+        )
+        return self._chunk_of([choice])
+
+    def final_chunk(self) -> s.Response:
+        return self._chunk_of([], self.usage())
