@@ -7,10 +7,12 @@ from typing import Any
 
 from stride.decoders.autoregressive import Autoregressive
 from stride.decoders.base import Decoder, DecoderError
+from stride.decoders.speculative import Speculative
 from stride.engine.engine import Engine
 
 DECODERS: dict[str, type[Decoder]] = {
     Autoregressive.name: Autoregressive,
+    Speculative.name: Speculative,
 }
 
 
@@ -45,4 +47,9 @@ class DecodersConfig:
 def build_decoders(engine: Engine, config: DecodersConfig | None = None) -> dict[str, Decoder]:
     """One instance of every registered decoder, set up for `engine`."""
     config = config or DecodersConfig()
-    return {name: cls() for name, cls in DECODERS.items()}
+    return {
+        name: Speculative(engine, config.draft_model, config.num_speculative_tokens)
+        if cls is Speculative
+        else cls()
+        for name, cls in DECODERS.items()
+    }

@@ -1,0 +1,359 @@
+"""Speculative decoding: a cheap drafter guesses K tokens, the target checks them in one pass.
+
+Request options (`{"type": "speculative", ...}`):
+    draft: "ngram" | "early_exit" | the server's draft model name (default: the draft model if
+        the server has one, else "ngram")
+    num_speculative_tokens: the most drafts per step, K (default: the server's setting)
+    adaptive: let the policy below pick K per step (default true); false always drafts K
+    exit_layer: early_exit only, how many target layers draft (default: half of them)
+    ngram_max: ngram only, the longest suffix looked up (default 3)
+
+Step by step: `extra_tokens` picks K for the sequence (the scheduler reserves KV for it);
+`propose` drafts for all speculative sequences of the step in batched drafter forwards; the
+target scores the tail's last token and the K drafts inside the step's shared ragged forward;
+`commit` verifies. Verification is the exact rule of Leviathan et al. / Chen et al.: with p the
+target's distribution and q the drafter's at a position (both after the request's logit
+adjustments, temperature, top-k/top-p/min-p, computed by `sampling`), draft d is accepted with
+probability min(1, p(d)/q(d)); the first rejection is replaced by a draw from
+norm(max(0, p − q)), and when all drafts pass a bonus token is drawn from the next p. Greedy
+requests have one-hot p, so this reduces to "accept while the draft equals the target's argmax";
+deterministic drafters (n-gram) have one-hot q. The output distribution is the target's, token by
+token. Accepted drafts keep their target KV (`kv_keep`), the drafter rolls its own state back.
+
+Adaptive K (the policy, per sequence and step). With a per-position acceptance probability a,
+K drafts yield E(K) = 1 + a + … + a^K tokens per target pass. One step costs, in units of one
+target forward over a single token, T(K) = (1 + B(1+K)/S) + K·c·(1 + B/S): the target forward
+grows with the B·(1+K) tokens it scores once past S "saturation" tokens (where the device turns
+from memory- to compute-bound: 16 on CPU, 256 on GPU), and each of the K draft positions costs a
+batched drafter forward of relative cost c (0 for n-gram, L/layers for early exit, the parameter
+ratio for a draft model). Goodput relative to plain decoding is G(K) = E(K)·T(0)/T(K); the policy
+picks the K ≤ K_max with the largest G, and K = 0 (plain decoding, no drafter work) unless the
+best G beats 1 by 5 %. B is the number of speculative sequences in the step (the previous step's
+when reserving, the actual one when drafting). a is measured: per sequence, decayed counts of
+accepted and rejected drafts (a geometric model: a rejection ends a step's run) on top of a prior
+taken from the drafter's acceptance over all sequences. A sequence held at K = 0 by low
+acceptance probes with K = 1 every 16 steps, so its estimate can recover.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from stride.decoders import sampling
+from stride.decoders.base import Commit, Decoder, DecoderError, Proposal, StepContext
+from stride.decoders.drafters import (
+    Draft,
+    Drafter,
+    DraftModelDrafter,
+    EarlyExitDrafter,
+    NgramDrafter,
+)
+from stride.engine.engine import Engine
+from stride.engine.sequence import SamplingParams, Sequence
+
+MAX_K = 16
+OPTIONS = ("draft", "num_speculative_tokens", "adaptive", "exit_layer", "ngram_max")
+
+
+def verify(
+    p: torch.Tensor,
+    q: torch.Tensor,
+    drafts: torch.Tensor,
+    num_drafts: torch.Tensor,
+    u: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The speculative rejection rule for a batch of sequences.
+
+    p: [B, K+1, V] target distributions (row i follows i drafts); q: [B, K, V] draft
+    distributions; drafts: [B, K] draft tokens; num_drafts: [B] how many of the K are real;
+    u: [B, K] uniform draws. Returns the number of accepted drafts per sequence and the
+    distribution [B, V] to draw the one token after them from (the residual or the bonus).
+    """
+    b, k = drafts.shape
+    pos = torch.arange(k, device=p.device)
+    p_d = p[:, :k].gather(2, drafts[..., None])[..., 0]
+    q_d = q.gather(2, drafts[..., None])[..., 0]
+    ok = (u * q_d < p_d) & (pos[None] < num_drafts[:, None])  # u < p/q without dividing
+    accepted = ok.long().cumprod(1).sum(1)
+    rows = torch.arange(b, device=p.device)
+    target = p[rows, accepted]
+    q_next = torch.cat([q, torch.zeros_like(q[:, :1])], 1)[rows, accepted]
+    real = (accepted < num_drafts)[:, None]  # a rejected draft: its q is subtracted
+    residual = torch.where(real, (target - q_next).clamp(min=0), target)
+    mass = residual.sum(-1, keepdim=True)
+    residual = torch.where(mass > 0, residual / mass.clamp(min=1e-30), target)
+    return accepted, residual
+
+
+def expected_tokens(alpha: float, k: int) -> float:
+    return sum(alpha**i for i in range(k + 1))
+
+
+def choose_k(alpha: float, batch: int, k_max: int, cost: float, saturation: float) -> int:
+    """The goodput-maximising number of drafts (see the module docstring); 0 when none pays."""
+    base = 1 + batch / saturation
+    best_k, best_gain = 0, 1.0
+    for k in range(1, k_max + 1):
+        step = 1 + batch * (1 + k) / saturation + k * cost * base
+        gain = expected_tokens(alpha, k) * base / step
+        if gain > best_gain:
+            best_k, best_gain = k, gain
+    return best_k if best_gain >= 1.05 else 0
+
+
+@dataclass
+class _State:
+    """Per-sequence speculation state (kept in `seq.decoder_state`)."""
+
+    drafter: Drafter
+    accepted: float = 0.0  # decayed counts of accepted and rejected drafts
+    rejected: float = 0.0
+    reserved: int = 0  # K that extra_tokens reserved for this step
+    idle_steps: int = 0  # consecutive steps at K = 0 forced by low acceptance
+    drafts: dict[str, Any] = field(default_factory=dict)
+
+
+class Speculative(Decoder):
+    name = "speculative"
+    DECAY = 0.8
+    PRIOR_WEIGHT = 2.0
+    PROBE_EVERY = 16
+
+    def __init__(
+        self,
+        engine: Engine,
+        draft_model: str | None = None,
+        num_speculative_tokens: int = 4,
+        saturation_tokens: float | None = None,
+    ) -> None:
+        self.engine = engine
+        self.default_k = num_speculative_tokens
+        self.saturation = saturation_tokens or (256.0 if engine.device.type == "cuda" else 16.0)
+        self.draft_model = DraftModelDrafter(engine, draft_model) if draft_model else None
+        self._drafters: dict[tuple, Drafter] = {}
+        self._prior: dict[str, float] = {}  # drafter name → acceptance over all sequences
+        self._last_batch = 1
+
+    # ---- admission ------------------------------------------------------------------------
+
+    @property
+    def drafter_names(self) -> list[str]:
+        names = ["ngram", "early_exit"]
+        return names + ([self.draft_model.name] if self.draft_model else [])
+
+    def validate(self, params: SamplingParams, options: dict[str, Any]) -> dict[str, Any]:
+        unknown = sorted(set(options) - set(OPTIONS))
+        if unknown:
+            raise DecoderError(f"unknown speculative options {unknown}; valid: {list(OPTIONS)}")
+        default_draft = self.draft_model.name if self.draft_model else "ngram"
+        draft = options.get("draft", default_draft)
+        if draft not in self.drafter_names:
+            raise DecoderError(
+                f"unknown draft {draft!r}; valid drafters: {', '.join(self.drafter_names)}"
+            )
+        k = options.get("num_speculative_tokens", self.default_k)
+        if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= MAX_K:
+            raise DecoderError(f"num_speculative_tokens must be an integer in [0, {MAX_K}]")
+        adaptive = options.get("adaptive", True)
+        if not isinstance(adaptive, bool):
+            raise DecoderError("adaptive must be true or false")
+        out: dict[str, Any] = {"draft": draft, "num_speculative_tokens": k, "adaptive": adaptive}
+        layers = self.engine.model.num_layers
+        if draft == "early_exit":
+            exit_layer = options.get("exit_layer", max(1, layers // 2))
+            if not isinstance(exit_layer, int) or not 1 <= exit_layer <= layers:
+                raise DecoderError(f"exit_layer must be an integer in [1, {layers}]")
+            out["exit_layer"] = exit_layer
+        elif "exit_layer" in options:
+            raise DecoderError("exit_layer applies to draft 'early_exit' only")
+        if draft == "ngram":
+            n = options.get("ngram_max", 3)
+            if not isinstance(n, int) or not 1 <= n <= 8:
+                raise DecoderError("ngram_max must be an integer in [1, 8]")
+            out["ngram_max"] = n
+        elif "ngram_max" in options:
+            raise DecoderError("ngram_max applies to draft 'ngram' only")
+        return out
+
+    def _drafter(self, options: dict[str, Any]) -> Drafter:
+        draft = options["draft"]
+        if draft == "ngram":
+            key: tuple = ("ngram", options["ngram_max"])
+        elif draft == "early_exit":
+            key = ("early_exit", options["exit_layer"])
+        else:
+            assert self.draft_model is not None
+            return self.draft_model
+        if key not in self._drafters:
+            self._drafters[key] = (
+                NgramDrafter(max_n=key[1])
+                if draft == "ngram"
+                else EarlyExitDrafter(self.engine, key[1])
+            )
+        return self._drafters[key]
+
+    def _state(self, seq: Sequence) -> _State:
+        if seq.decoder_state is None:
+            seq.decoder_state = _State(self._drafter(seq.decoder_options))
+        return seq.decoder_state
+
+    # ---- the adaptive policy --------------------------------------------------------------
+
+    def _alpha(self, state: _State) -> float:
+        prior = self._prior.get(state.drafter.name, 0.6)
+        w = self.PRIOR_WEIGHT
+        return (state.accepted + w * prior) / (state.accepted + state.rejected + w)
+
+    def _plan(self, seq: Sequence, state: _State, batch: int) -> int:
+        k_max = seq.decoder_options["num_speculative_tokens"]
+        if not seq.decoder_options["adaptive"] or k_max == 0:
+            return k_max
+        cost = state.drafter.cost
+        k = choose_k(self._alpha(state), batch, k_max, cost, self.saturation)
+        if k == 0 and choose_k(0.9, batch, k_max, cost, self.saturation) > 0:
+            # Speculation would pay at this batch size if drafts were good: probe now and then.
+            if (state.idle_steps + 1) % self.PROBE_EVERY == 0:
+                k = 1
+        return k
+
+    def extra_tokens(self, seq: Sequence, cap: int) -> int:
+        state = self._state(seq)
+        k = min(self._plan(seq, state, self._last_batch), cap)
+        state.reserved = state.drafter.available(seq, k) if k else 0
+        return state.reserved
+
+    # ---- propose and commit ---------------------------------------------------------------
+
+    def propose(self, seqs: list[Sequence], ctx: StepContext) -> list[Proposal]:
+        self._last_batch = max(len(seqs), 1)
+        states = [self._state(s) for s in seqs]
+        ks = [
+            min(st.reserved, self._plan(s, st, len(seqs)))
+            for s, st in zip(seqs, states, strict=True)
+        ]
+        by_drafter: dict[int, list[int]] = {}
+        for i, st in enumerate(states):
+            by_drafter.setdefault(id(st.drafter), []).append(i)
+        drafts: list[Draft] = [Draft([]) for _ in seqs]
+        for idx in by_drafter.values():
+            drafter = states[idx[0]].drafter
+            if not any(ks[i] for i in idx):
+                continue
+            made = drafter.draft([seqs[i] for i in idx], [ks[i] for i in idx], ctx.eos_ids)
+            for i, d in zip(idx, made, strict=True):
+                drafts[i] = d
+        for st, d in zip(states, drafts, strict=True):
+            st.drafts = {"tokens": d.tokens, "q": d.q}
+        return [Proposal(list(d.tokens)) for d in drafts]
+
+    def commit(
+        self,
+        seqs: list[Sequence],
+        proposals: list[Proposal],
+        logits: list[torch.Tensor],
+        ctx: StepContext,
+    ) -> list[Commit]:
+        states = [self._state(s) for s in seqs]
+        drafts = [st.drafts["tokens"] for st in states]
+        rows = [
+            sampling.Row(s, list(d[:j]))
+            for s, d in zip(seqs, drafts, strict=True)
+            for j in range(len(d) + 1)
+        ]
+        raw = torch.cat(logits)
+        adjusted = sampling.adjust(raw, rows, ctx.eos_ids)
+        if all(s.params.greedy for s in seqs):
+            accepted, last = self._verify_greedy(adjusted, drafts)
+        else:
+            accepted, last = self._verify_sampled(adjusted, rows, seqs, states, ctx)
+
+        commits = []
+        offset = 0
+        for seq, st, d, n_acc, token in zip(seqs, states, drafts, accepted, last, strict=True):
+            tokens = list(d[:n_acc]) + [token]
+            lps = sampling.logprobs(
+                raw[offset : offset + n_acc + 1], tokens, rows[offset : offset + n_acc + 1]
+            )
+            offset += len(d) + 1
+            self._record(seq, st, len(d), n_acc)
+            st.drafter.accepted(seq, n_acc)
+            st.drafts = {}
+            commits.append(Commit(tokens, lps, kv_keep=n_acc))
+        return commits
+
+    def _verify_greedy(
+        self, adjusted: torch.Tensor, drafts: list[list[int]]
+    ) -> tuple[list[int], list[int]]:
+        """Greedy: accept while the draft equals the target's argmax; then take the argmax."""
+        best = adjusted.argmax(-1).tolist()
+        accepted, last, offset = [], [], 0
+        for d in drafts:
+            n = 0
+            while n < len(d) and d[n] == best[offset + n]:
+                n += 1
+            accepted.append(n)
+            last.append(best[offset + n])
+            offset += len(d) + 1
+        return accepted, last
+
+    def _verify_sampled(
+        self,
+        adjusted: torch.Tensor,
+        rows: list[sampling.Row],
+        seqs: list[Sequence],
+        states: list[_State],
+        ctx: StepContext,
+    ) -> tuple[list[int], list[int]]:
+        probs = sampling.probabilities(adjusted, rows)
+        b, vocab, dev = len(seqs), probs.shape[-1], probs.device
+        counts = [len(st.drafts["tokens"]) for st in states]
+        k = max(max(counts), 1)
+        p = probs.new_zeros(b, k + 1, vocab)
+        q = probs.new_zeros(b, k, vocab)
+        drafts = torch.zeros(b, k, dtype=torch.long, device=dev)
+        offset = 0
+        for i, (st, n) in enumerate(zip(states, counts, strict=True)):
+            p[i, : n + 1] = probs[offset : offset + n + 1]
+            offset += n + 1
+            if n:
+                tokens = torch.tensor(st.drafts["tokens"], device=dev)
+                drafts[i, :n] = tokens
+                if st.drafts["q"] is None:  # deterministic drafter: one-hot q
+                    q[i, torch.arange(n, device=dev), tokens] = 1.0
+                else:
+                    q[i, :n] = st.drafts["q"].to(q.dtype)
+        u = torch.rand(b, k, device=dev)
+        for i, s in enumerate(seqs):
+            if s.generator is not None:
+                u[i] = torch.rand(k, generator=s.generator, device=dev)
+        num = torch.tensor(counts, device=dev)
+        accepted, dist = verify(p, q, drafts, num, u)
+        last = sampling.draw(dist, [sampling.Row(s) for s in seqs])
+        return accepted.tolist(), last
+
+    def _record(self, seq: Sequence, state: _State, drafted: int, accepted: int) -> None:
+        stats = seq.stats
+        stats.draft_tokens += drafted
+        stats.accepted_tokens += accepted
+        if len(stats.accepted_per_position) < drafted:
+            stats.accepted_per_position.extend([0] * (drafted - len(stats.accepted_per_position)))
+        for i in range(accepted):
+            stats.accepted_per_position[i] += 1
+        if drafted == 0:
+            state.idle_steps += 1
+            return
+        state.idle_steps = 0
+        rejected = 1 if accepted < drafted else 0
+        state.accepted = self.DECAY * state.accepted + accepted
+        state.rejected = self.DECAY * state.rejected + rejected
+        rate = accepted / (accepted + rejected)
+        name = state.drafter.name
+        self._prior[name] = 0.95 * self._prior.get(name, 0.6) + 0.05 * rate
+
+    def release(self, seq: Sequence, ctx: StepContext) -> None:
+        if seq.decoder_state is not None:
+            seq.decoder_state.drafter.release(seq)
+        seq.decoder_state = None
