@@ -12,11 +12,11 @@ from typing import Any
 
 import torch
 
-from stride.decoders.base import Commit, Decoder, DecoderError, Proposal, StepContext
+from stride.decoders.base import Commit, Decoder, DecoderError, ModelGroup, Proposal, StepContext
 from stride.decoders.registry import build_decoders
 from stride.engine.engine import Engine
 from stride.engine.runner import Chunk
-from stride.engine.sequence import Sequence
+from stride.engine.sequence import Sequence, Status
 from stride.scheduler.detokenizer import Detokenizer
 from stride.scheduler.outputs import (
     EngineError,
@@ -99,7 +99,10 @@ class EngineCore:
         self._detok[seq.request_id] = Detokenizer(
             self.engine.tokenizer, p.stop, p.skip_special_tokens
         )
-        self.scheduler.enqueue(seq)
+        if decoder.model_group(seq) is None:
+            self.scheduler.enqueue(seq)
+        else:  # a model of the decoder's own runs it (diffusion); see _step_groups
+            seq.status = Status.RUNNING
 
     def abort(self, request_id: str) -> RequestOutput | None:
         seq = self.seqs.get(request_id)
@@ -121,6 +124,7 @@ class EngineCore:
 
     def step(self) -> list[RequestOutput]:
         outputs = self._expire_deadlines()
+        outputs += self._step_groups()
         plan = self.scheduler.schedule(self._extra_tokens, self._release)
         self.last_batch_size = len(plan)
         if not plan:
@@ -154,6 +158,21 @@ class EngineCore:
             )
             for seq, prop, commit in zip(seqs, props, commits):
                 out = self._apply(seq, prop, commit)
+                if out is not None:
+                    outputs.append(out)
+        return outputs
+
+    def _step_groups(self) -> list[RequestOutput]:
+        """One batched pass of every model group (diffusion LMs) over all of its sequences."""
+        groups: dict[ModelGroup, list[Sequence]] = defaultdict(list)
+        for seq in self.seqs.values():
+            group = self.decoders[seq.decoder].model_group(seq)
+            if group is not None:
+                groups[group].append(seq)
+        outputs = []
+        for group, seqs in groups.items():
+            for seq, commit in zip(seqs, group.step(seqs, self.ctx), strict=True):
+                out = self._apply(seq, Proposal(), commit)
                 if out is not None:
                     outputs.append(out)
         return outputs
