@@ -187,6 +187,16 @@ class Metrics:
         )
         self._preemptions_seen = 0
 
+        # Series that exist from the start, so their rates read 0 rather than "no data".
+        self.requests_received.labels(model)
+        for reason in REJECT_REASONS:
+            self.requests_rejected.labels(model, reason)
+        self.preemptions.labels(model)
+        self.kv_cache_usage.labels(model)
+        self.batch_size.labels(model)
+        self.step_duration.labels(model)
+        self.step_tokens.labels(model)
+
     # ---- labels ---------------------------------------------------------------------------
 
     def user_label(self, user: str | None) -> str:

@@ -1,0 +1,225 @@
+"""Metrics add up: what the counters say equals what the engine returned, per decoder and user."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+
+import pytest
+
+from stride.engine.sequence import SamplingParams
+from stride.metrics import STEP_BUCKETS, Metrics, parse_users
+from stride.scheduler.client import EngineClient
+from stride.scheduler.outputs import EngineError, GenerateRequest, RequestOutput
+from tests.conftest import make_core
+
+USERS = [None, "alice", "bob", "mallory"]  # mallory is not on the allowlist
+
+
+def value(m: Metrics, name: str, **labels: str) -> float:
+    """Sum of a sample over every label set that matches `labels`."""
+    total = 0.0
+    for family in m.registry.collect():
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                total += sample.value
+    return total
+
+
+def label_values(m: Metrics, name: str, label: str) -> set[str]:
+    return {
+        s.labels[label]
+        for family in m.registry.collect()
+        for s in family.samples
+        if s.name == name and label in s.labels
+    }
+
+
+def options_for(decoder: str) -> dict:
+    # Speculative decoding adapts K and may stop drafting on a random model; make it draft.
+    return {"adaptive": False} if decoder == "speculative" else {}
+
+
+async def run_all(client: EngineClient, metrics: Metrics, requests: list[GenerateRequest]):
+    async def one(req: GenerateRequest) -> list[RequestOutput]:
+        outs = []
+        with metrics.track(req.decoder, req.user) as tracker:
+            async for _, out in client.generate(req):
+                tracker.observe(out)
+                outs.append(out)
+        return outs
+
+    return await asyncio.gather(*(one(r) for r in requests))
+
+
+def test_user_label_allowlist(monkeypatch):
+    m = Metrics("m", "alice, bob,")
+    assert [m.user_label(u) for u in (None, "", "alice", "bob", "mallory")] == [
+        "none", "none", "alice", "bob", "other",
+    ]  # fmt: skip
+    monkeypatch.setenv("STRIDE_METRICS_USERS", "carol")
+    assert parse_users(None) == {"carol"}
+    assert Metrics("m").user_label("carol") == "carol"
+
+
+def test_counters_equal_what_clients_received(tiny_dir):
+    core = make_core(tiny_dir)
+    metrics = Metrics("tiny", ["alice", "bob"])
+    client = EngineClient(core)
+    client.on_step = metrics.on_step
+    decoders = list(core.decoders)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    requests = [
+        GenerateRequest(
+            f"r{i}",
+            [5 + i, 17, 42, 99, 5 + i, 17, 42],
+            params,
+            decoder=decoders[i % len(decoders)],
+            decoder_options=options_for(decoders[i % len(decoders)]),
+            user=USERS[i % len(USERS)],
+        )
+        for i in range(3 * len(decoders) * len(USERS) // 2 + 2)
+    ]
+    try:
+        results = asyncio.run(run_all(client, metrics, requests))
+    finally:
+        client.shutdown()
+
+    for outs in results:
+        assert outs[-1].finish_reason == "length"
+        assert sum(len(o.token_ids) for o in outs) == outs[-1].num_output_tokens
+    sent = sum(len(o.token_ids) for outs in results for o in outs)
+    assert value(metrics, "stride_generation_tokens_total") == sent
+    assert value(metrics, "stride_prompt_tokens_total") == sum(len(r.prompt_ids) for r in requests)
+    for name in decoders:
+        for user in ("none", "alice", "bob", "other"):
+            got = value(metrics, "stride_generation_tokens_total", decoder=name, user=user)
+            want = sum(
+                len(o.token_ids)
+                for req, outs in zip(requests, results, strict=True)
+                if req.decoder == name and metrics.user_label(req.user) == user
+                for o in outs
+            )
+            assert got == want, (name, user)
+    assert label_values(metrics, "stride_generation_tokens_total", "user") == {
+        "none", "alice", "bob", "other",
+    }  # fmt: skip
+    n = len(requests)
+    assert value(metrics, "stride_requests_finished_total", finish_reason="length") == n
+    per_request = (
+        "time_to_first_token",
+        "e2e_request_latency",
+        "request_queue_time",
+        "request_prefill_time",
+        "request_decode_time",
+        "time_per_output_token",
+    )
+    for hist in per_request:
+        assert value(metrics, f"stride_{hist}_seconds_count") == n, hist
+    after_first = sum(sum(len(o.token_ids) for o in outs) - len(outs[0].token_ids)
+                      for outs in results)  # fmt: skip
+    assert value(metrics, "stride_inter_token_latency_seconds_count") == after_first
+
+    # The decoders' per-request summaries, summed, are what the counters hold.
+    stats = [outs[-1].decoder_stats for outs in results]
+    assert value(metrics, "stride_decoder_forward_passes_total") == sum(
+        s["forward_passes"] for s in stats
+    )
+    spec = [s for s in stats if s.get("draft_tokens")]
+    assert value(metrics, "stride_spec_draft_tokens_total") == sum(s["draft_tokens"] for s in spec)
+    assert value(metrics, "stride_spec_accepted_tokens_total") == sum(
+        s["accepted_tokens"] for s in spec
+    )
+    assert value(metrics, "stride_spec_drafts_total") == sum(s["forward_passes"] for s in spec)
+    positions = max((len(s["accepted_per_position"]) for s in spec), default=0)
+    for pos in range(positions):
+        want = sum(s["accepted_per_position"][pos] for s in spec
+                   if pos < len(s["accepted_per_position"]))  # fmt: skip
+        got = value(metrics, "stride_spec_accepted_tokens_by_position_total", position=str(pos))
+        assert got == want
+    if "speculative" in decoders:
+        assert spec, "speculative requests should report drafts"
+
+    # The engine is idle again: gauges say so, and every step was timed.
+    assert value(metrics, "stride_requests_running") == 0
+    assert value(metrics, "stride_requests_waiting") == 0
+    assert value(metrics, "stride_kv_cache_usage_ratio") == 0
+    assert value(metrics, "stride_engine_step_duration_seconds_count") > 0
+    assert value(metrics, "stride_engine_step_tokens_sum") >= sent
+
+
+def test_preemptions_and_deadlines(tiny_dir):
+    # 7 usable blocks of 16 tokens: four requests of 50 tokens cannot all stay resident.
+    core = make_core(tiny_dir, kv_bytes=8 * 8192)
+    metrics = Metrics("tiny")
+    client = EngineClient(core)
+    client.on_step = metrics.on_step
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    requests = [GenerateRequest(f"p{i}", [3 + i] * 10, params) for i in range(4)]
+    late = GenerateRequest("late", [7] * 10, params, timeout=1e-6)
+    try:
+        results = asyncio.run(run_all(client, metrics, [*requests, late]))
+    finally:
+        client.shutdown()
+    assert core.scheduler.num_preemptions > 0
+    assert value(metrics, "stride_preemptions_total") == core.scheduler.num_preemptions
+    assert results[-1][-1].error.code == "deadline_exceeded"
+    assert value(metrics, "stride_requests_finished_total", finish_reason="deadline") == 1
+    assert value(metrics, "stride_requests_rejected_total", reason="deadline") == 1
+    assert value(metrics, "stride_generation_tokens_total") == 4 * 40
+
+
+def test_tracker_counts_an_unfinished_stream_as_aborted():
+    metrics = Metrics("m", ["alice"])
+    with metrics.track("ar", "alice") as tracker:
+        tracker.observe(RequestOutput("a", token_ids=[1, 2], num_prompt_tokens=3))
+        tracker.observe(RequestOutput("a", token_ids=[3]))
+    assert value(metrics, "stride_requests_finished_total", finish_reason="abort") == 1
+    assert value(metrics, "stride_generation_tokens_total", user="alice") == 3
+    assert value(metrics, "stride_prompt_tokens_total") == 3
+    # a burst of 2 tokens after the first output counts 2 gaps
+    with metrics.track("ar", None) as tracker:
+        tracker.observe(RequestOutput("b", token_ids=[1]))
+        tracker.observe(RequestOutput("b", token_ids=[2, 3], finish_reason="length"))
+        tracker.observe(RequestOutput("b", error=EngineError("x", "late duplicate")))
+    assert value(metrics, "stride_inter_token_latency_seconds_count", user="none") == 2
+    assert value(metrics, "stride_requests_finished_total", user="none") == 1
+
+
+def test_rejections_by_reason():
+    metrics = Metrics("m")
+    for reason in ("queue_full", "auth", "validation", "validation"):
+        metrics.rejected(reason)
+    assert value(metrics, "stride_requests_rejected_total", reason="validation") == 2
+    assert value(metrics, "stride_requests_rejected_total") == 4
+    with pytest.raises(ValueError):
+        metrics.rejected("bored")
+
+
+def test_names_follow_prometheus_conventions():
+    metrics = Metrics("m")
+    body, content_type = metrics.render()
+    assert content_type.startswith("text/plain")
+    families = re.findall(r"^# TYPE (\S+) (\S+)$", body.decode(), re.M)
+    ours = [(name, kind) for name, kind in families if not name.startswith("process_")]
+    assert ours, "no stride metrics exposed"
+    for name, kind in ours:
+        assert name.startswith("stride_"), name
+        assert kind != "counter" or name.endswith("_total"), name
+        if kind == "histogram" and ("time" in name or "latency" in name or "duration" in name):
+            assert name.endswith("_seconds"), name
+    # Series that must exist before anything happens, so rates read 0 rather than no data.
+    always = (
+        "stride_requests_received_total",
+        "stride_preemptions_total",
+        "stride_kv_cache_usage_ratio",
+        "stride_engine_step_duration_seconds_count",
+    )
+    for name in always:
+        assert f'{name}{{model="m"' in body.decode(), name
+    for reason in ("queue_full", "deadline", "auth", "validation"):
+        assert value(metrics, "stride_requests_rejected_total", reason=reason) == 0
+
+
+def test_step_buckets_resolve_sub_10ms():
+    assert sum(b < 0.01 for b in STEP_BUCKETS) >= 6
