@@ -1,9 +1,13 @@
-"""Attention of a ragged batch against paged KV: write the new keys, gather each context, SDPA.
+"""Attention of a ragged batch against paged KV, in two shapes.
 
-The ragged batch is laid out padded ([sequences, longest query, longest context]) for the one
-SDPA call per layer; a boolean mask says which cached slot each query token may see. Causal
-attention is the default mask, and a decoder may hand its own mask over its query tokens
-(lookahead's n-gram branches), which is why this is a masked SDPA and not a causal kernel.
+General steps (prefill chunks, drafts, lookahead windows) are laid out padded ([sequences, longest
+query, longest context]) for one masked SDPA call per layer: a boolean mask says which cached slot
+each query token may see, so a decoder may hand its own mask over its query tokens (lookahead's
+n-gram branches). That is why the general path is masked SDPA and not a causal kernel.
+
+Decode steps (one new token per sequence, causal) on a GPU take a paged decode kernel instead: it
+reads each sequence's keys straight from its blocks, with no gather and no padded mask, and its
+inputs (block tables, context lengths) live in fixed buffers, so the step can be a CUDA graph.
 """
 
 from __future__ import annotations
@@ -12,6 +16,12 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the decode kernel is simply not offered
+    triton = None
 
 
 @dataclass
@@ -23,17 +33,29 @@ class AttentionMetadata:
     mask: torch.Tensor  # [B, 1, Qmax, Lmax] True where a query may attend
 
 
+@dataclass
+class DecodeMetadata:
+    """One query token per sequence, attending causally to its whole context (itself included)."""
+
+    slot_mapping: torch.Tensor  # [B] slot the new token's K/V is written to
+    block_tables: torch.Tensor  # [B, max_blocks] block ids of each sequence (rest unused)
+    context_lens: torch.Tensor  # [B] tokens in each context, the new one included (>= 1)
+    block_size: int
+
+
 def paged_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    meta: AttentionMetadata,
+    meta: AttentionMetadata | DecodeMetadata,
 ) -> torch.Tensor:
     """q: [T, H, D]; k, v: [T, KV, D]; caches: [slots, KV, D]. Returns [T, H, D]."""
     k_cache.index_copy_(0, meta.slot_mapping, k)
     v_cache.index_copy_(0, meta.slot_mapping, v)
+    if isinstance(meta, DecodeMetadata):
+        return decode_attention(q, k_cache, v_cache, meta)
     keys = k_cache[meta.kv_slots].transpose(1, 2)  # [B, KV, L, D]
     values = v_cache[meta.kv_slots].transpose(1, 2)
     queries = q[meta.q_index].transpose(1, 2)  # [B, H, Q, D]
@@ -41,3 +63,127 @@ def paged_attention(
         queries, keys, values, attn_mask=meta.mask, enable_gqa=True
     )
     return out.transpose(1, 2)[meta.q_valid]
+
+
+def decode_kernel_supported(device: torch.device, head_dim: int) -> bool:
+    return triton is not None and device.type == "cuda" and head_dim & (head_dim - 1) == 0
+
+
+def decode_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: DecodeMetadata
+) -> torch.Tensor:
+    """Paged decode attention: q [B, H, D] against each sequence's blocks. Returns [B, H, D]."""
+    b, h, d = q.shape
+    kv = k_cache.shape[1]
+    group = h // kv
+    out = torch.empty_like(q)
+    _decode_kernel[(b, kv)](
+        q,
+        k_cache,
+        v_cache,
+        out,
+        meta.block_tables,
+        meta.context_lens,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        out.stride(0),
+        out.stride(1),
+        meta.block_tables.stride(0),
+        d**-0.5,
+        GROUP=group,
+        GROUP_P2=max(triton.next_power_of_2(group), 2),
+        HEAD_DIM=d,
+        BLOCK_SIZE=meta.block_size,
+        BLOCK_N=32 if d <= 64 else 16,
+        num_warps=4,
+    )
+    return out
+
+
+def decode_attention_reference(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: DecodeMetadata
+) -> torch.Tensor:
+    """What the kernel computes, in plain torch (the tests' yardstick)."""
+    outs = []
+    for i in range(q.shape[0]):
+        n = int(meta.context_lens[i])
+        pos = torch.arange(n, device=q.device)
+        slots = meta.block_tables[i, pos // meta.block_size].long() * meta.block_size
+        slots = slots + pos % meta.block_size
+        keys = k_cache[slots].transpose(0, 1)[None]  # [1, KV, n, D]
+        values = v_cache[slots].transpose(0, 1)[None]
+        outs.append(
+            F.scaled_dot_product_attention(q[i][None, :, None], keys, values, enable_gqa=True)[
+                0, :, 0
+            ]
+        )
+    return torch.stack(outs)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _decode_kernel(
+        q_ptr,
+        k_ptr,
+        v_ptr,
+        out_ptr,
+        tables_ptr,
+        lens_ptr,
+        stride_qt,
+        stride_qh,
+        stride_ks,
+        stride_kh,
+        stride_ot,
+        stride_oh,
+        stride_tb,
+        scale,
+        GROUP: tl.constexpr,
+        GROUP_P2: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+    ):
+        """One program per (sequence, KV head): all query heads of the group share each key load;
+        online softmax in fp32 over the context, BLOCK_N tokens at a time."""
+        seq = tl.program_id(0)
+        kv_head = tl.program_id(1)
+        n_ctx = tl.load(lens_ptr + seq)
+        g = tl.arange(0, GROUP_P2)
+        d = tl.arange(0, HEAD_DIM)
+        heads = kv_head * GROUP + g
+        g_ok = g < GROUP
+        q = tl.load(
+            q_ptr + seq * stride_qt + heads[:, None] * stride_qh + d[None, :],
+            mask=g_ok[:, None],
+            other=0.0,
+        ).to(tl.float32)
+        q = q * scale
+        m = tl.full([GROUP_P2], float("-inf"), tl.float32)
+        denom = tl.zeros([GROUP_P2], tl.float32)
+        acc = tl.zeros([GROUP_P2, HEAD_DIM], tl.float32)
+        offs = tl.arange(0, BLOCK_N)
+        for i in range(0, tl.cdiv(n_ctx, BLOCK_N)):
+            t = i * BLOCK_N + offs
+            t_ok = t < n_ctx
+            block = tl.load(tables_ptr + seq * stride_tb + t // BLOCK_SIZE, mask=t_ok, other=0)
+            slot = block.to(tl.int64) * BLOCK_SIZE + t % BLOCK_SIZE
+            kv_off = slot[:, None] * stride_ks + kv_head * stride_kh + d[None, :]
+            k = tl.load(k_ptr + kv_off, mask=t_ok[:, None], other=0.0).to(tl.float32)
+            v = tl.load(v_ptr + kv_off, mask=t_ok[:, None], other=0.0).to(tl.float32)
+            s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # [G, N]
+            s = tl.where(t_ok[None, :], s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, axis=1))
+            alpha = tl.exp(m - m_new)
+            p = tl.exp(s - m_new[:, None])
+            denom = denom * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+            m = m_new
+        out = acc / denom[:, None]
+        tl.store(
+            out_ptr + seq * stride_ot + heads[:, None] * stride_oh + d[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=g_ok[:, None],
+        )

@@ -5,6 +5,11 @@ or a prefix of it during chunked prefill, then whatever its decoder proposed), t
 an optional mask among them, and how many trailing rows need logits. Keys and values of every
 scored token are written to the slots right after the sequence's cached ones; the decoder's
 commit decides how many of them stay.
+
+On a GPU, plain decode chunks (one token, causal, one logits row) skip the general path: they are
+replayed as a captured CUDA graph (`cuda_graphs.DecodeGraphs`), and whatever else the step holds
+(prefill chunks, drafts, windows) runs eagerly beside them. Both write disjoint KV slots, so the
+split is invisible to callers.
 """
 
 from __future__ import annotations
@@ -13,7 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
-from stride.engine.attention import AttentionMetadata
+from stride.engine.attention import AttentionMetadata, decode_kernel_supported
+from stride.engine.cuda_graphs import DecodeGraphs
 from stride.engine.kv_cache import KVCache
 from stride.engine.model import CausalLM
 from stride.engine.sequence import Sequence
@@ -28,30 +34,85 @@ class Chunk:
     mask: torch.Tensor | None = None  # [n, n] bool among this chunk's tokens; default causal
 
 
+def _is_decode(chunk: Chunk) -> bool:
+    return len(chunk.token_ids) == 1 and chunk.num_logits == 1 and chunk.mask is None
+
+
 class ModelRunner:
-    def __init__(self, model: CausalLM, cache: KVCache, device: torch.device) -> None:
+    def __init__(
+        self,
+        model: CausalLM,
+        cache: KVCache,
+        device: torch.device,
+        cuda_graphs: bool = True,
+        max_graph_batch: int = 256,
+        max_graph_context: int = 8192,
+    ) -> None:
         self.model = model
         self.cache = cache
         self.device = device
+        self.graphs: DecodeGraphs | None = None
+        head_dim = model.model.layers[0].self_attn.head_dim
+        if cuda_graphs and decode_kernel_supported(device, head_dim):
+            max_len = getattr(model.config, "max_position_embeddings", None) or max_graph_context
+            max_blocks = -(-min(max_len, max_graph_context) // cache.block_size)
+            self.graphs = DecodeGraphs(model, cache, max_graph_batch, max_blocks)
 
     @torch.inference_mode()
     def forward(self, chunks: list[Chunk], num_layers: int | None = None) -> list[torch.Tensor]:
         """Score all chunks in one pass; returns each chunk's [num_logits, vocab] fp32 logits."""
+        graphs = self.graphs
+        if graphs is None or num_layers not in (None, self.model.num_layers):
+            return self._forward_eager(chunks, num_layers)
+        decode = [
+            i
+            for i, c in enumerate(chunks)
+            if _is_decode(c) and len(c.seq.block_table) <= graphs.max_blocks
+        ]
+        if not decode:
+            return self._forward_eager(chunks, num_layers)
+        out: list[torch.Tensor | None] = [None] * len(chunks)
+        for start in range(0, len(decode), graphs.max_batch):
+            group = decode[start : start + graphs.max_batch]
+            logits = self._forward_graph([chunks[i] for i in group])
+            for i, row in zip(group, logits.split(1), strict=True):
+                out[i] = row
+        rest = [i for i, o in enumerate(out) if o is None]
+        if rest:
+            for i, row in zip(
+                rest, self._forward_eager([chunks[i] for i in rest], num_layers), strict=True
+            ):
+                out[i] = row
+        return out  # type: ignore[return-value]
+
+    def _forward_eager(self, chunks: list[Chunk], num_layers: int | None) -> list[torch.Tensor]:
         meta, tokens, positions, rows = self._prepare(chunks)
         hidden = self.model(tokens, positions, (self.cache.k, self.cache.v), meta, num_layers)
         logits = self.model.logits(hidden[rows])
         return list(logits.split([c.num_logits for c in chunks]))
 
+    def _forward_graph(self, chunks: list[Chunk]) -> torch.Tensor:
+        bs = self.cache.block_size
+        tokens, positions, slots, lengths, tables = [], [], [], [], []
+        for c in chunks:
+            n, table = c.seq.num_cached, c.seq.block_table
+            tokens.append(c.token_ids[0])
+            positions.append(c.positions[0] if c.positions else n)
+            slots.append(table[n // bs] * bs + n % bs)
+            lengths.append(n + 1)
+            tables.append(table)
+        return self.graphs.run(tokens, positions, slots, lengths, tables)
+
     def _prepare(self, chunks: list[Chunk]):
         cache, bs = self.cache, self.cache.block_size
         n_q = [len(c.token_ids) for c in chunks]
         starts = [c.seq.num_cached for c in chunks]
-        n_ctx = [s + n for s, n in zip(starts, n_q)]
+        n_ctx = [s + n for s, n in zip(starts, n_q, strict=True)]
         b, q_max, l_max = len(chunks), max(n_q), max(n_ctx)
 
         tokens, positions, slots, rows = [], [], [], []
         offset = 0
-        for c, start, n in zip(chunks, starts, n_q):
+        for c, start, n in zip(chunks, starts, n_q, strict=True):
             tokens.extend(c.token_ids)
             positions.extend(c.positions or range(start, start + n))
             slots.extend(cache.slots(c.seq, start, start + n))

@@ -1,0 +1,113 @@
+"""Decode steps replayed as CUDA graphs: one graph per bucketed batch size, over fixed buffers.
+
+A decode step of a small model is hundreds of tiny kernels; launched one by one from Python, the
+launches, not the GPU, set the pace. Each bucket's whole forward (embedding to fp32 logits) is
+captured once at start-up and replayed with new inputs copied into the same buffers: token ids,
+positions, the slot each new K/V goes to, context lengths and block tables, all packed in one
+pinned int32 host array that travels in one asynchronous copy. Rows past the real batch point at
+block 0, which the KV cache never hands out, so padding writes and reads only harmless slots.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from stride.engine.attention import DecodeMetadata
+from stride.engine.kv_cache import KVCache
+from stride.engine.model import CausalLM
+
+log = logging.getLogger(__name__)
+
+# Columns of the packed input array; block tables follow from column _TABLE on.
+_TOKEN, _POSITION, _SLOT, _LENGTH, _TABLE = range(5)
+
+
+def batch_buckets(max_batch: int) -> list[int]:
+    sizes = [1, 2, 4, 8, 16, 24, 32, 48, 64, *range(96, max_batch + 1, 32)]
+    return [b for b in sizes if b < max_batch] + [max_batch]
+
+
+class DecodeGraphs:
+    def __init__(self, model: CausalLM, cache: KVCache, max_batch: int, max_blocks: int) -> None:
+        self.model = model
+        self.cache = cache
+        self.max_blocks = max_blocks
+        self.buckets = batch_buckets(max_batch)
+        device = cache.k.device
+        width = _TABLE + max_blocks
+        self._host = torch.zeros(max_batch, width, dtype=torch.int32, pin_memory=True)
+        self._host_np = self._host.numpy()
+        self._inputs = torch.zeros(max_batch, width, dtype=torch.int32, device=device)
+        self._copied = torch.cuda.Event()
+        self._pad_rows(0, max_batch)
+        self._inputs.copy_(self._host)
+        vocab = model.lm_head.weight.shape[0]
+        self._logits = torch.empty(max_batch, vocab, dtype=torch.float32, device=device)
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._capture()
+
+    @property
+    def max_batch(self) -> int:
+        return self.buckets[-1]
+
+    def fits(self, batch: int, max_blocks: int) -> bool:
+        return batch <= self.max_batch and max_blocks <= self.max_blocks
+
+    def _pad_rows(self, start: int, end: int) -> None:
+        h = self._host_np
+        h[start:end, :_TABLE] = 0
+        h[start:end, _LENGTH] = 1  # one slot of block 0: something to attend to, harmlessly
+
+    def _step(self, batch: int) -> None:
+        x = self._inputs[:batch]
+        meta = DecodeMetadata(
+            slot_mapping=x[:, _SLOT].long(),  # index_copy_ wants int64
+            block_tables=x[:, _TABLE:],
+            context_lens=x[:, _LENGTH],
+            block_size=self.cache.block_size,
+        )
+        hidden = self.model(x[:, _TOKEN], x[:, _POSITION], (self.cache.k, self.cache.v), meta)
+        self._logits[:batch].copy_(self.model.logits(hidden))
+
+    @torch.inference_mode()
+    def _capture(self) -> None:
+        for b in self.buckets:  # compile kernels, create library handles, outside any capture
+            self._step(b)
+        torch.cuda.synchronize()
+        pool = None
+        for b in reversed(self.buckets):  # largest first, so smaller ones reuse its memory
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self._step(b)
+            pool = graph.pool()
+            self._graphs[b] = graph
+        torch.cuda.synchronize()
+        log.info("captured decode CUDA graphs for batch sizes %s", self.buckets)
+
+    def run(
+        self,
+        tokens: list[int],
+        positions: list[int],
+        slots: list[int],
+        lengths: list[int],
+        tables: list[list[int]],
+    ) -> torch.Tensor:
+        """One decode step for len(tokens) sequences; returns their [B, vocab] fp32 logits."""
+        n = len(tokens)
+        bucket = next(b for b in self.buckets if b >= n)
+        self._copied.synchronize()  # the previous step's copy has left the pinned buffer
+        h = self._host_np
+        h[:n, _TOKEN] = tokens
+        h[:n, _POSITION] = positions
+        h[:n, _SLOT] = slots
+        h[:n, _LENGTH] = lengths
+        for i, table in enumerate(tables):
+            h[i, _TABLE : _TABLE + len(table)] = table
+        self._pad_rows(n, bucket)
+        self._inputs[:bucket].copy_(self._host[:bucket], non_blocking=True)
+        self._copied.record()
+        self._graphs[bucket].replay()
+        # A copy: the next replay overwrites the buffer while a caller may still hold these rows.
+        return self._logits[:n].clone()
