@@ -13,9 +13,9 @@ from __future__ import annotations
 import os
 import time
 from collections import Counter as Tally
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -272,6 +272,10 @@ class RequestTracker:
         return self
 
     def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """The request is over for the server: samples still open were aborted."""
         for rid in set(self.streams) - self.finished:
             self._count_finish("abort")
             self.finished.add(rid)
@@ -331,8 +335,41 @@ class RequestTracker:
             m.spec_draft_tokens.labels(*labels).inc(drafted)
             m.spec_accepted_tokens.labels(*labels).inc(int(stats.get("accepted_tokens", 0)))
             for pos, n in enumerate(stats.get("accepted_per_position", ())):
-                if n:
-                    m.spec_accepted_by_position.labels(*labels[:2], str(pos)).inc(n)
+                m.spec_accepted_by_position.labels(*labels[:2], str(pos)).inc(n)
 
     def _count_finish(self, reason: str) -> None:
         self.metrics.requests_finished.labels(*self.labels, reason).inc()
+
+
+# HTTP status of a refused generation request -> rejection reason. 504 (deadline) is counted by
+# the request's tracker, which also sees deadlines that end a stream after its 200.
+STATUS_REASONS = {400: "validation", 404: "validation", 422: "validation", 401: "auth",
+                  429: "queue_full"}  # fmt: skip
+GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+
+
+class MetricsMiddleware:
+    """ASGI middleware: counts generation requests received and refused (by status code).
+
+    Sits outside authentication so that 401s are seen. `get_metrics` returns None while the
+    model loads (nothing is counted then).
+    """
+
+    def __init__(self, app: Any, get_metrics: Callable[[], Metrics | None]) -> None:
+        self.app = app
+        self.get_metrics = get_metrics
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        metrics = self.get_metrics()
+        if metrics is None or scope["type"] != "http" or scope["path"] not in GENERATION_PATHS:
+            return await self.app(scope, receive, send)
+        metrics.received()
+
+        async def send_counting(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                reason = STATUS_REASONS.get(message["status"])
+                if reason is not None:
+                    metrics.rejected(reason)
+            await send(message)
+
+        await self.app(scope, receive, send_counting)

@@ -24,6 +24,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from stride.decoders.registry import DecodersConfig, build_decoders
 from stride.engine.engine import Engine, EngineConfig
+from stride.metrics import Metrics, MetricsMiddleware
 from stride.scheduler.client import EngineClient
 from stride.scheduler.core import EngineCore
 from stride.scheduler.policy import SchedulerConfig
@@ -46,6 +47,7 @@ class ServerConfig:
     decoders: DecodersConfig = field(default_factory=DecodersConfig)
     api_key: str | None = None
     protect_metrics: bool = False  # with an API key: require it on /metrics too
+    metrics_users: str | None = None  # "a,b": users with their own metrics label (else "other")
 
 
 class Phase(enum.Enum):
@@ -139,7 +141,9 @@ def create_app(config: ServerConfig | None = None) -> FastAPI:
 
         def _ready(client: EngineClient) -> None:
             lifecycle.client = app.state.client = client
-            app.state.serving = Serving(client, config.decoders.default)
+            metrics = app.state.metrics = Metrics(client.core.engine.name, config.metrics_users)
+            client.on_step = metrics.on_step
+            app.state.serving = Serving(client, config.decoders.default, metrics)
             if lifecycle.phase is Phase.LOADING:
                 lifecycle.phase = Phase.READY
             log.info("serving %s", client.core.engine.name)
@@ -166,6 +170,7 @@ def create_app(config: ServerConfig | None = None) -> FastAPI:
     app.state.lifecycle = lifecycle
     app.state.client = None
     app.state.serving = None
+    app.state.metrics = None
     errors.install(app)
     app.add_exception_handler(ClientGone, _client_gone)
     app.add_middleware(_Gate, lifecycle=lifecycle)
@@ -173,6 +178,7 @@ def create_app(config: ServerConfig | None = None) -> FastAPI:
         app.add_middleware(
             APIKeyMiddleware, api_key=config.api_key, protect_metrics=config.protect_metrics
         )
+    app.add_middleware(MetricsMiddleware, get_metrics=lambda: app.state.metrics)  # outermost
     _routes(app)
     return app
 
@@ -220,6 +226,12 @@ def _routes(app: FastAPI) -> None:
         status, detail = request.app.state.lifecycle.health()
         body = s.Health(status=status, detail=detail)
         return JSONResponse(body.model_dump(), status_code=200 if status == "ok" else 503)
+
+    @app.get("/metrics", include_in_schema=False)
+    async def metrics(request: Request):
+        m: Metrics | None = request.app.state.metrics
+        body, content_type = m.render() if m is not None else (b"", "text/plain")
+        return Response(body, media_type=content_type)
 
     @app.get("/v1/models", response_model=s.ModelList, responses=ERRORS)
     async def models(srv: Model):

@@ -101,6 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
     _flag(h, "port", "port to listen on", 8000, int)
     _flag(h, "api-key", "require 'Authorization: Bearer KEY' (not on /health)")
     _flag(h, "protect-metrics", "require the API key on /metrics too", action="store_true")
+    _flag(h, "metrics-users", "users with their own metrics label, e.g. a,b (others: other)")
     _flag(h, "shutdown-timeout", "seconds to drain requests in flight on SIGTERM", 30.0, float)
     _flag(h, "log-level", "debug, info, warning or error", "info")
     return parser
@@ -131,6 +132,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         ),
         api_key=args.api_key,
         protect_metrics=args.protect_metrics,
+        metrics_users=args.metrics_users,
     )
 
 

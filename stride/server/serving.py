@@ -20,6 +20,7 @@ from stride.decoders.base import DecoderError
 from stride.decoders.registry import parse_spec
 from stride.decoders.sampling import TokenLogprob
 from stride.engine.sequence import SamplingParams
+from stride.metrics import Metrics
 from stride.scheduler.client import EngineClient
 from stride.scheduler.outputs import GenerateRequest, RequestOutput
 from stride.server import schemas as s
@@ -61,9 +62,15 @@ def _finite(x: float) -> float:
 
 
 class Serving:
-    def __init__(self, client: EngineClient, default_decoder: str | dict[str, Any]) -> None:
+    def __init__(
+        self,
+        client: EngineClient,
+        default_decoder: str | dict[str, Any],
+        metrics: Metrics | None = None,
+    ) -> None:
         engine = client.core.engine
         self.client = client
+        self.metrics = metrics
         self.default_decoder = default_decoder
         self.model_name: str = engine.name
         self.tokenizer = engine.tokenizer
@@ -180,7 +187,7 @@ class Serving:
             )
             for i, prompt in enumerate(prompts)
         ]
-        return Generation(self.client, requests, body.n)
+        return Generation(self.client, requests, body.n, self.metrics)
 
     async def _started(self, request: Request, gen: Generation) -> None:
         try:

@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 
 from starlette.requests import Request
 
+from stride.metrics import Metrics
 from stride.scheduler.client import EngineClient
 from stride.scheduler.outputs import EngineError, GenerateRequest, RequestOutput
 
@@ -26,10 +27,17 @@ _DONE = object()
 class Generation:
     """n samples of each request, merged; choice index = prompt index * n + sample index."""
 
-    def __init__(self, client: EngineClient, requests: list[GenerateRequest], n: int) -> None:
+    def __init__(
+        self,
+        client: EngineClient,
+        requests: list[GenerateRequest],
+        n: int,
+        metrics: Metrics | None = None,
+    ) -> None:
         self._client = client
         self._requests = requests
         self._n = n
+        self._trackers = [metrics.track(r.decoder, r.user) for r in requests] if metrics else []
         self._queue: asyncio.Queue[Any] = asyncio.Queue()
         self._tasks: list[asyncio.Task] = []
         self._first: list[asyncio.Future] = []
@@ -54,6 +62,8 @@ class Generation:
                 async for j, out in outs:
                     if not first.done():
                         first.set_result(None)
+                    if self._trackers:
+                        self._trackers[i].observe(out)
                     self._queue.put_nowait((i * self._n + j, out))
         except Exception as e:
             if not first.done():
@@ -62,6 +72,8 @@ class Generation:
                 error = EngineError("internal_error", f"{type(e).__name__}: {e}")
                 self._queue.put_nowait((i * self._n, RequestOutput(req.request_id, error=error)))
         finally:
+            if self._trackers:
+                self._trackers[i].close()
             self._queue.put_nowait(_DONE)
 
     async def __aiter__(self) -> AsyncIterator[tuple[int, RequestOutput]]:
