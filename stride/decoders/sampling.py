@@ -4,6 +4,11 @@ Every function works on a batch of rows at once. A row belongs to a sequence and
 offset past its last committed token (a draft position in speculative decoding), so penalties and
 min_tokens see the history up to that row. Seeded rows draw from their sequence's own generator,
 which makes a seeded request reproducible whatever else shares the batch.
+
+On a GPU the hot path stays on the device: per-row settings travel as one small tensor, greedy
+rows are one batched argmax, and the chosen tokens come back in the step's single host sync
+(`.tolist()`). Python loops over rows remain only for rows that need per-row work (bias,
+penalties, min_tokens, a seeded generator).
 """
 
 from __future__ import annotations
@@ -44,8 +49,7 @@ def adjust(logits: torch.Tensor, rows: list[Row], eos_ids: set[int]) -> torch.Te
             logits[i, ids] += torch.tensor(list(p.logit_bias.values()), device=logits.device)
         if p.has_penalties:
             _penalize(logits[i], row)
-        produced = row.seq.num_output_tokens + len(row.pending)
-        if produced < p.min_tokens:
+        if p.min_tokens and row.seq.num_output_tokens + len(row.pending) < p.min_tokens:
             banned = set(p.stop_token_ids) | (set() if p.ignore_eos else eos_ids)
             if banned:
                 logits[i, list(banned)] = float("-inf")
@@ -71,46 +75,54 @@ def probabilities(logits: torch.Tensor, rows: list[Row]) -> torch.Tensor:
     """Temperature, top-k, top-p and min-p, as one distribution per row (greedy rows: one-hot)."""
     params = [r.params for r in rows]
     dev = logits.device
-    greedy = torch.tensor([p.greedy for p in params], device=dev)
-    temps = torch.tensor([1.0 if p.greedy else p.temperature for p in params], device=dev)
-    probs = torch.softmax(logits / temps[:, None], dim=-1)
-
+    greedy = [p.greedy for p in params]
     top_k = [p.top_k for p in params]
     top_p = [p.top_p for p in params]
     min_p = [p.min_p for p in params]
+    temps = [1.0 if g else p.temperature for g, p in zip(greedy, params, strict=True)]
+    # One host-to-device copy for every per-row setting.
+    settings = torch.tensor([temps, top_p, min_p, greedy], dtype=torch.float32).to(dev)
+    temps_t, top_p_t, min_p_t, greedy_t = settings[:, :, None].unbind(0)
+    probs = torch.softmax(logits / temps_t, dim=-1)
+
     if any(k > 0 for k in top_k) or any(x < 1.0 for x in top_p):
-        probs = _top_k_top_p(probs, top_k, top_p)
+        probs = _top_k_top_p(probs, top_k, top_p_t)
     if any(x > 0 for x in min_p):
-        floor = torch.tensor(min_p, device=dev)[:, None] * probs.max(dim=-1, keepdim=True).values
+        floor = min_p_t * probs.max(dim=-1, keepdim=True).values
         probs = torch.where(probs < floor, 0.0, probs)
     probs = probs / probs.sum(dim=-1, keepdim=True)
-    if greedy.any():
+    if any(greedy):
         one_hot = torch.zeros_like(probs).scatter_(1, logits.argmax(-1, keepdim=True), 1.0)
-        probs = torch.where(greedy[:, None], one_hot, probs)
+        probs = torch.where(greedy_t.bool(), one_hot, probs)
     return probs
 
 
-def _top_k_top_p(probs: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+def _top_k_top_p(probs: torch.Tensor, top_k: list[int], top_p: torch.Tensor) -> torch.Tensor:
+    """top_p: [B, 1] on the device."""
     vocab = probs.shape[-1]
     sorted_probs, order = probs.sort(dim=-1, descending=True)
     rank = torch.arange(vocab, device=probs.device)[None, :]
-    k = torch.tensor([kk if kk > 0 else vocab for kk in top_k], device=probs.device)[:, None]
+    k = torch.tensor([kk if kk > 0 else vocab for kk in top_k]).to(probs.device)[:, None]
     keep = rank < k
     # top-p: keep the smallest prefix whose mass reaches p (the first token always stays).
     mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-    keep &= mass_before < torch.tensor(top_p, device=probs.device)[:, None]
+    keep &= mass_before < top_p
     keep[:, 0] = True
     sorted_probs = torch.where(keep, sorted_probs, 0.0)
     return torch.zeros_like(probs).scatter_(1, order, sorted_probs)
 
 
 def draw(probs: torch.Tensor, rows: list[Row]) -> list[int]:
-    """One token per row; rows whose sequence has a seed use that sequence's generator."""
-    out = torch.multinomial(probs, 1).squeeze(1)
+    """One token per row; rows whose sequence has a seed use that sequence's generator.
+
+    Greedy rows hold a one-hot distribution, so the batched draw returns their argmax too.
+    """
+    if all(r.params.greedy or r.seq.generator is not None for r in rows):
+        out = probs.argmax(-1)
+    else:
+        out = torch.multinomial(probs, 1).squeeze(1)
     for i, row in enumerate(rows):
-        if row.params.greedy:
-            out[i] = probs[i].argmax()
-        elif row.seq.generator is not None:
+        if row.seq.generator is not None and not row.params.greedy:
             out[i] = torch.multinomial(probs[i], 1, generator=row.seq.generator)[0]
     return out.tolist()
 
@@ -121,13 +133,14 @@ def uniform(row: Row, device: torch.device) -> float:
 
 
 def sample(logits: torch.Tensor, rows: list[Row], eos_ids: set[int]) -> list[int]:
-    return draw(probabilities(adjust(logits, rows, eos_ids), rows), rows)
+    logits = adjust(logits, rows, eos_ids)
+    if all(r.params.greedy for r in rows):  # the common serving case: skip the distribution
+        return logits.argmax(-1).tolist()
+    return draw(probabilities(logits, rows), rows)
 
 
-def logprobs(
-    logits: torch.Tensor, tokens: list[int], rows: list[Row]
-) -> list[TokenLogprob | None]:
-    """Log-probabilities of the chosen tokens under the model (raw logits), plus top alternatives."""
+def logprobs(logits: torch.Tensor, tokens: list[int], rows: list[Row]) -> list[TokenLogprob | None]:
+    """Log-probabilities of the chosen tokens under the model (raw logits), plus alternatives."""
     wanted = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
     out: list[TokenLogprob | None] = [None] * len(rows)
     if not wanted:
@@ -139,5 +152,7 @@ def logprobs(
     top_v, top_i, chosen = top_v.tolist(), top_i.tolist(), chosen[:, 0].tolist()
     for j, i in enumerate(wanted):
         k = rows[i].params.logprobs or 0
-        out[i] = TokenLogprob(tokens[i], chosen[j], list(zip(top_i[j][:k], top_v[j][:k])))
+        out[i] = TokenLogprob(
+            tokens[i], chosen[j], list(zip(top_i[j][:k], top_v[j][:k], strict=True))
+        )
     return out
