@@ -12,7 +12,7 @@ import time
 from locust import LoadTestShape
 from locust.runners import MasterRunner
 
-from loadtest.stats import StepWindow
+from loadtest.stats import StepWindow, parse_steps
 
 STEP_MESSAGE = "stride_step"
 log = logging.getLogger("stride.loadtest")
@@ -27,22 +27,6 @@ def current_step() -> int:
 def set_step(index: int) -> None:
     global _current_step
     _current_step = index
-
-
-def parse_steps(text: str) -> list[int]:
-    """`"1,2,4,8"` → [1, 2, 4, 8]; `"1:64"` → powers of two from 1 up to 64."""
-    text = text.strip()
-    if ":" in text:
-        low, high = (int(x) for x in text.split(":", 1))
-        steps, users = [], max(low, 1)
-        while users <= high:
-            steps.append(users)
-            users *= 2
-    else:
-        steps = [int(x) for x in text.split(",") if x.strip()]
-    if not steps or min(steps) <= 0:
-        raise ValueError(f"bad concurrency steps {text!r}")
-    return steps
 
 
 class StepShape(LoadTestShape):

@@ -61,6 +61,22 @@ class StepWindow:
         return max((self.end or self.start) - self.start, 1e-9)
 
 
+def parse_steps(text: str) -> list[int]:
+    """`"1,2,4,8"` → [1, 2, 4, 8]; `"1:64"` → powers of two from 1 up to 64."""
+    text = text.strip()
+    if ":" in text:
+        low, high = (int(x) for x in text.split(":", 1))
+        steps, users = [], max(low, 1)
+        while users <= high:
+            steps.append(users)
+            users *= 2
+    else:
+        steps = [int(x) for x in text.split(",") if x.strip()]
+    if not steps or min(steps) <= 0:
+        raise ValueError(f"bad concurrency steps {text!r}")
+    return steps
+
+
 def percentile(values: list[float], q: float) -> float | None:
     """Linear-interpolated percentile (q in 0..100) of unsorted values; None when empty."""
     if not values:
