@@ -101,11 +101,14 @@ class PromptSource:
         return synthetic_prompt(rng, self.words.sample(rng))
 
 
-# Short names for the request field `decoder`; any other name is sent as given.
+# Short names for the request field `decoder`; any other name (e.g. "ar", "speculative": the
+# server's default draft) is sent as given.
 DECODER_PRESETS: dict[str, str | dict[str, Any]] = {
-    "ar": "ar",
-    "speculative": {"type": "speculative", "draft": "ngram"},
+    "ngram": {"type": "speculative", "draft": "ngram"},
+    "early-exit": {"type": "speculative", "draft": "early_exit"},
     "refine": {"type": "refine", "method": "jacobi"},
+    "jacobi": {"type": "refine", "method": "jacobi"},
+    "lookahead": {"type": "refine", "method": "lookahead"},
 }
 
 

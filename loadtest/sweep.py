@@ -129,6 +129,8 @@ def print_table(summary: dict) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     decoders = [d.strip() for d in args.decoders.split(",") if d.strip()]
+    if not decoders or any(":" in d for d in decoders):
+        build_parser().error("--decoders takes plain names (one run each), e.g. ar,speculative")
     steps = parse_steps(args.concurrency)
     args.out.mkdir(parents=True, exist_ok=True)
     minutes = len(decoders) * len(steps) * args.hold / 60
