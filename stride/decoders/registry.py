@@ -7,12 +7,14 @@ from typing import Any
 
 from stride.decoders.autoregressive import Autoregressive
 from stride.decoders.base import Decoder, DecoderError
+from stride.decoders.refine import Refine
 from stride.decoders.speculative import Speculative
 from stride.engine.engine import Engine
 
 DECODERS: dict[str, type[Decoder]] = {
     Autoregressive.name: Autoregressive,
     Speculative.name: Speculative,
+    Refine.name: Refine,
 }
 
 
@@ -50,6 +52,8 @@ def build_decoders(engine: Engine, config: DecodersConfig | None = None) -> dict
     return {
         name: Speculative(engine, config.draft_model, config.num_speculative_tokens)
         if cls is Speculative
+        else Refine.build(engine, config.diffusion_model, config.trust_remote_code)
+        if cls is Refine
         else cls()
         for name, cls in DECODERS.items()
     }
