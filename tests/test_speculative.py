@@ -1,0 +1,390 @@
+"""Speculative decoding: exact greedy equality, the exact sampling distribution, KV bookkeeping."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from scipy.stats import chisquare
+
+from stride.decoders.registry import DecodersConfig, build_decoders
+from stride.decoders.speculative import Speculative, choose_k, verify
+from stride.engine.engine import Engine, EngineConfig
+from stride.engine.runner import Chunk
+from stride.engine.sequence import SamplingParams, Sequence
+from stride.scheduler.core import EngineCore
+from stride.scheduler.outputs import GenerateRequest, RequestRejected
+from stride.scheduler.policy import SchedulerConfig
+from tests.tiny import make_model_dir
+
+K = 4
+PROMPTS = [
+    [5, 6, 7, 8, 9, 10, 5, 6, 7],  # repeats: prompt lookup finds something
+    [20, 21, 22, 23],
+    [100, 101, 102, 103, 104, 105, 106],
+    [40, 41, 40, 41, 40],
+]
+
+
+@pytest.fixture(scope="module")
+def other_dir(tmp_path_factory) -> Path:
+    """Another random tiny model with the same tokenizer: a draft that is often wrong."""
+    return make_model_dir(tmp_path_factory.mktemp("draft") / "other", seed=1)
+
+
+@pytest.fixture(scope="module")
+def blind_dir(tmp_path_factory, tiny_dir) -> Path:
+    """A draft whose final norm is zero: all logits tie, so it always drafts token 0."""
+    path = make_model_dir(tmp_path_factory.mktemp("draft") / "blind", seed=2)
+    file = path / "model.safetensors"
+    state = load_file(file)
+    state["model.norm.weight"].zero_()
+    save_file(state, file, metadata={"format": "pt"})
+    return path
+
+
+def make(model: Path, draft: Path | None = None, kv_bytes: int = 8 << 20, **sched) -> EngineCore:
+    engine = Engine(EngineConfig(model=str(model), device="cpu", kv_cache_memory=kv_bytes))
+    decoders = build_decoders(engine, DecodersConfig(draft_model=draft and str(draft)))
+    return EngineCore(engine, SchedulerConfig(**sched), decoders)
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+
+
+def run(core: EngineCore, requests: list[GenerateRequest], late: list[GenerateRequest] = ()):
+    """Run to completion (late requests join after two steps); tokens and stats per request."""
+    tokens: dict[str, list[int]] = {}
+    stats: dict[str, dict] = {}
+    core.preempted = set()
+    for r in requests:
+        core.add(r)
+    steps = 0
+    while core.has_work:
+        if steps == 2:
+            for r in late:
+                core.add(r)
+        core.preempted |= {s.request_id for s in core.seqs.values() if s.num_preemptions}
+        for out in core.step():
+            tokens.setdefault(out.request_id, []).extend(out.token_ids)
+            if out.finished:
+                stats[out.request_id] = out.decoder_stats
+        steps += 1
+    return tokens, stats
+
+
+def spec(draft: str, k: int = K, adaptive: bool = False, **extra) -> dict:
+    return dict(draft=draft, num_speculative_tokens=k, adaptive=adaptive, **extra)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_dir) -> dict[int, list[int]]:
+    """Plain greedy decoding of every prompt, one request at a time."""
+    out = {}
+    for i, prompt in enumerate(PROMPTS + [list(range(30, 90))]):
+        tokens, _ = run(make(tiny_dir), [GenerateRequest("r", prompt, greedy(24))])
+        out[i] = tokens["r"]
+    return out
+
+
+# ---- the rejection rule on synthetic distributions ------------------------------------------
+
+
+def _sample_rule(p, q, n, wrong=False, seed=0):
+    """n runs of the rule with K = len(q); returns the committed tokens per run (≥ 1 each)."""
+    g = torch.Generator().manual_seed(seed)
+    k, vocab = q.shape
+    drafts = torch.multinomial(q, n, replacement=True, generator=g).T  # [n, k]
+    u = torch.rand(n, k, generator=g)
+    pp, qq = p.expand(n, -1, -1), q.expand(n, -1, -1)
+    accepted, dist = verify(pp, qq, drafts, torch.full((n,), k), u)
+    if wrong:  # the classic mistake: resample from p instead of the residual
+        dist = pp[torch.arange(n), accepted]
+    last = torch.multinomial(dist, 1, generator=g)[:, 0]
+    return drafts, accepted, last
+
+
+def _chi2_pvalue(observed: torch.Tensor, probs: torch.Tensor) -> float:
+    expected = probs.double() / probs.double().sum() * observed.sum()
+    return chisquare(observed.numpy(), expected.numpy()).pvalue
+
+
+def _committed_at(pos, drafts, accepted, last):
+    """Token committed at draft position `pos` for the runs that got that far."""
+    reached = accepted >= pos
+    token = torch.where(accepted > pos, drafts[:, min(pos, drafts.shape[1] - 1)], last)
+    return token[reached]
+
+
+@pytest.mark.parametrize("wrong", [False, True])
+def test_rejection_rule_reproduces_the_target_distribution(wrong):
+    torch.manual_seed(0)
+    vocab, k, n = 6, 2, 40_000
+    p = torch.softmax(torch.randn(k + 1, vocab) * 1.5, -1)
+    q = torch.softmax(torch.randn(k, vocab) * 1.5, -1)
+    drafts, accepted, last = _sample_rule(p, q, n, wrong=wrong)
+    pvalues = []
+    for pos in range(k + 1):
+        tokens = _committed_at(pos, drafts, accepted, last)
+        observed = torch.bincount(tokens, minlength=vocab).double()
+        pvalues.append(_chi2_pvalue(observed, p[pos]))
+    if wrong:
+        assert min(pvalues) < 1e-6, pvalues
+    else:
+        assert min(pvalues) > 1e-3, pvalues
+
+
+def test_rejection_rule_edge_cases():
+    p = torch.tensor([[[0.0, 1.0, 0.0], [0.0, 0.0, 1.0]]])  # greedy target: 1 then 2
+    one_hot = torch.eye(3)[None, :1]
+    u = torch.full((1, 1), 0.999)
+    acc, dist = verify(p, one_hot, torch.tensor([[1]]), torch.tensor([1]), u)
+    assert acc.item() == 1 and dist.argmax().item() == 2  # accepted, bonus from the next row
+    acc, dist = verify(p, torch.eye(3)[None, 2:], torch.tensor([[2]]), torch.tensor([1]), u)
+    assert acc.item() == 0 and dist.argmax().item() == 1  # rejected, residual is the argmax
+    acc, dist = verify(p, one_hot, torch.tensor([[1]]), torch.tensor([0]), u)
+    assert acc.item() == 0 and torch.equal(dist[0], p[0, 0])  # no real draft: plain p
+
+
+# ---- greedy: token for token equal to plain decoding ----------------------------------------
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        spec("ngram"),
+        spec("early_exit", exit_layer=1),
+        spec("early_exit", exit_layer=2),
+        spec("ngram", adaptive=True),
+        spec("early_exit", k=2, adaptive=True, exit_layer=1),
+    ],
+    ids=["ngram", "early_exit-1", "early_exit-2", "ngram-adaptive", "early_exit-adaptive"],
+)
+def test_greedy_equals_plain_decoding_alone(tiny_dir, reference, options):
+    core = make(tiny_dir)
+    for i, prompt in enumerate(PROMPTS):
+        tokens, stats = run(
+            core, [GenerateRequest("s", prompt, greedy(24), "speculative", options)]
+        )
+        assert tokens["s"] == reference[i]
+        assert stats["s"]["decoder"] == "speculative"
+    assert core.engine.cache.num_free_blocks == core.engine.cache.num_usable_blocks
+
+
+@pytest.mark.parametrize("draft", ["same", "other", "blind"])
+def test_greedy_mixed_batch_with_ar_and_prefill(tiny_dir, other_dir, blind_dir, reference, draft):
+    draft_dir = {"same": tiny_dir, "other": other_dir, "blind": blind_dir}[draft]
+    core = make(tiny_dir, draft_dir, max_num_batched_tokens=48)
+    model = str(draft_dir)
+    kinds = [
+        ("ar", {}),
+        ("speculative", spec("ngram")),
+        ("speculative", spec("early_exit", exit_layer=1)),
+        ("speculative", spec(model)),
+        ("speculative", spec(model, k=3, adaptive=True)),
+    ]
+    requests = [
+        GenerateRequest(f"{i}-{j}", PROMPTS[i], greedy(24), dec, opts)
+        for j, (dec, opts) in enumerate(kinds)
+        for i in (0, 3)
+    ]
+    # a long prompt arriving mid-run: chunked prefill shares the steps with speculation
+    late = [GenerateRequest("long", list(range(30, 90)), greedy(24), "speculative", spec(model))]
+    tokens, stats = run(core, requests, late)
+    for r in requests:
+        assert tokens[r.request_id] == reference[int(r.request_id.split("-")[0])], r
+    assert tokens["long"] == reference[len(PROMPTS)]
+    assert core.engine.cache.num_free_blocks == core.engine.cache.num_usable_blocks
+    drafter_cache = core.decoders["speculative"].draft_model.engine.cache
+    assert drafter_cache.num_free_blocks == drafter_cache.num_usable_blocks
+    if draft == "same":  # a perfect drafter: every draft accepted
+        assert stats["0-3"]["acceptance_rate"] == 1.0
+
+
+def test_greedy_under_preemption(tiny_dir, other_dir, reference):
+    """A KV cache too small for everyone: preempted sequences drop their draft state too."""
+    core = make(tiny_dir, other_dir, kv_bytes=7 * 8192)  # 7 blocks of 16 tokens (6 usable)
+    requests = [
+        GenerateRequest(str(i), p, greedy(24), "speculative", spec(str(other_dir), k=3))
+        for i, p in enumerate(PROMPTS)
+    ]
+    tokens, _ = run(core, requests)
+    assert core.preempted
+    for i in range(len(PROMPTS)):
+        assert tokens[str(i)] == reference[i]
+    drafter = core.decoders["speculative"].draft_model
+    assert drafter.engine.cache.num_free_blocks == drafter.engine.cache.num_usable_blocks
+    assert not drafter._cursors
+    assert core.engine.cache.num_free_blocks == core.engine.cache.num_usable_blocks
+
+
+def test_perfect_and_always_wrong_drafters(tiny_dir, blind_dir, reference):
+    n = 4 * (K + 1)
+    perfect = make(tiny_dir, tiny_dir)
+    for draft in (str(tiny_dir), "early_exit"):
+        options = spec(draft, exit_layer=2) if draft == "early_exit" else spec(draft)
+        tokens, stats = run(
+            perfect, [GenerateRequest("p", PROMPTS[1], greedy(n), "speculative", options)]
+        )
+        assert stats["p"]["mean_accepted_length"] == K + 1
+        assert stats["p"]["accepted_per_position"] == [4] * K
+        assert tokens["p"] == reference[1][:n]
+
+    assert 0 not in reference[1]  # the blind draft's token 0 is never the target's choice
+    wrong = make(tiny_dir, blind_dir)
+    tokens, stats = run(
+        wrong, [GenerateRequest("w", PROMPTS[1], greedy(24), "speculative", spec(str(blind_dir)))]
+    )
+    assert stats["w"]["mean_accepted_length"] == 1.0
+    assert stats["w"]["accepted_tokens"] == 0 and stats["w"]["draft_tokens"] > 0
+    assert tokens["w"] == reference[1]
+
+
+# ---- the KV caches after speculation hold exactly what plain prefill computes ----------------
+
+
+def _prefill_kv(engine: Engine, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    seq = Sequence("probe", tokens, SamplingParams())
+    engine.cache.reserve(seq, len(tokens))
+    engine.runner.forward([Chunk(seq, tokens, 1)])
+    slots = torch.tensor(engine.cache.slots(seq, 0, len(tokens)))
+    kv = engine.cache.k[:, slots].clone(), engine.cache.v[:, slots].clone()
+    engine.cache.free(seq)
+    return kv
+
+
+def _step_until(core: EngineCore, rid: str, n_out: int) -> Sequence:
+    while core.seqs[rid].num_output_tokens < n_out:
+        core.step()
+    return core.seqs[rid]
+
+
+def test_early_exit_shares_the_target_kv_cache_correctly(tiny_dir):
+    """Draft KV written into layers < L is overwritten by verification; committed KV is exact."""
+    core = make(tiny_dir)
+    core.add(
+        GenerateRequest(
+            "s", PROMPTS[0], greedy(40), "speculative", spec("early_exit", exit_layer=1)
+        )
+    )
+    seq = _step_until(core, "s", 20)
+    n = seq.num_cached
+    slots = torch.tensor(core.engine.cache.slots(seq, 0, n))
+    got_k, got_v = core.engine.cache.k[:, slots], core.engine.cache.v[:, slots]
+    fresh = Engine(EngineConfig(model=str(tiny_dir), device="cpu", kv_cache_memory=1 << 20))
+    want_k, want_v = _prefill_kv(fresh, seq.token_ids[:n])
+    torch.testing.assert_close(got_k, want_k, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(got_v, want_v, atol=1e-5, rtol=1e-4)
+
+
+def test_draft_model_kv_rolls_back_to_the_accepted_prefix(tiny_dir, other_dir):
+    core = make(tiny_dir, other_dir)
+    core.add(GenerateRequest("s", PROMPTS[2], greedy(40), "speculative", spec(str(other_dir))))
+    seq = _step_until(core, "s", 20)
+    assert seq.stats.draft_tokens > seq.stats.accepted_tokens  # there were rejections
+    drafter = core.decoders["speculative"].draft_model
+    cursor = drafter._cursors["s"].kv
+    n = cursor.num_cached
+    assert n <= seq.num_tokens
+    slots = torch.tensor(drafter.engine.cache.slots(cursor, 0, n))
+    fresh = Engine(EngineConfig(model=str(other_dir), device="cpu", kv_cache_memory=1 << 20))
+    want_k, want_v = _prefill_kv(fresh, seq.token_ids[:n])
+    torch.testing.assert_close(drafter.engine.cache.k[:, slots], want_k, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(drafter.engine.cache.v[:, slots], want_v, atol=1e-5, rtol=1e-4)
+
+
+# ---- sampling end to end: the joint distribution of two tokens ------------------------------
+
+
+def _exact_joint(tiny_hf, prompt: list[int], params: SamplingParams) -> torch.Tensor:
+    """p(t1, t2) of the target under temperature/top-k, as a [vocab, vocab] table."""
+    from stride.decoders import sampling
+
+    def dist(ids: list[int]) -> torch.Tensor:
+        logits = tiny_hf(torch.tensor([ids])).logits[0, -1:].float()
+        row = sampling.Row(Sequence("x", ids, params))
+        return sampling.probabilities(logits, [row])[0]
+
+    with torch.no_grad():
+        first = dist(prompt)
+        joint = torch.zeros(first.numel(), first.numel(), dtype=torch.float64)
+        for t in first.nonzero()[:, 0].tolist():
+            joint[t] = first[t].double() * dist(prompt + [t]).double()
+    return joint
+
+
+@pytest.mark.parametrize("draft", ["other", "early_exit"])
+def test_sampled_output_follows_the_target_distribution(tiny_dir, tiny_hf, other_dir, draft):
+    prompt, n = PROMPTS[2], 1200
+    params = SamplingParams(max_tokens=2, temperature=1.5, top_k=4, ignore_eos=True)
+    options = (
+        spec(str(other_dir), k=2) if draft == "other" else spec("early_exit", k=2, exit_layer=1)
+    )
+    core = make(tiny_dir, other_dir, max_waiting=n)
+    requests = [  # seeded: each request draws from its own generator, reproducibly
+        GenerateRequest(str(i), prompt, replace(params, seed=i), "speculative", options)
+        for i in range(n)
+    ]
+    tokens, stats = run(core, requests)
+    assert sum(s.get("draft_tokens", 0) for s in stats.values()) > 0
+    joint = _exact_joint(tiny_hf, prompt, params)
+    cells = joint.flatten().nonzero()[:, 0]
+    counts = torch.zeros(joint.numel(), dtype=torch.float64)
+    for t in tokens.values():
+        counts[t[0] * joint.shape[1] + t[1]] += 1
+    assert counts.sum() == counts[cells].sum()  # nothing outside the target's support
+    pvalue = _chi2_pvalue(counts[cells], joint.flatten()[cells])
+    print(f"chi-square p-value {pvalue:.3g}")
+    assert pvalue > 1e-3
+    # The same test rejects a wrong distribution: the target's at a lower temperature.
+    wrong = _exact_joint(tiny_hf, prompt, SamplingParams(temperature=0.8, top_k=4))
+    wrong_pvalue = _chi2_pvalue(counts[cells], wrong.flatten()[cells])
+    print(f"wrong distribution: p-value {wrong_pvalue:.3g}")
+    assert wrong_pvalue < 1e-3
+
+
+# ---- admission and the adaptive policy -----------------------------------------------------
+
+
+def test_invalid_options_are_rejected_naming_valid_drafters(tiny_dir):
+    core = make(tiny_dir)
+    bad = [
+        ({"draft": "nope"}, "valid drafters: ngram, early_exit"),
+        ({"num_speculative_tokens": -1}, "num_speculative_tokens"),
+        ({"adaptive": "yes"}, "adaptive"),
+        ({"draft": "ngram", "exit_layer": 1}, "exit_layer"),
+        ({"draft": "early_exit", "exit_layer": 9}, "exit_layer"),
+        ({"colour": 1}, "unknown speculative options"),
+    ]
+    for options, message in bad:
+        with pytest.raises(RequestRejected, match=message):
+            core.add(GenerateRequest("x", [5], greedy(2), "speculative", options))
+    assert not core.seqs
+
+
+def test_adaptive_policy_speculates_only_when_it_pays():
+    assert choose_k(0.8, batch=1, k_max=4, cost=0.0, saturation=16) == 4
+    assert choose_k(0.8, batch=64, k_max=4, cost=0.0, saturation=16) == 0  # compute-bound
+    assert choose_k(0.05, batch=1, k_max=4, cost=0.5, saturation=16) == 0  # drafts rarely pass
+    assert choose_k(0.8, batch=1, k_max=4, cost=1.0, saturation=16) == 0  # drafter as dear
+    gpu = [choose_k(0.7, batch=b, k_max=6, cost=0.1, saturation=256) for b in (1, 64, 512)]
+    assert gpu[0] >= gpu[1] >= gpu[2] and gpu[0] > 0 and gpu[2] == 0
+
+
+def test_adaptive_backs_off_when_drafts_fail(tiny_dir, reference):
+    """Early exit after one of two layers is cheap but poor here: K falls to 0, with probes."""
+    engine = Engine(EngineConfig(model=str(tiny_dir), device="cpu", kv_cache_memory=8 << 20))
+    decoders = build_decoders(engine)
+    decoders["speculative"] = Speculative(engine, saturation_tokens=1e9)  # target cost is flat
+    core = EngineCore(engine, SchedulerConfig(), decoders)
+    options = spec("early_exit", exit_layer=1, adaptive=True)
+    tokens, stats = run(
+        core, [GenerateRequest("s", PROMPTS[1], greedy(24), "speculative", options)]
+    )
+    assert tokens["s"] == reference[1]
+    drafted = stats["s"]["draft_tokens"]
+    assert 0 < drafted < stats["s"]["forward_passes"] // 2
