@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 
 import matplotlib
+from PIL import Image
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
@@ -36,7 +38,8 @@ def plot_sweep(summary: dict, path: Path, title: str = "") -> Path:
         for ax, metric in zip(axes[:2], ("ttft_ms", "itl_ms"), strict=True):
             for stat, style in (("p50", "-"), ("p99", "--")):
                 xs, ys, users = _series(steps, metric, stat)
-                ax.plot(xs, ys, style, marker="o", ms=4, color=color, label=f"{decoder} {stat}")
+                label = decoder if stat == "p50" else None  # line styles get their own key
+                ax.plot(xs, ys, style, marker="o", ms=4, color=color, label=label)
                 if stat == "p50":
                     _label_points(ax, xs, ys, users)
         points = [
@@ -52,6 +55,9 @@ def plot_sweep(summary: dict, path: Path, title: str = "") -> Path:
         ("Inter-token latency", "ITL (ms)"),
         ("Pareto: speed per user vs total", "output tokens/s per user"),
     )
+    for ax in axes[:2]:
+        ax.plot([], [], "-", color="gray", label="p50")
+        ax.plot([], [], "--", color="gray", label="p99")
     for ax, (name, ylabel) in zip(axes, titles, strict=True):
         ax.set_title(name, fontsize=11)
         ax.set_xlabel("output tokens/s (all users)")
@@ -63,6 +69,9 @@ def plot_sweep(summary: dict, path: Path, title: str = "") -> Path:
     fig.suptitle(title or "Stride concurrency sweep", fontsize=12)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png")
     plt.close(fig)
+    # A palette of 128 colours keeps the file small enough to commit next to the docs.
+    Image.open(buffer).convert("RGB").quantize(colors=128).save(path, optimize=True)
     return path
