@@ -333,6 +333,8 @@ def test_pod_has_gpu_shm_and_runs_as_the_images_user():
     uid, gid = runtime_stage().last("USER").split(":")
     assert (security["runAsUser"], security["runAsGroup"]) == (int(uid), int(gid))
     assert security["runAsNonRoot"] is True and int(uid) != 0
+    (threads,) = [e for e in c["env"] if e["name"] == "OMP_NUM_THREADS"]
+    assert threads["valueFrom"]["resourceFieldRef"]["resource"] == "requests.cpu"
 
 
 def test_every_stride_env_var_is_one_the_cli_reads():
@@ -401,6 +403,18 @@ def test_adapter_query_is_valid_promql(tmp_path):
     path.write_text(yaml.safe_dump(rules))
     out = subprocess.run(["promtool", "check", "rules", str(path)], capture_output=True, text=True)
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_inference_pool_selects_the_stride_pods_and_the_route_targets_it():
+    values = yaml.safe_load((K8S / "gateway" / "epp-values.yaml").read_text())
+    pool = values["inferencePool"]
+    pod_labels = deployment()["spec"]["template"]["metadata"]["labels"]
+    assert _selects(pool["modelServers"]["matchLabels"], pod_labels)
+    assert pool["targetPorts"] == [{"number": container()["ports"][0]["containerPort"]}]
+    route = manifests()[("HTTPRoute", "stride")]
+    refs = [ref for rule in route["spec"]["rules"] for ref in rule["backendRefs"]]
+    assert refs == [{"group": "inference.networking.k8s.io", "kind": "InferencePool",
+                     "name": "stride"}]  # fmt: skip
 
 
 # ---- Grafana dashboard --------------------------------------------------------------------------
