@@ -15,6 +15,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -463,24 +464,22 @@ def test_dockerfile_shape():
     assert "DEVICE" in " ".join(stages[0].all("ARG")), "a build arg picks CUDA or CPU torch"
 
 
+def dockerignore_keeps(path: str) -> bool:
+    """Whether .dockerignore lets `path` into the build context (last matching pattern wins)."""
+    keep = True
+    for line in (ROOT / ".dockerignore").read_text().splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        negate, pattern = line.startswith("!"), line.lstrip("!").rstrip("/")
+        regex = re.escape(pattern).replace(r"\*\*/", "(.*/)?").replace(r"\*", "[^/]*")
+        if re.fullmatch(regex + "(/.*)?", path):
+            keep = negate
+    return keep
+
+
 def test_dockerignore_sends_only_the_build_inputs():
     """The copied paths survive .dockerignore; .git, tests and caches do not."""
-    patterns = [
-        line.strip()
-        for line in (ROOT / ".dockerignore").read_text().splitlines()
-        if line.strip() and not line.startswith("#")
-    ]
-
-    def included(path: str) -> bool:
-        keep = True
-        for p in patterns:
-            negate = p.startswith("!")
-            p = p.lstrip("!").rstrip("/")
-            regex = re.escape(p).replace(r"\*\*/", "(.*/)?").replace(r"\*", "[^/]*")
-            if re.fullmatch(regex + "(/.*)?", path):
-                keep = negate
-        return keep
-
     copied = []
     for stage in dockerfile_stages():
         for args in stage.all("COPY"):
@@ -488,7 +487,31 @@ def test_dockerignore_sends_only_the_build_inputs():
                 copied += args.split()[:-1]
     assert copied
     for path in copied:
-        assert included(path), path
-    assert included("stride/server/app.py")
+        assert dockerignore_keeps(path), path
+    assert dockerignore_keeps("stride/server/app.py")
     for path in (".git/config", "tests/test_deploy.py", "stride/__pycache__/x.pyc", ".env"):
-        assert not included(path), path
+        assert not dockerignore_keeps(path), path
+
+
+def test_build_context_makes_a_wheel_with_the_stride_command(tmp_path):
+    """`pip install .` in the build stage sees only the context: it must still build Stride."""
+    context = tmp_path / "context"
+    tracked = subprocess.run(
+        ["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout.split()
+    for rel in tracked:
+        if dockerignore_keeps(rel) and (ROOT / rel).is_file():
+            (context / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / rel, context / rel)
+    out = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+         "-w", str(tmp_path / "dist"), str(context)],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    (wheel,) = (tmp_path / "dist").glob("stride-*.whl")
+    with zipfile.ZipFile(wheel) as zf:
+        names = zf.namelist()
+        entry_points = zf.read(next(n for n in names if n.endswith("entry_points.txt"))).decode()
+    assert "stride/server/cli.py" in names and "stride/engine/loader.py" in names
+    assert re.search(r"^stride = stride\.server\.cli:main$", entry_points, re.M)
