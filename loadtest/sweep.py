@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -138,8 +139,7 @@ def main(argv: list[str] | None = None) -> int:
           f"= about {minutes:.1f} min of load against {args.host}", flush=True)  # fmt: skip
     summary = {
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "command": "python -m loadtest.sweep "
-        + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": shlex.join(["python", "-m", "loadtest.sweep", *(argv or sys.argv[1:])]),
         "host": args.host,
         "config": {k: v for k, v in vars(args).items() if k not in ("out", "host")},
         "decoders": {},
