@@ -248,12 +248,67 @@ CRD_SCHEMAS = {
         },
         "additionalProperties": False,
     },
+    ("keda.sh/v1alpha1", "ScaledObject"): {
+        "type": "object",
+        "required": ["apiVersion", "kind", "metadata", "spec"],
+        "properties": {
+            "apiVersion": {},
+            "kind": {},
+            "metadata": _META,
+            "spec": {
+                "type": "object",
+                "required": ["scaleTargetRef", "triggers"],
+                "properties": {
+                    "scaleTargetRef": {
+                        "type": "object",
+                        "required": ["name"],
+                        "properties": {"name": _NAME, "kind": {}, "apiVersion": {}},
+                        "additionalProperties": False,
+                    },
+                    "minReplicaCount": {"type": "integer", "minimum": 0},
+                    "maxReplicaCount": {"type": "integer", "minimum": 1},
+                    "pollingInterval": {"type": "integer", "minimum": 1},
+                    "cooldownPeriod": {"type": "integer", "minimum": 0},
+                    "triggers": {
+                        "type": "array",
+                        "minItems": 1,
+                        "items": {
+                            "type": "object",
+                            "required": ["type", "metadata"],
+                            "properties": {
+                                "type": {"type": "string"},
+                                "metricType": {"enum": ["AverageValue", "Value", "Utilization"]},
+                                "metadata": {
+                                    "type": "object",
+                                    "additionalProperties": {"type": "string"},
+                                },
+                            },
+                            "additionalProperties": False,
+                        },
+                    },
+                    "advanced": {
+                        "type": "object",
+                        "properties": {
+                            "horizontalPodAutoscalerConfig": {
+                                "type": "object",
+                                "properties": {"behavior": {"type": "object"}},
+                                "additionalProperties": False,
+                            }
+                        },
+                        "additionalProperties": False,
+                    },
+                },
+                "additionalProperties": False,
+            },
+        },
+        "additionalProperties": False,
+    },
 }
 
 
 def test_custom_resources_use_only_fields_their_crds_define():
     custom = [o for o in manifests().values() if o["apiVersion"] not in BUILT_IN_GROUPS]
-    assert {o["kind"] for o in custom} == {"ServiceMonitor", "HTTPRoute"}
+    assert {o["kind"] for o in custom} == {"ServiceMonitor", "HTTPRoute", "ScaledObject"}
     for obj in custom:
         jsonschema.validate(obj, CRD_SCHEMAS[(obj["apiVersion"], obj["kind"])])
 
@@ -387,21 +442,28 @@ def test_hpa_metric_is_what_the_adapter_serves():
     assert metric["pods"]["metric"]["name"] in served
 
 
+def test_keda_alternative_scales_like_the_hpa():
+    hpa = manifests()[("HorizontalPodAutoscaler", "stride")]["spec"]
+    keda = manifests()[("ScaledObject", "stride")]["spec"]
+    assert keda["scaleTargetRef"]["name"] == hpa["scaleTargetRef"]["name"]
+    assert (keda["minReplicaCount"], keda["maxReplicaCount"]) == (
+        hpa["minReplicas"], hpa["maxReplicas"])  # fmt: skip
+    (trigger,) = keda["triggers"]
+    assert trigger["metricType"] == "AverageValue"
+    assert trigger["metadata"]["threshold"] == hpa["metrics"][0]["pods"]["target"]["averageValue"]
+    assert keda["advanced"]["horizontalPodAutoscalerConfig"]["behavior"] == hpa["behavior"]
+    # Its job label is the one Prometheus Operator gives the ServiceMonitor's targets.
+    assert 'job="stride"' in trigger["metadata"]["query"]
+    assert manifests()[("Service", "stride")]["metadata"]["name"] == "stride"
+
+
 @pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool (Debian's prometheus)")
-def test_adapter_query_is_valid_promql(tmp_path):
-    rules = {
-        "groups": [
-            {
-                "name": "adapter",
-                "rules": [
-                    {"record": f"adapter:rule{i}", "expr": render_adapter_query(rule)}
-                    for i, rule in enumerate(adapter_rules())
-                ],
-            }
-        ]
-    }
-    path = tmp_path / "adapter-rules.yml"
-    path.write_text(yaml.safe_dump(rules))
+def test_autoscaling_queries_are_valid_promql(tmp_path):
+    queries = [render_adapter_query(rule) for rule in adapter_rules()]
+    queries += [manifests()[("ScaledObject", "stride")]["spec"]["triggers"][0]["metadata"]["query"]]
+    rules = [{"record": f"autoscaling:query{i}", "expr": q} for i, q in enumerate(queries)]
+    path = tmp_path / "autoscaling-rules.yml"
+    path.write_text(yaml.safe_dump({"groups": [{"name": "autoscaling", "rules": rules}]}))
     out = subprocess.run(["promtool", "check", "rules", str(path)], capture_output=True, text=True)
     assert out.returncode == 0, out.stdout + out.stderr
 
