@@ -77,6 +77,8 @@ def verify(
         verdicts.append(best)
         offset += 1 + len(prop.tokens)
 
+    if all(s.params.logprobs is None for s in seqs):
+        return verdicts, [[None] * len(v.rows) for v in verdicts]
     starts = [0]
     for prop in proposals:
         starts.append(starts[-1] + 1 + len(prop.tokens))

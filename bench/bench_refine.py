@@ -1,0 +1,177 @@
+"""Jacobi and lookahead decoding against plain greedy AR on the default model (real weights).
+
+For code-like and free-text chat prompts, at each concurrency (requests in flight at once), every
+decoder generates the same greedy continuations; the script reports output tok/s, tokens
+committed per forward pass (what refinement buys), the speed-up over AR measured in the same
+process, and whether the outputs equal AR's token for token (exact in fp32; bf16 may differ).
+
+    python bench/bench_refine.py                      # CPU, fp32, small
+    python bench/bench_refine.py --device cuda --prompts 8 --tokens 128 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from stride.decoders.autoregressive import Autoregressive  # noqa: E402
+from stride.decoders.refine import Refine  # noqa: E402
+from stride.engine.engine import Engine, EngineConfig  # noqa: E402
+from stride.engine.sequence import SamplingParams  # noqa: E402
+from stride.scheduler.core import EngineCore  # noqa: E402
+from stride.scheduler.outputs import GenerateRequest  # noqa: E402
+
+PROMPTS = {
+    "code": [
+        "Write a Python function that checks whether a string is a palindrome.",
+        "Write a Python class for a stack with push, pop and peek methods.",
+        "Write a JavaScript function that returns the sum of an array of numbers.",
+        "Write a Python function that computes the n-th Fibonacci number iteratively.",
+        "Write a SQL query that selects the ten most recent orders from a table orders.",
+        "Write a Python function that reads a CSV file and returns a list of dicts.",
+        "Write a C function that reverses a linked list.",
+        "Write a Python function that counts the words in a text file.",
+    ],
+    "text": [
+        "Tell me a short story about a lighthouse keeper.",
+        "Explain why the sky is blue to a ten-year-old.",
+        "What are three tips for staying focused while studying?",
+        "Describe a walk through a forest in autumn.",
+        "What is the difference between weather and climate?",
+        "Write a short letter thanking a friend for their help.",
+        "Give me a recipe idea for a quick vegetarian dinner.",
+        "Why do cats purr?",
+    ],
+}
+DECODERS = {
+    "ar": ("ar", {}),
+    "jacobi": ("refine", {"method": "jacobi"}),
+    "lookahead": ("refine", {"method": "lookahead"}),
+    "lookahead-wide": (
+        "refine",
+        {"method": "lookahead", "window": 8, "ngram": 5, "candidates": 8},
+    ),
+}
+
+
+def chat_ids(engine: Engine, text: str) -> list[int]:
+    ids = engine.tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True
+    )
+    return ids if isinstance(ids, list) else ids["input_ids"]
+
+
+def sync(engine: Engine) -> None:
+    if engine.device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def run_wave(core: EngineCore, requests: list[GenerateRequest]) -> tuple[dict, int, int]:
+    """All requests at once, to the end: outputs, and the sums of output tokens and passes."""
+    for r in requests:
+        core.add(r)
+    tokens: dict[str, list[int]] = {}
+    passes = 0
+    while core.has_work:
+        for out in core.step():
+            tokens.setdefault(out.request_id, []).extend(out.token_ids)
+            if out.finished:
+                passes += out.decoder_stats["forward_passes"]
+    return tokens, sum(map(len, tokens.values())), passes
+
+
+def bench(engine: Engine, kind: str, decoder: str, concurrency: int, args) -> dict:
+    core = EngineCore(engine, decoders={"ar": Autoregressive(), "refine": Refine()})
+    name, options = DECODERS[decoder]
+    count = max(args.prompts, concurrency)  # at least one full wave
+    prompts = [chat_ids(engine, p) for p in PROMPTS[kind][:count]]
+    params = SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=args.ignore_eos)
+    outputs: dict[str, list[int]] = {}
+    total_tokens = total_passes = 0
+    sync(engine)
+    start = time.perf_counter()
+    for w in range(0, len(prompts), concurrency):
+        wave = [
+            GenerateRequest(f"{kind}{w + i}", p, params, name, dict(options))
+            for i, p in enumerate(prompts[w : w + concurrency])
+        ]
+        got, n_tokens, n_passes = run_wave(core, wave)
+        outputs.update(got)
+        total_tokens += n_tokens
+        total_passes += n_passes
+    sync(engine)
+    elapsed = time.perf_counter() - start
+    return {
+        "kind": kind,
+        "decoder": decoder,
+        "concurrency": concurrency,
+        "tokens": total_tokens,
+        "seconds": round(elapsed, 3),
+        "tok_s": round(total_tokens / elapsed, 1),
+        "tokens_per_pass": round(total_tokens / max(total_passes, 1), 3),
+        "outputs": outputs,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M-Instruct")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument(
+        "--prompts",
+        type=int,
+        default=4,
+        help="prompts per kind (at most 8; at least the concurrency)",
+    )
+    ap.add_argument("--tokens", type=int, default=48, help="max new tokens per request")
+    ap.add_argument("--concurrency", default="1,8")
+    ap.add_argument("--decoders", default="ar,jacobi,lookahead,lookahead-wide")
+    ap.add_argument("--ignore-eos", action="store_true")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+
+    engine = Engine(
+        EngineConfig(
+            model=args.model, device=args.device, dtype=args.dtype, kv_cache_memory=512 << 20
+        )
+    )
+    card = torch.cuda.get_device_name() if engine.device.type == "cuda" else "cpu"
+    print(f"# {engine.name} on {card}, {engine.dtype}, torch {torch.__version__}")
+    levels = [int(c) for c in args.concurrency.split(",")]
+    decoders = args.decoders.split(",")
+    bench(engine, "text", "ar", 1, argparse.Namespace(**{**vars(args), "prompts": 1}))  # warm-up
+    results = []
+    header = "kind  conc  decoder          tok/s   tokens/pass  speed-up  same-as-AR"
+    print(header)
+    for kind in PROMPTS:
+        for conc in levels:
+            base = None
+            for decoder in decoders:
+                r = bench(engine, kind, decoder, conc, args)
+                base = base or r
+                r["speedup"] = round(r["tok_s"] / base["tok_s"], 2)
+                same = sum(r["outputs"][k] == base["outputs"][k] for k in base["outputs"])
+                r["same_as_ar"] = f"{same}/{len(base['outputs'])}"
+                print(
+                    f"{kind:5} {conc:4}  {decoder:15} {r['tok_s']:7.1f}"
+                    f"  {r['tokens_per_pass']:11.2f}  {r['speedup']:7.2f}x  {r['same_as_ar']}",
+                    flush=True,
+                )
+                results.append(r)
+    if args.json:
+        meta = {"model": engine.name, "card": card, "dtype": str(engine.dtype), "args": vars(args)}
+        for r in results:
+            r.pop("outputs")
+        Path(args.json).write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
