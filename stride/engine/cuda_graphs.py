@@ -11,6 +11,7 @@ block 0, which the KV cache never hands out, so padding writes and reads only ha
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 
@@ -30,8 +31,17 @@ def batch_buckets(max_batch: int) -> list[int]:
 
 
 class DecodeGraphs:
-    def __init__(self, model: CausalLM, cache: KVCache, max_batch: int, max_blocks: int) -> None:
+    def __init__(
+        self,
+        model: CausalLM,
+        forward: Callable[..., torch.Tensor],
+        cache: KVCache,
+        max_batch: int,
+        max_blocks: int,
+    ) -> None:
+        """`forward` has `CausalLM.forward`'s signature (the model itself or `FusedForward`)."""
         self.model = model
+        self.forward = forward
         self.cache = cache
         self.max_blocks = max_blocks
         self.buckets = batch_buckets(max_batch)
@@ -68,7 +78,7 @@ class DecodeGraphs:
             context_lens=x[:, _LENGTH],
             block_size=self.cache.block_size,
         )
-        hidden = self.model(x[:, _TOKEN], x[:, _POSITION], (self.cache.k, self.cache.v), meta)
+        hidden = self.forward(x[:, _TOKEN], x[:, _POSITION], (self.cache.k, self.cache.v), meta)
         self._logits[:batch].copy_(self.model.logits(hidden))
 
     @torch.inference_mode()

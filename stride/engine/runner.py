@@ -6,10 +6,11 @@ an optional mask among them, and how many trailing rows need logits. Keys and va
 scored token are written to the slots right after the sequence's cached ones; the decoder's
 commit decides how many of them stay.
 
-On a GPU, plain decode chunks (one token, causal, one logits row) skip the general path: they are
-replayed as a captured CUDA graph (`cuda_graphs.DecodeGraphs`), and whatever else the step holds
-(prefill chunks, drafts, windows) runs eagerly beside them. Both write disjoint KV slots, so the
-split is invisible to callers.
+On a GPU the layers run through fused Triton kernels (`fused.FusedForward`), and plain decode
+chunks (one token, causal, one logits row) skip the general path: they are replayed as a CUDA
+graph (`cuda_graphs.DecodeGraphs`), and whatever else the step holds (prefill chunks, drafts,
+windows) runs eagerly beside them. Both write disjoint KV slots, so the split is invisible to
+callers.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from stride.engine import fused
 from stride.engine.attention import AttentionMetadata, decode_kernel_supported
 from stride.engine.cuda_graphs import DecodeGraphs
 from stride.engine.kv_cache import KVCache
@@ -45,18 +47,22 @@ class ModelRunner:
         cache: KVCache,
         device: torch.device,
         cuda_graphs: bool = True,
+        fused_kernels: bool = True,
         max_graph_batch: int = 256,
         max_graph_context: int = 8192,
     ) -> None:
         self.model = model
         self.cache = cache
         self.device = device
+        self.forward_fn = model
+        if fused_kernels and fused.supported(model, device):
+            self.forward_fn = fused.FusedForward(model)
         self.graphs: DecodeGraphs | None = None
         head_dim = model.model.layers[0].self_attn.head_dim
         if cuda_graphs and decode_kernel_supported(device, head_dim):
             max_len = getattr(model.config, "max_position_embeddings", None) or max_graph_context
             max_blocks = -(-min(max_len, max_graph_context) // cache.block_size)
-            self.graphs = DecodeGraphs(model, cache, max_graph_batch, max_blocks)
+            self.graphs = DecodeGraphs(model, self.forward_fn, cache, max_graph_batch, max_blocks)
 
     @torch.inference_mode()
     def forward(self, chunks: list[Chunk], num_layers: int | None = None) -> list[torch.Tensor]:
@@ -87,7 +93,7 @@ class ModelRunner:
 
     def _forward_eager(self, chunks: list[Chunk], num_layers: int | None) -> list[torch.Tensor]:
         meta, tokens, positions, rows = self._prepare(chunks)
-        hidden = self.model(tokens, positions, (self.cache.k, self.cache.v), meta, num_layers)
+        hidden = self.forward_fn(tokens, positions, (self.cache.k, self.cache.v), meta, num_layers)
         logits = self.model.logits(hidden[rows])
         return list(logits.split([c.num_logits for c in chunks]))
 
