@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import gevent
 from locust import HttpUser, constant, events, task
 from locust.runners import MasterRunner, WorkerRunner
 
@@ -32,6 +33,7 @@ from loadtest.stream import StreamError, time_stream
 __all__ = ["StepShape", "StrideUser"]
 
 RECORDS_KEY = "stride_records"
+FAILURE_BACKOFF_S = 0.5  # a failing user must not spin: no think time means no natural pause
 log = logging.getLogger("stride.loadtest")
 _records: list[RequestRecord] = []  # this process's finished requests (workers ship theirs)
 _user_numbers = itertools.count()
@@ -113,6 +115,12 @@ def _add_options(parser) -> None:
         help="Seed of each user's prompt and length choices",
     )
     group.add_argument(
+        "--api-key",
+        default="",
+        env_var="STRIDE_LT_API_KEY",
+        help="Sent as 'Authorization: Bearer KEY' (servers started with --api-key)",
+    )
+    group.add_argument(
         "--summary-out",
         default="",
         env_var="STRIDE_LT_SUMMARY_OUT",
@@ -192,6 +200,8 @@ class StrideUser(HttpUser):
         self.user_id = f"loadtest-{ident}" if worker is None else f"loadtest-{worker}-{ident}"
         self.prompts = PromptSource(options.prompts, options.prompt_words)
         self.max_tokens = IntDistribution.parse(options.max_tokens)
+        if options.api_key:
+            self.client.headers["Authorization"] = f"Bearer {options.api_key}"
         self.model = options.model or self._served_model()
 
     def _served_model(self) -> str:
@@ -239,6 +249,7 @@ class StrideUser(HttpUser):
                 record.error = f"{type(error).__name__}: {error}"[:300]
                 response.failure(record.error)
                 _records.append(record)
+                gevent.sleep(FAILURE_BACKOFF_S)
                 return
             response.success()
         record.ok = True

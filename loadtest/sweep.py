@@ -5,6 +5,7 @@
 
 Each decoder gets its own run (same steps, prompts and seed), so curves compare like with like.
 Progress is printed as steps start; Locust's full output goes to `OUT/locust-DECODER.log`.
+Environment variables reach the Locust runs, e.g. STRIDE_LT_API_KEY for a server with --api-key.
 """
 
 from __future__ import annotations
