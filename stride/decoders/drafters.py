@@ -25,11 +25,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from transformers import AutoConfig
 
 from stride.decoders import sampling
+from stride.engine import loader
 from stride.engine.engine import Engine, EngineConfig
 from stride.engine.kv_cache import KVCache, OutOfBlocks
-from stride.engine.runner import Chunk, ModelRunner
+from stride.engine.runner import Chunk
 from stride.engine.sequence import Sequence
 
 
@@ -163,35 +165,35 @@ class DraftModelDrafter(Drafter):
     """A separate causal LM with the target's tokenizer, with its own paged KV cache."""
 
     def __init__(self, target: Engine, model: str) -> None:
-        probe = Engine(
+        # As many blocks as the target's: whatever the target can hold, the draft can too.
+        config = AutoConfig.from_pretrained(loader.resolve(model))
+        heads = config.num_attention_heads
+        per_block = KVCache.bytes_per_block(
+            config.num_hidden_layers,
+            getattr(config, "num_key_value_heads", None) or heads,
+            getattr(config, "head_dim", None) or config.hidden_size // heads,
+            target.cache.block_size,
+            target.dtype,
+        )
+        engine = Engine(
             EngineConfig(
                 model=model,
                 device=str(target.device),
-                dtype=_dtype_name(target.dtype),
-                kv_cache_memory=1,  # the smallest cache; replaced below once shapes are known
+                dtype=str(target.dtype).removeprefix("torch."),
+                kv_cache_memory=per_block * target.cache.num_blocks,
                 block_size=target.cache.block_size,
+                max_model_len=target.max_model_len,
             )
         )
-        if probe.hf_config.vocab_size < target.hf_config.vocab_size:
+        if engine.hf_config.vocab_size < target.hf_config.vocab_size:
             raise ValueError(
                 f"draft model {model!r} has a smaller vocabulary "
-                f"({probe.hf_config.vocab_size}) than the target ({target.hf_config.vocab_size})"
+                f"({engine.hf_config.vocab_size}) than the target ({target.hf_config.vocab_size})"
             )
-        attn = probe.model.model.layers[0].self_attn
-        probe.cache = KVCache(
-            probe.model.num_layers,
-            attn.num_kv_heads,
-            attn.head_dim,
-            target.cache.num_blocks,
-            target.cache.block_size,
-            probe.dtype,
-            probe.device,
-        )
-        probe.runner = ModelRunner(probe.model, probe.cache, probe.device)
-        self.engine = probe
+        self.engine = engine
         self.name = model
         self.target_vocab = target.hf_config.vocab_size
-        self.cost = _num_params(probe.model) / _num_params(target.model)
+        self.cost = _num_params(engine.model) / _num_params(target.model)
         self._cursors: dict[str, _DraftCursor] = {}
 
     def _cursor(self, seq: Sequence) -> _DraftCursor:
@@ -241,7 +243,3 @@ class DraftModelDrafter(Drafter):
 
 def _num_params(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
