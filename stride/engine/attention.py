@@ -102,16 +102,24 @@ def decode_kernel_supported(device: torch.device, head_dim: int) -> bool:
 def decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: DecodeMetadata
 ) -> torch.Tensor:
-    """Paged decode attention: q [B, H, D] against each sequence's blocks. Returns [B, H, D]."""
+    """Paged decode attention: q [B, H, D] against each sequence's blocks. Returns [B, H, D].
+
+    With few sequences, one program per (sequence, KV head) would leave most of the GPU idle
+    while each walks its whole context; the context is then split among several programs whose
+    partial softmax sums a second kernel merges (flash-decoding).
+    """
     b, h, d = q.shape
     kv = k_cache.shape[1]
     group = h // kv
+    splits = max(1, min(16, 2 * _num_sms(q.device) // (b * kv)))
     out = torch.empty_like(q)
-    _decode_kernel[(b, kv)](
+    partial = torch.empty(b, h, splits, d + 2, dtype=torch.float32, device=q.device)
+    _decode_kernel[(b, kv, splits)](
         q,
         k_cache,
         v_cache,
         out,
+        partial,
         meta.block_tables,
         meta.context_lens,
         q.stride(0),
@@ -122,14 +130,36 @@ def decode_attention(
         out.stride(1),
         meta.block_tables.stride(0),
         d**-0.5,
+        splits,
         GROUP=group,
         GROUP_P2=max(triton.next_power_of_2(group), 2),
         HEAD_DIM=d,
         BLOCK_SIZE=meta.block_size,
         BLOCK_N=64 if d <= 64 else 32,
+        SPLIT=splits > 1,
         num_warps=8,
     )
+    if splits > 1:
+        _merge_kernel[(b, h)](
+            partial,
+            out,
+            out.stride(0),
+            out.stride(1),
+            splits,
+            HEAD_DIM=d,
+            SPLITS_P2=max(triton.next_power_of_2(splits), 2),
+        )
     return out
+
+
+_SMS: dict[int, int] = {}
+
+
+def _num_sms(device: torch.device) -> int:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SMS:
+        _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SMS[index]
 
 
 def decode_attention_reference(
@@ -160,6 +190,7 @@ if triton is not None:
         k_ptr,
         v_ptr,
         out_ptr,
+        part_ptr,
         tables_ptr,
         lens_ptr,
         stride_qt,
@@ -170,17 +201,24 @@ if triton is not None:
         stride_oh,
         stride_tb,
         scale,
+        num_splits,
         GROUP: tl.constexpr,
         GROUP_P2: tl.constexpr,
         HEAD_DIM: tl.constexpr,
         BLOCK_SIZE: tl.constexpr,
         BLOCK_N: tl.constexpr,
+        SPLIT: tl.constexpr,
     ):
-        """One program per (sequence, KV head): all query heads of the group share each key load;
-        online softmax in fp32 over the context, BLOCK_N tokens at a time."""
+        """One program per (sequence, KV head, context split): all query heads of the group share
+        each key load; online softmax in fp32, BLOCK_N tokens at a time. Split programs store
+        their unnormalised sums, running max and denominator for `_merge_kernel`."""
         seq = tl.program_id(0)
         kv_head = tl.program_id(1)
+        split = tl.program_id(2)
         n_ctx = tl.load(lens_ptr + seq)
+        per_split = tl.cdiv(tl.cdiv(n_ctx, num_splits), BLOCK_N) * BLOCK_N
+        lo = split * per_split
+        hi = tl.minimum(lo + per_split, n_ctx)
         g = tl.arange(0, GROUP_P2)
         d = tl.arange(0, HEAD_DIM)
         heads = kv_head * GROUP + g
@@ -195,9 +233,9 @@ if triton is not None:
         denom = tl.zeros([GROUP_P2], tl.float32)
         acc = tl.zeros([GROUP_P2, HEAD_DIM], tl.float32)
         offs = tl.arange(0, BLOCK_N)
-        for i in range(0, tl.cdiv(n_ctx, BLOCK_N)):
-            t = i * BLOCK_N + offs
-            t_ok = t < n_ctx
+        for i in range(0, tl.cdiv(hi - lo, BLOCK_N)):
+            t = lo + i * BLOCK_N + offs
+            t_ok = t < hi
             block = tl.load(tables_ptr + seq * stride_tb + t // BLOCK_SIZE, mask=t_ok, other=0)
             slot = block.to(tl.int64) * BLOCK_SIZE + t % BLOCK_SIZE
             kv_off = slot[:, None] * stride_ks + kv_head * stride_kh + d[None, :]
@@ -211,9 +249,44 @@ if triton is not None:
             denom = denom * alpha + tl.sum(p, axis=1)
             acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
             m = m_new
-        out = acc / denom[:, None]
-        tl.store(
-            out_ptr + seq * stride_ot + heads[:, None] * stride_oh + d[None, :],
-            out.to(out_ptr.dtype.element_ty),
-            mask=g_ok[:, None],
-        )
+        if SPLIT:
+            # partial[seq, head, split] = (acc[0:D], max, denominator); an empty split leaves
+            # max -inf and denominator 0, which the merge weighs as nothing.
+            row = part_ptr + ((seq * GROUP * tl.num_programs(1) + heads) * num_splits + split) * (
+                HEAD_DIM + 2
+            )
+            tl.store(row[:, None] + d[None, :], acc, mask=g_ok[:, None])
+            tl.store(row + HEAD_DIM, m, mask=g_ok)
+            tl.store(row + HEAD_DIM + 1, denom, mask=g_ok)
+        else:
+            out = acc / denom[:, None]
+            tl.store(
+                out_ptr + seq * stride_ot + heads[:, None] * stride_oh + d[None, :],
+                out.to(out_ptr.dtype.element_ty),
+                mask=g_ok[:, None],
+            )
+
+    @triton.jit
+    def _merge_kernel(
+        part_ptr,
+        out_ptr,
+        stride_ot,
+        stride_oh,
+        num_splits,
+        HEAD_DIM: tl.constexpr,
+        SPLITS_P2: tl.constexpr,
+    ):
+        """Combine one (sequence, head)'s split partial softmax sums into its output row."""
+        seq = tl.program_id(0)
+        head = tl.program_id(1)
+        sp = tl.arange(0, SPLITS_P2)
+        d = tl.arange(0, HEAD_DIM)
+        sp_ok = sp < num_splits
+        rows = part_ptr + ((seq * tl.num_programs(1) + head) * num_splits + sp) * (HEAD_DIM + 2)
+        m = tl.load(rows + HEAD_DIM, mask=sp_ok, other=float("-inf"))
+        denom = tl.load(rows + HEAD_DIM + 1, mask=sp_ok, other=0.0)
+        acc = tl.load(rows[:, None] + d[None, :], mask=sp_ok[:, None], other=0.0)
+        m_max = tl.max(m, axis=0)
+        w = tl.where(sp_ok & (denom > 0), tl.exp(m - m_max), 0.0)
+        out = tl.sum(acc * w[:, None], axis=0) / tl.sum(denom * w, axis=0)
+        tl.store(out_ptr + seq * stride_ot + head * stride_oh + d, out.to(out_ptr.dtype.element_ty))
