@@ -168,7 +168,7 @@ class Metrics:
             registry=r,
         )
         self.spec_drafts = Counter(
-            "stride_spec_drafts", "Speculative: verification passes, one draft each.", mdu,
+            "stride_spec_drafts", "Speculative: verification passes that checked a draft.", mdu,
             registry=r,
         )  # fmt: skip
         self.spec_draft_tokens = Counter(
@@ -331,7 +331,7 @@ class RequestTracker:
             m.tokens_per_pass.labels(*labels[:2]).observe(float(stats["tokens_per_pass"]))
         drafted = int(stats.get("draft_tokens", 0))
         if drafted:
-            m.spec_drafts.labels(*labels).inc(passes)
+            m.spec_drafts.labels(*labels).inc(int(stats.get("drafts", 0)))
             m.spec_draft_tokens.labels(*labels).inc(drafted)
             m.spec_accepted_tokens.labels(*labels).inc(int(stats.get("accepted_tokens", 0)))
             for pos, n in enumerate(stats.get("accepted_per_position", ())):

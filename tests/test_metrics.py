@@ -37,7 +37,7 @@ def label_values(m: Metrics, name: str, label: str) -> set[str]:
 
 def options_for(decoder: str) -> dict:
     # Speculative decoding adapts K and may stop drafting on a random model; make it draft.
-    return {"adaptive": False} if decoder == "speculative" else {}
+    return {"adaptive": False, "draft": "early_exit"} if decoder == "speculative" else {}
 
 
 async def run_all(client: EngineClient, metrics: Metrics, requests: list[GenerateRequest]):
@@ -130,7 +130,7 @@ def test_counters_equal_what_clients_received(tiny_dir):
     assert value(metrics, "stride_spec_accepted_tokens_total") == sum(
         s["accepted_tokens"] for s in spec
     )
-    assert value(metrics, "stride_spec_drafts_total") == sum(s["forward_passes"] for s in spec)
+    assert value(metrics, "stride_spec_drafts_total") == sum(s["drafts"] for s in spec)
     positions = max((len(s["accepted_per_position"]) for s in spec), default=0)
     for pos in range(positions):
         want = sum(s["accepted_per_position"][pos] for s in spec

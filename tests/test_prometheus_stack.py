@@ -15,19 +15,21 @@ import json
 import math
 import re
 import shutil
+import socket
 import subprocess
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 import pytest
+import uvicorn
 import yaml
 
 from stride.engine.engine import EngineConfig
 from stride.scheduler.policy import SchedulerConfig
-from stride.server.app import ServerConfig
-from tests.server_harness import TEST_DECODERS, LiveServer, free_port
+from stride.server.app import ServerConfig, create_app
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
 DASHBOARD = DEPLOY / "grafana" / "dashboards" / "stride.json"
@@ -48,6 +50,49 @@ pytestmark = pytest.mark.skipif(
 # ---- the two servers --------------------------------------------------------------------------
 
 
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class Stride:
+    """The real app under uvicorn on a free loopback port, in a thread of this process."""
+
+    def __init__(self, config: ServerConfig) -> None:
+        self.app = create_app(config)
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning"))
+        self.thread = threading.Thread(
+            target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True
+        )
+        self.thread.start()
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
+                    return
+            time.sleep(0.05)
+        raise TimeoutError("stride did not become ready")
+
+    @property
+    def core(self):
+        return self.app.state.client.core
+
+    def wait_idle(self, timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        while self.core.seqs and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not self.core.seqs, "requests still running after the traffic stopped"
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+
+
 @pytest.fixture(scope="module")
 def stride(tiny_dir):
     config = ServerConfig(
@@ -56,7 +101,7 @@ def stride(tiny_dir):
         api_key=KEY,
         metrics_users="alice,bob",
     )
-    server = LiveServer(config)
+    server = Stride(config)
     yield server
     server.stop()
 
@@ -120,9 +165,15 @@ def values(result: list[dict]) -> list[float]:
 # ---- traffic ----------------------------------------------------------------------------------
 
 
-def decoder_body(name: str) -> str | dict:
-    # Speculative decoding adapts K and may stop drafting on a random model; make it draft.
-    return {"type": "speculative", "adaptive": False} if name == "speculative" else name
+def decoder_body(name: str, i: int) -> str | dict:
+    if name == "speculative":  # it adapts K and may stop drafting on a random model
+        return {"type": "speculative", "adaptive": False, "draft": ("ngram", "early_exit")[i % 2]}
+    if name == "refine":  # the causal methods; diffusion needs a diffusion model of its own
+        return {"type": "refine", "method": ("jacobi", "lookahead")[i // 7 % 2]}
+    return name
+
+
+GREEDY_ONLY = {"refine"}
 
 
 def errors() -> itertools.cycle:
@@ -146,7 +197,7 @@ class Traffic:
         self.tokens = 0
         self.stats: list[dict] = []  # usage.decoder of every finished response
         self.failures: dict[str, int] = {}
-        self.unusable: set[str] = set()  # decoders the server refuses without extra set-up
+        self.served: set[str] = set()
 
     def one(self, i: int, client: httpx.Client, bad: itertools.cycle) -> None:
         if i % 7 == 6:
@@ -156,35 +207,38 @@ class Traffic:
             self.failures[kind] = self.failures.get(kind, 0) + 1
             return
         name = self.decoders[i % len(self.decoders)]
-        if name in self.unusable:
-            return
         body = {
             "prompt": f"Once upon a time {i}",
             "max_tokens": 6 + i % 7,
-            "temperature": 0.0 if i % 2 else 0.8,
+            "temperature": 0.0 if i % 2 or name in GREEDY_ONLY else 0.8,
             "seed": i,
             "ignore_eos": True,
-            "decoder": decoder_body(name),
+            "decoder": decoder_body(name, i),
         }
         user = USERS[i % len(USERS)]
         if user is not None:
             body["user"] = user
-        if i % 3 == 0:
-            usage = self._stream(client, body)
-        else:
-            r = client.post(f"{self.url}/v1/completions", json=body)
-            if r.status_code == 400 and "decoder" in r.text:
-                self.unusable.add(name)
-                return
-            assert r.status_code == 200, r.text
-            usage = r.json()["usage"]
+        usage = self._stream(client, body) if i % 3 == 0 else self._complete(client, body)
+        if usage is None:  # the decoder refused these options (e.g. greedy-only with sampling)
+            self.failures["validation"] = self.failures.get("validation", 0) + 1
+            return
         self.tokens += usage["completion_tokens"]
         self.stats.append(usage["decoder"])
+        self.served.add(name)
 
-    def _stream(self, client: httpx.Client, body: dict) -> dict:
+    def _complete(self, client: httpx.Client, body: dict) -> dict | None:
+        r = client.post(f"{self.url}/v1/completions", json=body)
+        if r.status_code == 400 and "decoder" in r.text:
+            return None
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]
+
+    def _stream(self, client: httpx.Client, body: dict) -> dict | None:
         body = {**body, "stream": True, "stream_options": {"include_usage": True}}
         usage = None
         with client.stream("POST", f"{self.url}/v1/completions", json=body) as r:
+            if r.status_code == 400 and "decoder" in r.read().decode():
+                return None
             assert r.status_code == 200, r.read()
             for line in r.iter_lines():
                 if line.startswith("data: {"):
@@ -215,7 +269,10 @@ class Traffic:
 
 @pytest.fixture(scope="module")
 def traffic(stride, prometheus) -> Traffic:
-    decoders = [d for d in stride.core.decoders if d not in TEST_DECODERS]
+    # Every real decoder (test modules may register toy ones of their own).
+    decoders = [
+        n for n, d in stride.core.decoders.items() if type(d).__module__.startswith("stride.")
+    ]
     t = Traffic(stride.url, decoders)
     t.run()
     stride.wait_idle()
@@ -228,14 +285,15 @@ def traffic(stride, prometheus) -> Traffic:
 
 def test_counters_add_up_in_prometheus(prometheus, traffic):
     assert traffic.tokens > 0 and set(traffic.failures) == {"auth", "validation", "deadline"}
+    assert traffic.served == set(traffic.decoders)
     (total,) = values(query(prometheus, "sum(stride_generation_tokens_total)"))
     assert total == traffic.tokens
     spec = [s for s in traffic.stats if s.get("draft_tokens")]
     if "speculative" in traffic.decoders:
         assert spec, "speculative requests should report drafts"
-    for metric, key in (("accepted_tokens", "accepted_tokens"), ("draft_tokens", "draft_tokens")):
-        got = values(query(prometheus, f"sum(stride_spec_{metric}_total)")) or [0.0]
-        assert got == [sum(s[key] for s in spec)], metric
+    for key in ("drafts", "draft_tokens", "accepted_tokens"):
+        got = values(query(prometheus, f"sum(stride_spec_{key}_total)")) or [0.0]
+        assert got == [sum(s[key] for s in spec)], key
     (passes,) = values(query(prometheus, "sum(stride_decoder_forward_passes_total)"))
     assert passes == sum(s["forward_passes"] for s in traffic.stats)
 

@@ -179,9 +179,9 @@ def build() -> dict:
     )  # fmt: skip
     d.add(
         "Speculative mean accepted length",
-        [(f"sum by (decoder) ({tokens}) / sum by (decoder) "
+        [(f"1 + sum by (decoder) ({rate('stride_spec_accepted_tokens_total')}) / sum by (decoder) "
           f"({rate('stride_spec_drafts_total')})", "{{decoder}}")],
-        description="Tokens committed per verification pass (accepted drafts + 1).",
+        description="Tokens committed per verification of a draft: accepted drafts + 1.",
     )  # fmt: skip
     pos_sel = 'model=~"$model",decoder=~"$decoder"'
     d.add(

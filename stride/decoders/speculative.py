@@ -336,6 +336,7 @@ class Speculative(Decoder):
 
     def _record(self, seq: Sequence, state: _State, drafted: int, accepted: int) -> None:
         stats = seq.stats
+        stats.drafts += 1 if drafted else 0
         stats.draft_tokens += drafted
         stats.accepted_tokens += accepted
         if len(stats.accepted_per_position) < drafted:

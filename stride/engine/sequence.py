@@ -61,6 +61,7 @@ class DecodeStats:
     """What a decoder bought for one request; returned to the client and counted in metrics."""
 
     forward_passes: int = 0  # target forwards that produced tokens for this request
+    drafts: int = 0  # speculative: verification passes that checked a draft
     draft_tokens: int = 0  # speculative: tokens proposed by the drafter
     accepted_tokens: int = 0  # speculative: drafted tokens the target accepted
     accepted_per_position: list[int] = field(default_factory=list)
@@ -75,6 +76,7 @@ class DecodeStats:
         }
         if self.draft_tokens:
             out.update(
+                drafts=self.drafts,
                 draft_tokens=self.draft_tokens,
                 accepted_tokens=self.accepted_tokens,
                 acceptance_rate=round(self.accepted_tokens / self.draft_tokens, 4),
