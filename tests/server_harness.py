@@ -1,0 +1,133 @@
+"""Real servers for the HTTP tests: uvicorn on a free loopback port, plus test-only decoders.
+
+`LiveServer` runs the app in a thread of the test process, so tests can look at the engine
+(`server.core`) while talking HTTP to it. `slow` (a sleep per step) makes requests last long
+enough to be cancelled, timed out or drained; `broken` kills the step loop mid-stream.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
+import httpx
+import openai
+import torch
+import uvicorn
+
+from stride.decoders.autoregressive import Autoregressive
+from stride.decoders.base import Commit, Proposal, StepContext
+from stride.decoders.registry import DECODERS
+from stride.engine.sequence import Sequence
+from stride.server.app import ServerConfig, create_app
+
+
+class Slow(Autoregressive):
+    """Plain decoding, 20 ms per step: long enough to act on a request while it runs."""
+
+    name = "slow"
+    delay = 0.02
+
+    def commit(self, seqs, proposals, logits, ctx) -> list[Commit]:
+        time.sleep(self.delay)
+        return super().commit(seqs, proposals, logits, ctx)
+
+
+class Broken(Autoregressive):
+    """Fails on a sequence's third step: the loop dies after a stream has started."""
+
+    name = "broken"
+
+    def commit(
+        self,
+        seqs: list[Sequence],
+        proposals: list[Proposal],
+        logits: list[torch.Tensor],
+        ctx: StepContext,
+    ) -> list[Commit]:
+        if any(s.num_output_tokens >= 2 for s in seqs):
+            raise RuntimeError("injected failure")
+        return super().commit(seqs, proposals, logits, ctx)
+
+
+TEST_DECODERS = {cls.name: cls for cls in (Slow, Broken)}
+
+
+def register_test_decoders() -> None:
+    DECODERS.update(TEST_DECODERS)
+
+
+@contextlib.contextmanager
+def extra_decoders() -> Iterator[None]:
+    register_test_decoders()
+    try:
+        yield
+    finally:
+        for name in TEST_DECODERS:
+            DECODERS.pop(name, None)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class LiveServer:
+    def __init__(self, config: ServerConfig, wait: bool = True) -> None:
+        self.config = config
+        self.app = create_app(config)
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        uv = uvicorn.Config(self.app, log_level="warning", timeout_graceful_shutdown=1)
+        self.server = uvicorn.Server(uv)
+        self.thread = threading.Thread(
+            target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True
+        )
+        self.thread.start()
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self, timeout: float = 180.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
+                    return
+            time.sleep(0.05)
+        raise TimeoutError("server did not become ready")
+
+    @property
+    def core(self):
+        return self.app.state.client.core
+
+    def openai(self, **kw) -> openai.OpenAI:
+        kw.setdefault("api_key", self.config.api_key or "none")
+        return openai.OpenAI(base_url=f"{self.url}/v1", max_retries=0, timeout=60, **kw)
+
+    def post(self, path: str, body: dict, **kw) -> httpx.Response:
+        kw.setdefault("timeout", 60)
+        return httpx.post(f"{self.url}{path}", json=body, **kw)
+
+    def wait_idle(self, timeout: float = 10.0) -> None:
+        """Until the engine runs nothing and every KV block is free again."""
+        core = self.core
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            cache = core.engine.cache
+            if not core.seqs and cache.num_free_blocks == cache.num_usable_blocks:
+                return
+            time.sleep(0.02)
+        raise AssertionError(
+            f"engine not idle: {len(core.seqs)} sequences, running {core.num_running}, "
+            f"{core.engine.cache.num_free_blocks}/{core.engine.cache.num_usable_blocks} free"
+        )
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
