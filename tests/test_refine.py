@@ -222,3 +222,21 @@ def test_default_model_matches_greedy(default_engine):
     for i in range(len(prompts)):
         assert got[f"refinejacobi{i}"] == got[f"ar{i}"]
         assert got[f"refinelookahead{i}"] == got[f"ar{i}"]
+
+
+def test_logprobs_match_greedy(core):
+    """The committed tokens' logprobs (and top alternatives) are AR's, row for row."""
+    got = {}
+    for decoder, options in (("ar", {}), ("refine", METHODS[0]), ("refine", METHODS[2])):
+        for r in reqs(core, decoder, options, n=12, logprobs=2)[:1]:
+            core.add(r)
+        lps = []
+        while core.has_work:
+            for out in core.step():
+                lps.extend(out.logprobs)
+        got[decoder + options.get("method", "")] = lps
+    for name in ("refinejacobi", "refinelookahead"):
+        assert [lp.token_id for lp in got[name]] == [lp.token_id for lp in got["ar"]]
+        for a, b in zip(got[name], got["ar"], strict=True):
+            assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
+            assert [t for t, _ in a.top] == [t for t, _ in b.top]
