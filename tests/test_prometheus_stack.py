@@ -176,16 +176,12 @@ def decoder_body(name: str, i: int) -> str | dict:
 GREEDY_ONLY = {"refine"}
 
 
-def errors() -> itertools.cycle:
-    """Requests that must fail, one kind after another."""
-    return itertools.cycle(
-        [
-            ("auth", {"prompt": "hi", "max_tokens": 2}, {"Authorization": "Bearer wrong"}),
-            ("validation", {"prompt": "hi", "temperature": 9}, None),
-            ("validation", {"prompt": "hi", "decoder": "no-such-decoder"}, None),
-            ("deadline", {"prompt": "hi", "max_tokens": 4, "timeout": 1e-6}, None),
-        ]
-    )
+ERRORS = [  # requests that must fail: (rejection reason, body, headers)
+    ("auth", {"prompt": "hi", "max_tokens": 2}, {"Authorization": "Bearer wrong"}),
+    ("validation", {"prompt": "hi", "temperature": 9}, None),
+    ("validation", {"prompt": "hi", "decoder": "no-such-decoder"}, None),
+    ("deadline", {"prompt": "hi", "max_tokens": 4, "timeout": 1e-6}, None),
+]
 
 
 class Traffic:
@@ -199,13 +195,14 @@ class Traffic:
         self.failures: dict[str, int] = {}
         self.served: set[str] = set()
 
+    def fail(self, client: httpx.Client, kind: str, body: dict, headers: dict | None) -> None:
+        r = client.post(f"{self.url}/v1/completions", json=body, headers=headers)
+        assert r.status_code >= 400, (kind, r.text)
+        self.failures[kind] = self.failures.get(kind, 0) + 1
+
     def one(self, i: int, client: httpx.Client, bad: itertools.cycle) -> None:
         if i % 7 == 6:
-            kind, body, headers = next(bad)
-            r = client.post(f"{self.url}/v1/completions", json=body, headers=headers)
-            assert r.status_code >= 400, (kind, r.text)
-            self.failures[kind] = self.failures.get(kind, 0) + 1
-            return
+            return self.fail(client, *next(bad))
         name = self.decoders[i % len(self.decoders)]
         body = {
             "prompt": f"Once upon a time {i}",
@@ -250,10 +247,13 @@ class Traffic:
     def run(self) -> None:
         counter = itertools.count()
         stop = time.monotonic() + TRAFFIC_SECONDS
-        bad = errors()
+        bad = itertools.cycle(ERRORS)
+        headers = {"Authorization": f"Bearer {KEY}"}
+        with httpx.Client(headers=headers, timeout=60) as client:
+            for error in ERRORS:  # every kind at least once, however slow the machine
+                self.fail(client, *error)
 
         def worker() -> None:
-            headers = {"Authorization": f"Bearer {KEY}"}
             with httpx.Client(headers=headers, timeout=60) as client:
                 while time.monotonic() < stop:
                     i = next(counter)
