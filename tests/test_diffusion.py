@@ -191,3 +191,8 @@ def test_tokenizer_mismatch_is_refused(engine, bert_dir):
         DiffusionGroup.load(str(bert_dir), Other(), torch.device("cpu"), None, False)
     with pytest.raises(ValueError, match="local directory"):
         DiffusionModel.load("some-org/llada-8b", torch.device("cpu"))
+
+
+def test_a_causal_lm_is_no_diffusion_model(tiny_dir):
+    with pytest.raises(ValueError, match="--trust-remote-code"):
+        DiffusionModel.load(tiny_dir, torch.device("cpu"))

@@ -54,9 +54,9 @@ class DiffusionModel:
                 f"diffusion model {str(path)!r} is not a local directory (this machine cannot "
                 "download from a model hub)"
             )
-        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
         kwargs = {"dtype": dtype or torch.float32, "trust_remote_code": trust_remote_code}
         try:
+            config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
             model = AutoModelForMaskedLM.from_pretrained(path, **kwargs)
         except ValueError as e:
             if not trust_remote_code:
@@ -64,6 +64,7 @@ class DiffusionModel:
                     f"{path} is not a masked LM transformers knows ({e}); diffusion LMs with their "
                     "own code (LLaDA, Dream) need the explicit --trust-remote-code opt-in"
                 ) from e
+            config = AutoConfig.from_pretrained(path, trust_remote_code=True)
             model = AutoModel.from_pretrained(path, **kwargs)
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
         mask_id = getattr(config, "mask_token_id", None)
