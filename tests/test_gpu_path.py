@@ -71,3 +71,18 @@ def test_cuda_graph_decode_equals_eager(tiny_dir):
     engine.runner.graphs = None
     eager = _greedy(EngineCore(engine), prompts, 24)
     assert with_graphs == eager
+
+
+@needs_triton
+@needs_cuda
+def test_gpu_fp32_greedy_equals_cpu(tiny_dir):
+    """The whole GPU path (fused kernels, graphs, paged decode kernel) against the CPU path."""
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 384, (n,), generator=g).tolist() for n in (7, 64, 2, 31)]
+    outs = {}
+    for device in ("cpu", "cuda"):
+        config = EngineConfig(
+            model=str(tiny_dir), device=device, dtype="float32", kv_cache_memory=64 << 20
+        )
+        outs[device] = _greedy(EngineCore(Engine(config)), prompts, 32)
+    assert outs["cuda"] == outs["cpu"]

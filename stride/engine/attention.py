@@ -111,6 +111,7 @@ def decode_attention(
     b, h, d = q.shape
     kv = k_cache.shape[1]
     group = h // kv
+    lengths = meta.context_lens.contiguous()  # a column of the graphs' packed input array
     splits = max(1, min(16, 2 * _num_sms(q.device) // (b * kv)))
     out = torch.empty_like(q)
     partial = torch.empty(b, h, splits, d + 2, dtype=torch.float32, device=q.device)
@@ -121,7 +122,7 @@ def decode_attention(
         out,
         partial,
         meta.block_tables,
-        meta.context_lens,
+        lengths,
         q.stride(0),
         q.stride(1),
         k_cache.stride(0),
@@ -259,7 +260,7 @@ if triton is not None:
             tl.store(row + HEAD_DIM, m, mask=g_ok)
             tl.store(row + HEAD_DIM + 1, denom, mask=g_ok)
         else:
-            out = acc / denom[:, None]
+            out = tl.where(denom[:, None] > 0, acc / denom[:, None], 0.0)  # empty context: 0
             tl.store(
                 out_ptr + seq * stride_ot + heads[:, None] * stride_oh + d[None, :],
                 out.to(out_ptr.dtype.element_ty),
@@ -288,5 +289,6 @@ if triton is not None:
         acc = tl.load(rows[:, None] + d[None, :], mask=sp_ok[:, None], other=0.0)
         m_max = tl.max(m, axis=0)
         w = tl.where(sp_ok & (denom > 0), tl.exp(m - m_max), 0.0)
-        out = tl.sum(acc * w[:, None], axis=0) / tl.sum(denom * w, axis=0)
+        total = tl.sum(denom * w, axis=0)
+        out = tl.where(total > 0, tl.sum(acc * w[:, None], axis=0) / total, 0.0)
         tl.store(out_ptr + seq * stride_ot + head * stride_oh + d, out.to(out_ptr.dtype.element_ty))
