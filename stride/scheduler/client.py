@@ -73,8 +73,11 @@ class EngineClient:
         self._inbox.put((_ADD, (children, loop, admitted)))
         try:
             await admitted  # raises what admission raised
-        except BaseException:
+        except BaseException as e:
             self._forget(ids)
+            if not isinstance(e, (QueueFull, RequestRejected, EngineDead)):
+                for rid in ids:  # cancelled while being admitted: the add may still land
+                    self.abort(rid)
             raise
         index = {rid: i for i, rid in enumerate(ids)}
         remaining = set(ids)
