@@ -15,6 +15,7 @@ import time
 from collections import Counter as Tally
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import (
@@ -187,15 +188,18 @@ class Metrics:
         )
         self._preemptions_seen = 0
 
-        # Series that exist from the start, so their rates read 0 rather than "no data".
-        self.requests_received.labels(model)
-        for reason in REJECT_REASONS:
-            self.requests_rejected.labels(model, reason)
-        self.preemptions.labels(model)
-        self.kv_cache_usage.labels(model)
-        self.batch_size.labels(model)
-        self.step_duration.labels(model)
-        self.step_tokens.labels(model)
+        # Children looked up once (labels() costs microseconds the step loop should not pay);
+        # they also make these series exist from the start, so rates read 0, not "no data".
+        self._received = self.requests_received.labels(model)
+        self._rejected = {r: self.requests_rejected.labels(model, r) for r in REJECT_REASONS}
+        self._preempted = self.preemptions.labels(model)
+        self._kv = self.kv_cache_usage.labels(model)
+        self._batch = self.batch_size.labels(model)
+        self._step = self.step_duration.labels(model)
+        self._step_tokens = self.step_tokens.labels(model)
+        self._queues: dict[str, tuple[Gauge, Gauge]] = {}  # decoder -> (running, waiting)
+        self._series: dict[tuple[str, str, str], RequestSeries] = {}
+        self._gauges: dict[Gauge, float] = {}  # last value set
 
     # ---- labels ---------------------------------------------------------------------------
 
@@ -208,40 +212,72 @@ class Metrics:
 
     def on_step(self, core: EngineCore, step_seconds: float, outputs: list[RequestOutput]) -> None:
         """`EngineClient.on_step`: runs on the engine thread after every step."""
-        model = self.model
-        running = Tally(s.decoder for s in core.scheduler.running)
-        waiting = Tally(s.decoder for s in core.scheduler.waiting)
+        decoder_of = attrgetter("decoder")
+        running = Tally(map(decoder_of, core.scheduler.running))
+        waiting = Tally(map(decoder_of, core.scheduler.waiting))
         for name in core.decoders:
-            self.requests_running.labels(model, name).set(running[name])
-            self.requests_waiting.labels(model, name).set(waiting[name])
-        self.kv_cache_usage.labels(model).set(core.engine.cache.usage)
-        self.batch_size.labels(model).set(core.last_batch_size)
+            queues = self._queues.get(name)
+            if queues is None:
+                queues = self._queues[name] = (
+                    self.requests_running.labels(self.model, name),
+                    self.requests_waiting.labels(self.model, name),
+                )
+            self._put(queues[0], running[name])
+            self._put(queues[1], waiting[name])
+        self._put(self._kv, core.engine.cache.usage)
+        self._put(self._batch, core.last_batch_size)
         if core.last_batch_size:
-            self.step_duration.labels(model).observe(step_seconds)
-            self.step_tokens.labels(model).observe(core.last_num_tokens)
+            self._step.observe(step_seconds)
+            self._step_tokens.observe(core.last_num_tokens)
         preempted = core.scheduler.num_preemptions - self._preemptions_seen
         if preempted > 0:
-            self.preemptions.labels(model).inc(preempted)
+            self._preempted.inc(preempted)
             self._preemptions_seen += preempted
+
+    def _put(self, gauge: Gauge, value: float) -> None:
+        """Set a gauge only when its value changed: most steps change none (a lock each)."""
+        if self._gauges.get(gauge) != value:
+            self._gauges[gauge] = value
+            gauge.set(value)
 
     # ---- HTTP edge ------------------------------------------------------------------------
 
     def received(self) -> None:
-        self.requests_received.labels(self.model).inc()
+        self._received.inc()
 
     def rejected(self, reason: str) -> None:
         """A request refused before admission (queue_full, auth, validation) or timed out."""
         if reason not in REJECT_REASONS:
             raise ValueError(f"unknown rejection reason {reason!r}")
-        self.requests_rejected.labels(self.model, reason).inc()
+        self._rejected[reason].inc()
 
     def track(self, decoder: str, user: str | None) -> RequestTracker:
         """Start timing one admitted-to-be request (arrival is now); feed it every output."""
-        return RequestTracker(self, (self.model, decoder, self.user_label(user)))
+        labels = (self.model, decoder, self.user_label(user))
+        series = self._series.get(labels)
+        if series is None:  # label sets are bounded: decoders x (allowlist + other + none)
+            series = self._series[labels] = RequestSeries(self, labels)
+        return RequestTracker(self, series)
 
     def render(self) -> tuple[bytes, str]:
         """The exposition for `GET /metrics`: (body, content type)."""
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+class RequestSeries:
+    """The children of every per-request metric for one (model, decoder, user)."""
+
+    def __init__(self, m: Metrics, labels: tuple[str, str, str]) -> None:
+        self.labels = labels
+        self.prompt_tokens = m.prompt_tokens.labels(*labels)
+        self.generation_tokens = m.generation_tokens.labels(*labels)
+        self.ttft = m.ttft.labels(*labels)
+        self.itl = m.itl.labels(*labels)
+        self.tpot = m.tpot.labels(*labels)
+        self.e2e = m.e2e.labels(*labels)
+        self.queue_time = m.queue_time.labels(*labels)
+        self.prefill_time = m.prefill_time.labels(*labels)
+        self.decode_time = m.decode_time.labels(*labels)
 
 
 @dataclass
@@ -258,12 +294,12 @@ class _Stream:
 class RequestTracker:
     """One request's metrics, fed by the server with each `RequestOutput` it receives.
 
-    Use as a context manager: a sample that never saw its terminal output (the client went
-    away, the iterator was closed) is counted as finished with reason `abort`.
+    Use as a context manager (or call `close`): a sample that never saw its terminal output
+    (the client went away, the iterator was closed) is counted as finished with reason `abort`.
     """
 
     metrics: Metrics
-    labels: tuple[str, str, str]  # model, decoder, user
+    series: RequestSeries
     arrival: float = field(default_factory=time.perf_counter)
     streams: dict[str, _Stream] = field(default_factory=dict)
     finished: set[str] = field(default_factory=set)
@@ -282,47 +318,48 @@ class RequestTracker:
 
     def observe(self, out: RequestOutput) -> None:
         now = time.perf_counter()
-        m, labels = self.metrics, self.labels
-        s = self.streams.setdefault(out.request_id, _Stream())
+        series = self.series
+        s = self.streams.get(out.request_id)
+        if s is None:
+            s = self.streams[out.request_id] = _Stream()
         if not s.counted_prompt and out.num_prompt_tokens:
-            m.prompt_tokens.labels(*labels).inc(out.num_prompt_tokens)
+            series.prompt_tokens.inc(out.num_prompt_tokens)
             s.counted_prompt = True
         k = len(out.token_ids)
         if k:
-            m.generation_tokens.labels(*labels).inc(k)
+            series.generation_tokens.inc(k)
             if s.first_token is None:  # tokens arriving with the first one have no gap
-                m.ttft.labels(*labels).observe(now - self.arrival)
+                series.ttft.observe(now - self.arrival)
                 s.first_token = now
             else:
                 gap = (now - s.last_token) / k
-                itl = m.itl.labels(*labels)
                 for _ in range(k):
-                    itl.observe(gap)
+                    series.itl.observe(gap)
             s.last_token = now
-            s.num_tokens += len(out.token_ids)
+            s.num_tokens += k
         if out.finished and out.request_id not in self.finished:
             self.finished.add(out.request_id)
             self._finish(out, s, now)
 
     def _finish(self, out: RequestOutput, s: _Stream, now: float) -> None:
-        m, labels = self.metrics, self.labels
+        m, series, labels = self.metrics, self.series, self.series.labels
         reason = out.finish_reason or "error"
         if out.error is not None and out.error.code == "deadline_exceeded":
             reason = "deadline"
         self._count_finish(reason)
         if reason == "deadline":
             m.rejected("deadline")
-        m.e2e.labels(*labels).observe(now - self.arrival)
+        series.e2e.observe(now - self.arrival)
         if s.first_token is not None and s.num_tokens > 1:
-            m.tpot.labels(*labels).observe((s.last_token - s.first_token) / (s.num_tokens - 1))
+            series.tpot.observe((s.last_token - s.first_token) / (s.num_tokens - 1))
 
         t = out.timings
         if "queue" in t:
-            m.queue_time.labels(*labels).observe(t["queue"])
+            series.queue_time.observe(t["queue"])
             if "ttft" in t:
-                m.prefill_time.labels(*labels).observe(t["ttft"] - t["queue"])
+                series.prefill_time.observe(t["ttft"] - t["queue"])
         if "ttft" in t and "e2e" in t:
-            m.decode_time.labels(*labels).observe(t["e2e"] - t["ttft"])
+            series.decode_time.observe(t["e2e"] - t["ttft"])
 
         stats = out.decoder_stats
         passes = int(stats.get("forward_passes", 0))
@@ -338,7 +375,7 @@ class RequestTracker:
                 m.spec_accepted_by_position.labels(*labels[:2], str(pos)).inc(n)
 
     def _count_finish(self, reason: str) -> None:
-        self.metrics.requests_finished.labels(*self.labels, reason).inc()
+        self.metrics.requests_finished.labels(*self.series.labels, reason).inc()
 
 
 # HTTP status of a refused generation request -> rejection reason. 504 (deadline) is counted by

@@ -158,6 +158,15 @@ def query(prometheus: str, expr: str) -> list[dict]:
     return body["data"]["result"]
 
 
+def scrapes(prometheus: str) -> str:
+    """How scraping went, for failure messages."""
+    ups = query(prometheus, 'count_over_time(up{job="stride"}[1m])')
+    good = query(prometheus, 'sum_over_time(up{job="stride"}[1m])')
+    target = httpx.get(f"{prometheus}/api/v1/targets", timeout=10).json()["data"]
+    errors = [t.get("lastError") for t in target["activeTargets"] if t.get("lastError")]
+    return f"scrapes in the last minute: {values(good)} of {values(ups)} ok; errors: {errors}"
+
+
 def values(result: list[dict]) -> list[float]:
     return [float(item["value"][1]) for item in result]
 
@@ -192,6 +201,7 @@ class Traffic:
         self.decoders = decoders
         self.tokens = 0
         self.stats: list[dict] = []  # usage.decoder of every finished response
+        self.timings: list[dict] = []  # usage.timings of every finished response
         self.failures: dict[str, int] = {}
         self.served: set[str] = set()
 
@@ -221,6 +231,7 @@ class Traffic:
             return
         self.tokens += usage["completion_tokens"]
         self.stats.append(usage["decoder"])
+        self.timings.append(usage["timings"])
         self.served.add(name)
 
     def _complete(self, client: httpx.Client, body: dict) -> dict | None:
@@ -306,6 +317,13 @@ def test_counters_add_up_in_prometheus(prometheus, traffic):
     assert received == len(traffic.stats) + sum(traffic.failures.values())
 
 
+def test_clients_get_their_timings_and_decoder_summary(traffic):
+    for timings, stats in zip(traffic.timings, traffic.stats, strict=True):
+        assert {"queue", "ttft", "e2e", "decode_tokens_per_s"} <= set(timings)
+        assert 0 <= timings["queue"] <= timings["ttft"] <= timings["e2e"]
+        assert stats["decoder"] in traffic.decoders and stats["forward_passes"] > 0
+
+
 def dashboard_exprs() -> list[tuple[str, str]]:
     dashboard = json.loads(DASHBOARD.read_text())
     return [
@@ -329,7 +347,7 @@ def test_every_dashboard_query_returns_data(prometheus, traffic):
         result = query(prometheus, grafana_to_promql(expr))
         if not any(math.isfinite(v) for v in values(result)):
             empty.append(f"{title}: {expr}")
-    assert not empty, "queries without data:\n" + "\n".join(empty)
+    assert not empty, "queries without data:\n" + "\n".join(empty) + "\n" + scrapes(prometheus)
 
 
 def test_every_alert_rule_evaluates(prometheus, traffic):
