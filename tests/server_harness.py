@@ -125,7 +125,8 @@ class LiveServer:
             time.sleep(0.02)
         raise AssertionError(
             f"engine not idle: {len(core.seqs)} sequences, running {core.num_running}, "
-            f"{core.engine.cache.num_free_blocks}/{core.engine.cache.num_usable_blocks} free"
+            f"{core.engine.cache.num_free_blocks}/{core.engine.cache.num_usable_blocks} free; "
+            f"{[(q.request_id, q.num_output_tokens, q.params) for q in core.seqs.values()]}"
         )
 
     def stop(self) -> None:

@@ -211,11 +211,21 @@ ERRORS: dict[int | str, dict[str, Any]] = {
 }
 
 
+SSE_EVENT = {
+    "type": "object",
+    "description": "one server-sent event",
+    "required": ["data"],
+    "properties": {
+        "data": {"type": "string", "description": "a JSON chunk, {error: ...}, or [DONE]"}
+    },
+}
+
+
 def _streaming(model: type) -> dict[int | str, dict[str, Any]]:
     ok = {
         "model": model,
         "description": "the response, or server-sent events of chunks when `stream` is true",
-        "content": {"text/event-stream": {"schema": {"type": "string"}}},
+        "content": {"text/event-stream": {"schema": SSE_EVENT}},
     }
     return {200: ok, **ERRORS}
 

@@ -42,7 +42,7 @@ class SamplingFields(Request):
     ignore_eos: bool = False
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
+    repetition_penalty: float = Field(1.0, ge=0.01, le=10.0)
     logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = Field(
         None, max_length=1024, description="token id (as a string) -> bias added to its logit"
     )
