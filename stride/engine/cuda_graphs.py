@@ -75,7 +75,7 @@ class DecodeGraphs:
         meta = DecodeMetadata(
             slot_mapping=x[:, _SLOT].long(),  # index_copy_ wants int64
             block_tables=x[:, _TABLE:],
-            context_lens=x[:, _LENGTH],
+            context_lens=x[:, _LENGTH].contiguous(),  # once per step, not once per layer
             block_size=self.cache.block_size,
         )
         hidden = self.forward(x[:, _TOKEN], x[:, _POSITION], (self.cache.k, self.cache.v), meta)

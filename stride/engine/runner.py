@@ -77,6 +77,8 @@ class ModelRunner:
         ]
         if not decode:
             return self._forward_eager(chunks, num_layers)
+        if len(decode) == len(chunks) <= graphs.max_batch:  # the common pure-decode step
+            return list(self._forward_graph(chunks).split(1))
         out: list[torch.Tensor | None] = [None] * len(chunks)
         for start in range(0, len(decode), graphs.max_batch):
             group = decode[start : start + graphs.max_batch]
