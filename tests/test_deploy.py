@@ -548,8 +548,11 @@ def test_dockerignore_sends_only_the_build_inputs():
             if "--from=" not in args:
                 copied += args.split()[:-1]
     assert copied
+    tracked = subprocess.run(["git", "ls-files", *copied], cwd=ROOT, capture_output=True,
+                             text=True, check=True).stdout  # fmt: skip
     for path in copied:
         assert dockerignore_keeps(path), path
+        assert path in tracked, f"COPY {path}: not in the repository, `docker build` would fail"
     assert dockerignore_keeps("stride/server/app.py")
     for path in (".git/config", "tests/test_deploy.py", "stride/__pycache__/x.pyc", ".env"):
         assert not dockerignore_keeps(path), path
