@@ -99,16 +99,19 @@ def test_compose_stack_is_wired_together():
         for dep in service.get("depends_on", []):
             assert dep in services, f"{name} depends on unknown {dep}"
 
-    # Stride's command line parses, and Prometheus scrapes the port it listens on.
+    # Stride's settings are real flags, and Prometheus scrapes the port the image listens on.
     stride = services["stride"]
-    assert stride["entrypoint"] == ["stride", "serve"]
-    args = build_parser().parse_args(["serve", *stride["command"]])
-    assert args.host == "0.0.0.0"
     build = stride["build"]
-    assert (DEPLOY / build["context"] / build["dockerfile"]).exists()
+    dockerfile = (DEPLOY / build["context"] / build["dockerfile"]).read_text()
+    assert 'ENTRYPOINT ["stride", "serve"]' in dockerfile
+    port = re.search(r"STRIDE_PORT=(\d+)", dockerfile).group(1)
+    flags = set(vars(build_parser().parse_args(["serve"])))
+    for env in stride["environment"]:
+        assert env.startswith("STRIDE_") and env[7:].lower() in flags, env
+    assert f"{port}:{port}" in stride["ports"]
     scrape = yaml.safe_load(PROM_CONFIG.read_text())
     (job,) = scrape["scrape_configs"]
-    assert job["static_configs"][0]["targets"] == [f"stride:{args.port}"]
+    assert job["static_configs"][0]["targets"] == [f"stride:{port}"]
     assert job["metrics_path"] == "/metrics"
     assert "./prometheus:/etc/prometheus:ro" in services["prometheus"]["volumes"]
     assert "--config.file=/etc/prometheus/prometheus.yml" in services["prometheus"]["command"]
