@@ -22,6 +22,7 @@ and top-k/top-p, so that `q` is comparable with the target's `p`.
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass
 
 import torch
@@ -39,6 +40,9 @@ from stride.engine.sequence import Sequence
 class Draft:
     tokens: list[int]
     q: torch.Tensor | None = None  # [len(tokens), vocab] draw distributions; None: one-hot
+
+
+_TOKEN_BYTES = array("i").itemsize
 
 
 class Drafter:
@@ -76,14 +80,18 @@ class NgramDrafter(Drafter):
         ]
 
     def lookup(self, tokens: list[int], k: int) -> list[int]:
+        """What followed the latest earlier occurrence of the longest matching suffix n-gram."""
         n_tok = len(tokens)
+        data = array("i", tokens).tobytes()  # byte search runs in C; matches must be aligned
+        width = _TOKEN_BYTES
         for n in range(min(self.max_n, n_tok - 1), self.min_n - 1, -1):
-            pattern = tokens[n_tok - n :]
-            first = pattern[0]
-            # the latest earlier occurrence; its continuation must exist (start + n < n_tok)
-            for start in range(n_tok - n - 1, -1, -1):
-                if tokens[start] == first and tokens[start : start + n] == pattern:
-                    return tokens[start + n : start + n + k]
+            pattern = data[(n_tok - n) * width :]
+            end = (n_tok - 1) * width  # the occurrence must end before the last token
+            while (at := data.rfind(pattern, 0, end)) >= 0:
+                if at % width == 0:
+                    start = at // width + n
+                    return tokens[start : start + k]
+                end = at + len(pattern) - 1
         return []
 
 

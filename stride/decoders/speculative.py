@@ -21,22 +21,28 @@ deterministic drafters (n-gram) have one-hot q. The output distribution is the t
 token. Accepted drafts keep their target KV (`kv_keep`), the drafter rolls its own state back.
 
 Adaptive K (the policy, per sequence and step). With a per-position acceptance probability a,
-K drafts yield E(K) = 1 + a + … + a^K tokens per target pass. One step costs, in units of one
-target forward over a single token, T(K) = (1 + B(1+K)/S) + K·c·(1 + B/S): the target forward
-grows with the B·(1+K) tokens it scores once past S "saturation" tokens (where the device turns
-from memory- to compute-bound: 16 on CPU, 256 on GPU), and each of the K draft positions costs a
-batched drafter forward of relative cost c (0 for n-gram, L/layers for early exit, the parameter
-ratio for a draft model). Goodput relative to plain decoding is G(K) = E(K)·T(0)/T(K); the policy
+K drafts yield E(K) = 1 + a + … + a^K tokens per target pass. A step with K drafts costs
+T(K) = spec·(1 + B(1+K)/S) + K·draft·(1 + B/S) and a plain one T0 = plain·(1 + B/S): a forward
+grows with the tokens it scores once past S "saturation" tokens (where the device turns from
+memory- to compute-bound: 16 on CPU, 256 on GPU), and each draft position is one batched drafter
+forward. B is the number of speculative sequences in the step (the previous step's when
+reserving, the actual one when drafting). `plain`, `spec` and `draft` are measured: moving
+averages of the wall time of decode-only verification steps without and with drafts (they differ
+a lot on a GPU, where plain decode steps replay CUDA graphs and draft-scoring steps run eagerly)
+and of each drafter's forward per draft position. K stays 0 until plain decoding has been timed;
+until a drafting step has been timed, scoring drafts is assumed to cost what plain decoding does,
+and drafting what the drafter's size says (0 for n-gram, L/layers for early exit, the parameter
+ratio for a draft model). Goodput relative to plain decoding is G(K) = E(K)·T0/T(K); the policy
 picks the K ≤ K_max with the largest G, and K = 0 (plain decoding, no drafter work) unless the
-best G beats 1 by 5 %. B is the number of speculative sequences in the step (the previous step's
-when reserving, the actual one when drafting). a is measured: per sequence, decayed counts of
-accepted and rejected drafts (a geometric model: a rejection ends a step's run) on top of a prior
-taken from the drafter's acceptance over all sequences. A sequence held at K = 0 by low
-acceptance probes with K = 1 every 16 steps, so its estimate can recover.
+best G beats 1 by 5 %. a is measured too: per sequence, decayed counts of accepted and rejected
+drafts (a geometric model: a rejection ends a step's run) on top of a prior taken from the
+drafter's acceptance over all sequences. A sequence held at K = 0 by low acceptance probes with
+K = 1 every 16 steps if good drafts would pay at the measured costs, so its estimate can recover.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -92,16 +98,34 @@ def expected_tokens(alpha: float, k: int) -> float:
     return sum(alpha**i for i in range(k + 1))
 
 
-def choose_k(alpha: float, batch: int, k_max: int, cost: float, saturation: float) -> int:
+@dataclass
+class StepCosts:
+    """What a step costs, per unit of the token-count factor (1 + tokens / saturation)."""
+
+    saturation: float  # tokens at which a forward turns from memory- to compute-bound
+    plain: float = 1.0  # a verification forward in which nothing was drafted
+    spec: float = 1.0  # a verification forward that scores drafts
+    draft: float = 0.0  # one batched drafter forward (one draft position)
+
+    def gain(self, alpha: float, batch: int, k: int) -> float:
+        """Goodput with k drafts relative to plain decoding."""
+        unit = 1 + batch / self.saturation
+        step = self.spec * (1 + batch * (1 + k) / self.saturation) + k * self.draft * unit
+        return expected_tokens(alpha, k) * self.plain * unit / step
+
+
+def choose_k(alpha: float, batch: int, k_max: int, costs: StepCosts) -> int:
     """The goodput-maximising number of drafts (see the module docstring); 0 when none pays."""
-    base = 1 + batch / saturation
     best_k, best_gain = 0, 1.0
     for k in range(1, k_max + 1):
-        step = 1 + batch * (1 + k) / saturation + k * cost * base
-        gain = expected_tokens(alpha, k) * base / step
+        gain = costs.gain(alpha, batch, k)
         if gain > best_gain:
             best_k, best_gain = k, gain
     return best_k if best_gain >= 1.05 else 0
+
+
+def _ema(old: float | None, new: float, weight: float = 0.2) -> float:
+    return new if old is None else old + weight * (new - old)
 
 
 @dataclass
@@ -128,14 +152,20 @@ class Speculative(Decoder):
         draft_model: str | None = None,
         num_speculative_tokens: int = 4,
         saturation_tokens: float | None = None,
+        measure_costs: bool = True,
     ) -> None:
         self.engine = engine
         self.default_k = num_speculative_tokens
         self.saturation = saturation_tokens or (256.0 if engine.device.type == "cuda" else 16.0)
         self.draft_model = DraftModelDrafter(engine, draft_model) if draft_model else None
+        self.measure_costs = measure_costs
         self._drafters: dict[tuple, Drafter] = {}
         self._prior: dict[str, float] = {}  # drafter name → acceptance over all sequences
         self._last_batch = 1
+        self._plain_s: float | None = None  # measured StepCosts.plain / .spec, in seconds
+        self._spec_s: float | None = None
+        self._draft_s: dict[int, float] = {}  # id(drafter) → measured StepCosts.draft
+        self._timing: tuple[float, int, bool] | None = None  # this step: start, tokens, drafted
 
     # ---- admission ------------------------------------------------------------------------
 
@@ -207,13 +237,23 @@ class Speculative(Decoder):
         w = self.PRIOR_WEIGHT
         return (state.accepted + w * prior) / (state.accepted + state.rejected + w)
 
+    def _costs(self, drafter: Drafter) -> StepCosts:
+        if not self.measure_costs:
+            return StepCosts(self.saturation, draft=drafter.cost)
+        plain = self._plain_s or 1.0
+        spec = self._spec_s or plain  # until measured, assume drafts score at the plain rate
+        draft = self._draft_s.get(id(drafter), drafter.cost * plain)
+        return StepCosts(self.saturation, plain, spec, draft)
+
     def _plan(self, seq: Sequence, state: _State, batch: int) -> int:
         k_max = seq.decoder_options["num_speculative_tokens"]
         if not seq.decoder_options["adaptive"] or k_max == 0:
             return k_max
-        cost = state.drafter.cost
-        k = choose_k(self._alpha(state), batch, k_max, cost, self.saturation)
-        if k == 0 and choose_k(0.9, batch, k_max, cost, self.saturation) > 0:
+        if self.measure_costs and self._plain_s is None:
+            return 0  # measure plain decoding first: it is what speculation must beat
+        costs = self._costs(state.drafter)
+        k = choose_k(self._alpha(state), batch, k_max, costs)
+        if k == 0 and choose_k(0.9, batch, k_max, costs) > 0:
             # Speculation would pay at this batch size if drafts were good: probe now and then.
             if (state.idle_steps + 1) % self.PROBE_EVERY == 0:
                 k = 1
@@ -240,13 +280,23 @@ class Speculative(Decoder):
         drafts: list[Draft] = [Draft([]) for _ in seqs]
         for idx in by_drafter.values():
             drafter = states[idx[0]].drafter
-            if not any(ks[i] for i in idx):
+            positions = max(ks[i] for i in idx)
+            if not positions:
                 continue
+            start = time.perf_counter()
             made = drafter.draft([seqs[i] for i in idx], [ks[i] for i in idx], ctx.eos_ids)
+            per_position = (time.perf_counter() - start) / positions
+            unit = 1 + len(idx) / self.saturation
+            self._draft_s[id(drafter)] = _ema(self._draft_s.get(id(drafter)), per_position / unit)
             for i, d in zip(idx, made, strict=True):
                 drafts[i] = d
         for st, d in zip(states, drafts, strict=True):
             st.drafts = {"tokens": d.tokens, "q": d.q}
+        # Time the verification forward of decode-only steps (a prefill would skew it).
+        self._timing = None
+        if all(len(s.tail) == 1 for s in seqs):
+            tokens = len(seqs) + sum(len(d.tokens) for d in drafts)
+            self._timing = (time.perf_counter(), tokens, any(d.tokens for d in drafts))
         return [Proposal(list(d.tokens)) for d in drafts]
 
     def commit(
@@ -269,6 +319,13 @@ class Speculative(Decoder):
             accepted, last = self._verify_greedy(adjusted, drafts)
         else:
             accepted, last = self._verify_sampled(adjusted, rows, seqs, states, ctx)
+        if self._timing is not None:  # verification has synchronised with the device by now
+            start, tokens, drafted = self._timing
+            seconds = (time.perf_counter() - start) / (1 + tokens / self.saturation)
+            if drafted:
+                self._spec_s = _ema(self._spec_s, seconds)
+            else:
+                self._plain_s = _ema(self._plain_s, seconds)
 
         commits = []
         offset = 0
