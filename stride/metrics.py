@@ -14,6 +14,7 @@ import os
 import time
 from collections import Counter as Tally
 from collections.abc import Callable, Iterable
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from operator import attrgetter
 from typing import TYPE_CHECKING, Any
@@ -35,7 +36,7 @@ if TYPE_CHECKING:
 USERS_ENV = "STRIDE_METRICS_USERS"
 OTHER_USER = "other"
 NO_USER = "none"
-REJECT_REASONS = ("queue_full", "deadline", "auth", "validation")
+REJECT_REASONS = ("queue_full", "deadline", "auth", "validation", "unavailable", "internal")
 
 # Fine at the low end: CPU/GPU decode steps and inter-token gaps are often well under 10 ms.
 STEP_BUCKETS = (
@@ -109,8 +110,8 @@ class Metrics:
         )  # fmt: skip
         self.requests_rejected = Counter(
             "stride_requests_rejected",
-            "Requests refused or failed before completion, by reason "
-            "(queue_full, deadline, auth, validation).",
+            "Requests refused or failed before completion, by reason (queue_full, deadline, "
+            "auth, validation; unavailable: draining or engine dead; internal: a server bug).",
             ["model", "reason"],
             registry=r,
         )
@@ -246,7 +247,7 @@ class Metrics:
         self._received.inc()
 
     def rejected(self, reason: str) -> None:
-        """A request refused before admission (queue_full, auth, validation) or timed out."""
+        """A request refused before admission, or one whose deadline passed."""
         if reason not in REJECT_REASONS:
             raise ValueError(f"unknown rejection reason {reason!r}")
         self._rejected[reason].inc()
@@ -303,6 +304,7 @@ class RequestTracker:
     arrival: float = field(default_factory=time.perf_counter)
     streams: dict[str, _Stream] = field(default_factory=dict)
     finished: set[str] = field(default_factory=set)
+    http: _HttpRequest | None = field(default_factory=lambda: _current_http.get())
 
     def __enter__(self) -> RequestTracker:
         return self
@@ -322,6 +324,8 @@ class RequestTracker:
         s = self.streams.get(out.request_id)
         if s is None:
             s = self.streams[out.request_id] = _Stream()
+            if self.http is not None:  # admitted: its end is counted here, not as a rejection
+                self.http.admitted = True
         if not s.counted_prompt and out.num_prompt_tokens:
             series.prompt_tokens.inc(out.num_prompt_tokens)
             s.counted_prompt = True
@@ -381,15 +385,25 @@ class RequestTracker:
 # HTTP status of a refused generation request -> rejection reason. 504 (deadline) is counted by
 # the request's tracker, which also sees deadlines that end a stream after its 200.
 STATUS_REASONS = {400: "validation", 404: "validation", 422: "validation", 401: "auth",
-                  429: "queue_full"}  # fmt: skip
+                  429: "queue_full", 500: "internal", 503: "unavailable"}  # fmt: skip
 GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+
+
+@dataclass
+class _HttpRequest:
+    admitted: bool = False
+
+
+# The HTTP request being served (set by the middleware, seen by trackers made while serving it).
+_current_http: ContextVar[_HttpRequest | None] = ContextVar("stride_http_request", default=None)
 
 
 class MetricsMiddleware:
     """ASGI middleware: counts generation requests received and refused (by status code).
 
-    Sits outside authentication so that 401s are seen. `get_metrics` returns None while the
-    model loads (nothing is counted then).
+    Sits outside authentication so that 401s are seen. A request that was admitted (its tracker
+    saw an output) and failed later is counted by the tracker as finished with `error`, not here.
+    `get_metrics` returns None while the model loads (nothing is counted then).
     """
 
     def __init__(self, app: Any, get_metrics: Callable[[], Metrics | None]) -> None:
@@ -401,12 +415,17 @@ class MetricsMiddleware:
         if metrics is None or scope["type"] != "http" or scope["path"] not in GENERATION_PATHS:
             return await self.app(scope, receive, send)
         metrics.received()
+        http = _HttpRequest()
+        token = _current_http.set(http)
 
         async def send_counting(message: dict) -> None:
-            if message["type"] == "http.response.start":
+            if message["type"] == "http.response.start" and not http.admitted:
                 reason = STATUS_REASONS.get(message["status"])
                 if reason is not None:
                     metrics.rejected(reason)
             await send(message)
 
-        await self.app(scope, receive, send_counting)
+        try:
+            await self.app(scope, receive, send_counting)
+        finally:
+            _current_http.reset(token)

@@ -8,7 +8,7 @@ import re
 import pytest
 
 from stride.engine.sequence import SamplingParams
-from stride.metrics import STEP_BUCKETS, Metrics, parse_users
+from stride.metrics import STEP_BUCKETS, Metrics, MetricsMiddleware, parse_users
 from stride.scheduler.client import EngineClient
 from stride.scheduler.outputs import EngineError, GenerateRequest, RequestOutput
 from tests.conftest import make_core
@@ -223,3 +223,36 @@ def test_names_follow_prometheus_conventions():
 
 def test_step_buckets_resolve_sub_10ms():
     assert sum(b < 0.01 for b in STEP_BUCKETS) >= 6
+
+
+def test_middleware_counts_refusals_but_not_failures_of_admitted_requests():
+    metrics = Metrics("m")
+
+    def app_answering(status: int, admitted: bool):
+        async def app(scope, receive, send):
+            if admitted:
+                tracker = metrics.track("ar", None)
+                tracker.observe(RequestOutput("r", token_ids=[1], num_prompt_tokens=2))
+                tracker.observe(RequestOutput("r", error=EngineError("engine_dead", "gone")))
+            await send({"type": "http.response.start", "status": status, "headers": []})
+            await send({"type": "http.response.body", "body": b""})
+
+        return app
+
+    async def call(app, path="/v1/completions"):
+        sent = []
+
+        async def send(message):
+            sent.append(message)
+
+        await MetricsMiddleware(app, lambda: metrics)({"type": "http", "path": path}, None, send)
+        return sent[0]["status"]
+
+    for status, admitted in [(429, False), (401, False), (503, False), (503, True), (200, True)]:
+        assert asyncio.run(call(app_answering(status, admitted))) == status
+    asyncio.run(call(app_answering(401, False), "/v1/models"))  # not a generation route
+    assert value(metrics, "stride_requests_received_total") == 5
+    assert value(metrics, "stride_requests_rejected_total", reason="queue_full") == 1
+    assert value(metrics, "stride_requests_rejected_total", reason="auth") == 1
+    assert value(metrics, "stride_requests_rejected_total", reason="unavailable") == 1
+    assert value(metrics, "stride_requests_finished_total", finish_reason="error") == 2
