@@ -11,6 +11,7 @@ from stride.engine.sequence import SamplingParams
 from stride.metrics import STEP_BUCKETS, Metrics, MetricsMiddleware, parse_users
 from stride.scheduler.client import EngineClient
 from stride.scheduler.outputs import EngineError, GenerateRequest, RequestOutput
+from stride.server.cli import build_parser, server_config
 from tests.conftest import make_core
 
 USERS = [None, "alice", "bob", "mallory"]  # mallory is not on the allowlist
@@ -256,3 +257,11 @@ def test_middleware_counts_refusals_but_not_failures_of_admitted_requests():
     assert value(metrics, "stride_requests_rejected_total", reason="auth") == 1
     assert value(metrics, "stride_requests_rejected_total", reason="unavailable") == 1
     assert value(metrics, "stride_requests_finished_total", finish_reason="error") == 2
+
+
+def test_metrics_users_flag_and_environment(monkeypatch):
+    args = build_parser().parse_args(["serve", "--metrics-users", "alice,bob"])
+    assert Metrics("m", server_config(args).metrics_users).users == {"alice", "bob"}
+    monkeypatch.setenv("STRIDE_METRICS_USERS", "carol")
+    args = build_parser().parse_args(["serve"])
+    assert Metrics("m", server_config(args).metrics_users).users == {"carol"}
