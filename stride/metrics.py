@@ -5,18 +5,19 @@ tokens per step, preemptions), and the HTTP edge wraps each request in `Metrics.
 sees the request's outputs as they stream (tokens, TTFT, inter-token latency) and its last one
 (finish reason, engine-side timings, the decoder's summary). Labels stay bounded: `user` comes
 only from a configured allowlist (anything else is `other`, no user is `none`), and `decoder`
-from the registry. One `CollectorRegistry` per server, so tests can build many apps in a process.
+is the request's strategy (`strategy`: `ar`, `speculative/ngram`, `refine/jacobi`, ...). The
+engine-state gauges carry `model` only and exist (at 0) as soon as `Metrics` does: autoscalers and
+the Gateway API Inference Extension's endpoint picker read one series per pod, idle pods included.
+One `CollectorRegistry` per server, so tests can build many apps in a process.
 """
 
 from __future__ import annotations
 
 import os
 import time
-from collections import Counter as Tally
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass, field
-from operator import attrgetter
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import (
@@ -52,6 +53,29 @@ TOKENS_PER_STEP_BUCKETS = tuple(float(2**i) for i in range(15))  # 1 .. 16384
 TOKENS_PER_PASS_BUCKETS = (1.0, 1.1, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 4.0, 5.0, 6.0, 8.0, 12.0, 16.0,
                            32.0, 64.0)  # fmt: skip
 
+SPEC_DRAFTS = ("ngram", "early_exit")  # any other draft name is the server's draft model
+REFINE_METHODS = ("jacobi", "lookahead", "diffusion")
+
+
+def strategy(
+    decoder: str, options: Mapping[str, Any] | None = None, draft_model: bool = False
+) -> str:
+    """The `decoder` label of a request: its decoder and the variant its options choose.
+
+    `ar`, `speculative/{ngram,early_exit,draft_model}`, `refine/{jacobi,lookahead,diffusion}`.
+    Bounded whatever the options say: a draft model is never named by its path, and an unknown
+    method maps to `<decoder>/other` (validation refuses it anyway). `draft_model`: whether the
+    server has one, which makes it the default draft of speculative requests.
+    """
+    options = options or {}
+    if decoder == "speculative":
+        draft = options.get("draft", "draft_model" if draft_model else "ngram")
+        return f"speculative/{draft if draft in SPEC_DRAFTS else 'draft_model'}"
+    if decoder == "refine":
+        method = options.get("method", "jacobi")
+        return f"refine/{method if method in REFINE_METHODS else 'other'}"
+    return decoder
+
 
 def parse_users(value: str | Iterable[str] | None) -> frozenset[str]:
     """`"a,b"` (the flag / STRIDE_METRICS_USERS) or names → the user label allowlist."""
@@ -69,8 +93,10 @@ class Metrics:
         model: str,
         users: str | Iterable[str] | None = None,
         registry: CollectorRegistry | None = None,
+        draft_model: bool = False,
     ) -> None:
         self.model = model
+        self.draft_model = draft_model
         self.users = parse_users(users)
         self.registry = registry if registry is not None else CollectorRegistry()
         ProcessCollector(registry=self.registry)
@@ -79,10 +105,10 @@ class Metrics:
 
         # ---- engine state (step loop) ----
         self.requests_running = Gauge(
-            "stride_requests_running", "Sequences in the running batch.", md, registry=r
+            "stride_requests_running", "Sequences in the running batch.", m, registry=r
         )
         self.requests_waiting = Gauge(
-            "stride_requests_waiting", "Sequences waiting to be scheduled.", md, registry=r
+            "stride_requests_waiting", "Sequences waiting to be scheduled.", m, registry=r
         )
         self.kv_cache_usage = Gauge(
             "stride_kv_cache_usage_ratio", "Fraction of KV cache blocks in use (0-1).", m,
@@ -111,7 +137,7 @@ class Metrics:
         self.requests_rejected = Counter(
             "stride_requests_rejected",
             "Requests refused or failed before completion, by reason (queue_full, deadline, "
-            "auth, validation; unavailable: draining or engine dead; internal: a server bug).",
+            "auth, validation; unavailable: loading, draining or engine dead; internal: a bug).",
             ["model", "reason"],
             registry=r,
         )
@@ -194,11 +220,12 @@ class Metrics:
         self._received = self.requests_received.labels(model)
         self._rejected = {r: self.requests_rejected.labels(model, r) for r in REJECT_REASONS}
         self._preempted = self.preemptions.labels(model)
+        self._running = self.requests_running.labels(model)
+        self._waiting = self.requests_waiting.labels(model)
         self._kv = self.kv_cache_usage.labels(model)
         self._batch = self.batch_size.labels(model)
         self._step = self.step_duration.labels(model)
         self._step_tokens = self.step_tokens.labels(model)
-        self._queues: dict[str, tuple[Gauge, Gauge]] = {}  # decoder -> (running, waiting)
         self._series: dict[tuple[str, str, str], RequestSeries] = {}
         self._gauges: dict[Gauge, float] = {}  # last value set
 
@@ -213,18 +240,8 @@ class Metrics:
 
     def on_step(self, core: EngineCore, step_seconds: float, outputs: list[RequestOutput]) -> None:
         """`EngineClient.on_step`: runs on the engine thread after every step."""
-        decoder_of = attrgetter("decoder")
-        running = Tally(map(decoder_of, core.scheduler.running))
-        waiting = Tally(map(decoder_of, core.scheduler.waiting))
-        for name in core.decoders:
-            queues = self._queues.get(name)
-            if queues is None:
-                queues = self._queues[name] = (
-                    self.requests_running.labels(self.model, name),
-                    self.requests_waiting.labels(self.model, name),
-                )
-            self._put(queues[0], running[name])
-            self._put(queues[1], waiting[name])
+        self._put(self._running, len(core.scheduler.running))
+        self._put(self._waiting, len(core.scheduler.waiting))
         self._put(self._kv, core.engine.cache.usage)
         self._put(self._batch, core.last_batch_size)
         if core.last_batch_size:
@@ -252,11 +269,16 @@ class Metrics:
             raise ValueError(f"unknown rejection reason {reason!r}")
         self._rejected[reason].inc()
 
-    def track(self, decoder: str, user: str | None) -> RequestTracker:
-        """Start timing one admitted-to-be request (arrival is now); feed it every output."""
-        labels = (self.model, decoder, self.user_label(user))
+    def track(
+        self, decoder: str, user: str | None, options: Mapping[str, Any] | None = None
+    ) -> RequestTracker:
+        """Start timing one admitted-to-be request (arrival is now); feed it every output.
+
+        `decoder` and `options` are the request's parsed decoder spec; the label is its strategy.
+        """
+        labels = (self.model, strategy(decoder, options, self.draft_model), self.user_label(user))
         series = self._series.get(labels)
-        if series is None:  # label sets are bounded: decoders x (allowlist + other + none)
+        if series is None:  # label sets are bounded: strategies x (allowlist + other + none)
             series = self._series[labels] = RequestSeries(self, labels)
         return RequestTracker(self, series)
 
@@ -403,7 +425,7 @@ class MetricsMiddleware:
 
     Sits outside authentication so that 401s are seen. A request that was admitted (its tracker
     saw an output) and failed later is counted by the tracker as finished with `error`, not here.
-    `get_metrics` returns None while the model loads (nothing is counted then).
+    `get_metrics` may return None (no metrics: nothing is counted).
     """
 
     def __init__(self, app: Any, get_metrics: Callable[[], Metrics | None]) -> None:

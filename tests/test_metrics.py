@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import re
+import threading
 
 import pytest
 
 from stride.engine.sequence import SamplingParams
-from stride.metrics import STEP_BUCKETS, Metrics, MetricsMiddleware, parse_users
+from stride.metrics import STEP_BUCKETS, Metrics, MetricsMiddleware, parse_users, strategy
 from stride.scheduler.client import EngineClient
 from stride.scheduler.outputs import EngineError, GenerateRequest, RequestOutput
 from stride.server.cli import build_parser, server_config
@@ -44,7 +45,7 @@ def options_for(decoder: str) -> dict:
 async def run_all(client: EngineClient, metrics: Metrics, requests: list[GenerateRequest]):
     async def one(req: GenerateRequest) -> list[RequestOutput]:
         outs = []
-        with metrics.track(req.decoder, req.user) as tracker:
+        with metrics.track(req.decoder, req.user, req.decoder_options) as tracker:
             async for _, out in client.generate(req):
                 tracker.observe(out)
                 outs.append(out)
@@ -92,13 +93,16 @@ def test_counters_equal_what_clients_received(tiny_dir):
     sent = sum(len(o.token_ids) for outs in results for o in outs)
     assert value(metrics, "stride_generation_tokens_total") == sent
     assert value(metrics, "stride_prompt_tokens_total") == sum(len(r.prompt_ids) for r in requests)
-    for name in decoders:
+    labels = {strategy(r.decoder, r.decoder_options) for r in requests}
+    assert label_values(metrics, "stride_generation_tokens_total", "decoder") == labels
+    for name in labels:
         for user in ("none", "alice", "bob", "other"):
             got = value(metrics, "stride_generation_tokens_total", decoder=name, user=user)
             want = sum(
                 len(o.token_ids)
                 for req, outs in zip(requests, results, strict=True)
-                if req.decoder == name and metrics.user_label(req.user) == user
+                if strategy(req.decoder, req.decoder_options) == name
+                and metrics.user_label(req.user) == user
                 for o in outs
             )
             assert got == want, (name, user)
@@ -265,3 +269,93 @@ def test_metrics_users_flag_and_environment(monkeypatch):
     monkeypatch.setenv("STRIDE_METRICS_USERS", "carol")
     args = build_parser().parse_args(["serve"])
     assert Metrics("m", server_config(args).metrics_users).users == {"carol"}
+
+
+def test_strategy_labels_tell_variants_apart_and_stay_bounded():
+    cases = [
+        ("ar", {}, False, "ar"),
+        ("speculative", {}, False, "speculative/ngram"),
+        ("speculative", {}, True, "speculative/draft_model"),
+        ("speculative", {"draft": "ngram", "ngram_max": 2}, True, "speculative/ngram"),
+        ("speculative", {"draft": "early_exit", "exit_layer": 1}, False, "speculative/early_exit"),
+        ("speculative", {"draft": "/models/some-draft-135m"}, True, "speculative/draft_model"),
+        ("refine", {}, False, "refine/jacobi"),
+        ("refine", {"method": "lookahead", "window": 4}, False, "refine/lookahead"),
+        ("refine", {"method": "diffusion"}, False, "refine/diffusion"),
+        ("refine", {"method": "x" * 100}, False, "refine/other"),
+    ]
+    for decoder, options, draft_model, want in cases:
+        assert strategy(decoder, options, draft_model) == want, (decoder, options)
+    # the server's draft model decides the default draft of the label, as it does the drafter's
+    metrics = Metrics("m", draft_model=True)
+    metrics.track("speculative", None, {}).observe(RequestOutput("a", token_ids=[1]))
+    assert label_values(metrics, "stride_generation_tokens_total", "decoder") == {
+        "speculative/draft_model"
+    }
+
+
+def test_engine_gauges_are_one_series_per_model_present_at_zero_from_the_start(tiny_dir):
+    metrics = Metrics("tiny")
+    body = metrics.render()[0].decode()
+    for name in ("requests_running", "requests_waiting", "kv_cache_usage_ratio", "batch_size"):
+        assert f'stride_{name}{{model="tiny"}} 0.0' in body, name
+    core = make_core(tiny_dir)
+    client = EngineClient(core)
+    seen: list[tuple[float, float]] = []
+
+    def on_step(core, seconds, outputs):
+        metrics.on_step(core, seconds, outputs)
+        seen.append((value(metrics, "stride_requests_running"), len(core.scheduler.running)))
+
+    client.on_step = on_step
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    requests = [
+        GenerateRequest(f"r{i}", [5, 6, 7], params, decoder=d, decoder_options=options_for(d))
+        for i, d in enumerate(core.decoders)
+    ]
+    try:
+        asyncio.run(run_all(client, metrics, requests))
+    finally:
+        client.shutdown()
+    assert seen and all(got == want for got, want in seen)
+    assert max(got for got, _ in seen) > 0
+    for name in ("stride_requests_running", "stride_requests_waiting"):
+        families = [f for f in metrics.registry.collect() if f.name == name]
+        assert [s.labels for s in families[0].samples] == [{"model": "tiny"}], name
+
+
+def test_http_metrics_exist_while_loading_and_label_requests_by_strategy(tiny_dir, monkeypatch):
+    import httpx
+
+    import stride.server.app as app_module
+    from stride.engine.engine import EngineConfig
+    from stride.server.app import ServerConfig
+    from tests.server_harness import LiveServer
+
+    gate = threading.Event()
+    build = app_module.build_client
+    monkeypatch.setattr(app_module, "build_client", lambda cfg: (gate.wait(30), build(cfg))[1])
+    config = ServerConfig(
+        engine=EngineConfig(model=str(tiny_dir), served_name="tiny", device="cpu",
+                            kv_cache_memory=4 << 20)
+    )  # fmt: skip
+    live = LiveServer(config, wait=False)
+    try:
+        body = httpx.get(f"{live.url}/metrics", timeout=5).text
+        for name in ("requests_running", "requests_waiting", "kv_cache_usage_ratio", "batch_size"):
+            assert f'stride_{name}{{model="tiny"}} 0.0' in body, name
+        gate.set()
+        live.wait_ready()
+        decoders = [{"type": "refine", "method": "lookahead"}, {"type": "speculative"}, "ar"]
+        for decoder in decoders:
+            reply = live.post(
+                "/v1/completions",
+                {"prompt": "ab", "max_tokens": 3, "temperature": 0, "decoder": decoder},
+            )
+            assert reply.status_code == 200, reply.text
+        body = httpx.get(f"{live.url}/metrics", timeout=5).text
+        found = set(re.findall(r'stride_generation_tokens_total\{[^}]*decoder="([^"]+)"', body))
+        assert found == {"refine/lookahead", "speculative/ngram", "ar"}
+    finally:
+        gate.set()
+        live.stop()

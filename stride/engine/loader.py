@@ -105,6 +105,11 @@ class LoadedModel:
     model: CausalLM
 
 
+def served_name(model: str | None, name: str | None = None) -> str:
+    """The name a model is served under (known before it loads: metrics label series by it)."""
+    return name or (DEFAULT_MODEL_NAME if model is None else str(model))
+
+
 def default_dtype(device: torch.device) -> torch.dtype:
     return torch.bfloat16 if device.type == "cuda" else torch.float32
 
@@ -142,7 +147,7 @@ def load(
     net.rotary = _rotary(config, device)
     tokenizer = AutoTokenizer.from_pretrained(path)
     return LoadedModel(
-        name=name or (DEFAULT_MODEL_NAME if model is None else str(model)),
+        name=served_name(model, name),
         path=path,
         config=config,
         tokenizer=tokenizer,

@@ -24,6 +24,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from stride.decoders.registry import DecodersConfig, build_decoders
 from stride.engine.engine import Engine, EngineConfig
+from stride.engine.loader import served_name
 from stride.metrics import Metrics, MetricsMiddleware
 from stride.scheduler.client import EngineClient
 from stride.scheduler.core import EngineCore
@@ -141,7 +142,6 @@ def create_app(config: ServerConfig | None = None) -> FastAPI:
 
         def _ready(client: EngineClient) -> None:
             lifecycle.client = app.state.client = client
-            metrics = app.state.metrics = Metrics(client.core.engine.name, config.metrics_users)
             client.on_step = metrics.on_step
             app.state.serving = Serving(client, config.decoders.default, metrics)
             if lifecycle.phase is Phase.LOADING:
@@ -170,7 +170,10 @@ def create_app(config: ServerConfig | None = None) -> FastAPI:
     app.state.lifecycle = lifecycle
     app.state.client = None
     app.state.serving = None
-    app.state.metrics = None
+    # From the start, so /metrics shows the queue gauges (at 0) while the model loads.
+    name = served_name(config.engine.model, config.engine.served_name)
+    has_draft = config.decoders.draft_model is not None
+    metrics = app.state.metrics = Metrics(name, config.metrics_users, draft_model=has_draft)
     errors.install(app)
     app.add_exception_handler(ClientGone, _client_gone)
     app.add_middleware(_Gate, lifecycle=lifecycle)

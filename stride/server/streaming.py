@@ -37,7 +37,11 @@ class Generation:
         self._client = client
         self._requests = requests
         self._n = n
-        self._trackers = [metrics.track(r.decoder, r.user) for r in requests] if metrics else []
+        self._trackers = (
+            [metrics.track(r.decoder, r.user, r.decoder_options) for r in requests]
+            if metrics
+            else []
+        )
         self._queue: asyncio.Queue[Any] = asyncio.Queue()
         self._tasks: list[asyncio.Task] = []
         self._first: list[asyncio.Future] = []
