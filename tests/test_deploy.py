@@ -480,6 +480,24 @@ def test_inference_pool_selects_the_stride_pods_and_the_route_targets_it():
                      "name": "stride"}]  # fmt: skip
 
 
+def test_router_and_autoscalers_read_one_series_per_pod_present_from_the_start():
+    """The EPP and the HPA read a gauge per pod: it must exist, unsplit, before any request."""
+    from stride.metrics import Metrics
+
+    flags = yaml.safe_load((K8S / "gateway" / "epp-values.yaml").read_text())[
+        "inferenceExtension"]["flags"]  # fmt: skip
+    names = [flags[f"{k}-metric"] for k in ("total-queued-requests", "total-running-requests",
+                                            "kv-cache-usage-percentage")]  # fmt: skip
+    names += [rule["name"]["as"] for rule in adapter_rules()]
+    keda = manifests()[("ScaledObject", "stride")]["spec"]["triggers"][0]["metadata"]["query"]
+    names += re.findall(r"(stride_[a-z_]+)\{", keda)
+    fresh = {f.name: f.samples for f in Metrics("m").registry.collect()}
+    for name in names:
+        assert re.fullmatch(r"[a-zA-Z_:][a-zA-Z0-9_:]*", name), f"{name}: a label selector"
+        assert [(s.labels, s.value) for s in fresh[name]] == [({"model": "m"}, 0.0)], name
+    assert "decoder" not in keda + "".join(r["seriesQuery"] for r in adapter_rules())
+
+
 # ---- Grafana dashboard --------------------------------------------------------------------------
 
 

@@ -194,11 +194,12 @@ def build() -> dict:
     )  # fmt: skip
 
     d.row("Engine")
-    md = 'model=~"$model",decoder=~"$decoder"'
     d.add(
         "Requests running and waiting",
-        [(f"sum by (decoder) (stride_requests_running{{{md}}})", "running {{decoder}}"),
-         (f"sum by (decoder) (stride_requests_waiting{{{md}}})", "waiting {{decoder}}")],
+        [(f"sum(stride_requests_running{{{MODEL}}})", "running"),
+         (f"sum(stride_requests_waiting{{{MODEL}}})", "waiting")],
+        description="All replicas of the model; one series per pod (label model only), "
+                    "the series autoscaling and the inference gateway read.",
     )  # fmt: skip
     d.add("KV cache usage", [(f"max(stride_kv_cache_usage_ratio{{{MODEL}}})", "used")],
           "percentunit")  # fmt: skip
