@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import random
 import socket
 import subprocess
@@ -120,7 +121,8 @@ def tiny_server(tiny_dir, tmp_path):
     command = [sys.executable, "-m", "stride.server.cli", "serve", "--model", str(tiny_dir),
                "--host", "127.0.0.1", "--port", str(port),
                "--kv-cache-memory", "64MiB"]  # fmt: skip
-    server = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # no OpenMP spin-waits fighting the test
+    server = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 60

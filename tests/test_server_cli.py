@@ -65,7 +65,8 @@ def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 180) -> Non
 def test_sigterm_drains_requests_in_flight(tiny_dir):
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    env = {**os.environ, "STRIDE_PORT": str(port), "STRIDE_DECODER": "slow"}
+    # One torch thread: OpenMP spin-waits make steps crawl when the test and server share 2 cores.
+    env = {**os.environ, "STRIDE_PORT": str(port), "STRIDE_DECODER": "slow", "OMP_NUM_THREADS": "1"}
     cmd = [
         sys.executable,
         "-c",
