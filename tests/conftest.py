@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -13,7 +12,10 @@ from stride.scheduler.core import EngineCore
 from stride.scheduler.policy import SchedulerConfig
 from tests.tiny import load_hf, make_model_dir
 
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+# One thread: tiny models gain nothing from more, and on a shared 2-core box the pytest process,
+# the servers tests spawn (OMP_NUM_THREADS=1) and others' tests contend; an OpenMP team waiting
+# for a descheduled member (spin-waits) made steps 10x slower.
+torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")
