@@ -81,11 +81,12 @@ def attend(
 def _masked_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
 ) -> torch.Tensor:
-    """Masked GQA attention written out, softmax in fp32.
+    """Masked GQA attention written out (what SDPA's math backend computes), softmax in fp32.
 
-    On CUDA (torch 2.11, H200) masked SDPA with `enable_gqa` gave degenerate logits for this
-    layout in our graph-vs-eager test; the plain formula is exact, and costs little here since
-    decode steps take the paged kernel.
+    Used on CUDA for prefill chunks and proposals; decode steps take the paged kernel. It was
+    brought in while chasing NaN logits that turned out to come from NaN keys in block 0 (padded
+    graph rows with no context, since fixed); masked SDPA has not been re-measured here since.
+    Its scores are [B, H, Q, L] fp32, so very long prompt chunks cost memory.
     """
     group = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(group, dim=1)
