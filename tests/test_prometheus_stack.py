@@ -287,8 +287,27 @@ def traffic(stride, prometheus) -> Traffic:
     t = Traffic(stride.url, decoders)
     t.run()
     stride.wait_idle()
-    time.sleep(2.5)  # two more scrapes and rule evaluations see the final counts
+    wait_for_final_scrape(prometheus, after=time.time())
     return t
+
+
+def wait_for_final_scrape(prometheus: str, after: float, timeout: float = 60.0) -> None:
+    """Until Prometheus holds a successful scrape begun after `after` and has evaluated every rule.
+
+    A scrape times out after its 1 s interval; on a loaded machine several in a row can, so no
+    fixed sleep guarantees that Prometheus has seen the final counters.
+    """
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        # a sample's timestamp is the start of the (successful) scrape that produced it
+        scraped = values(query(prometheus, "timestamp(stride_requests_received_total)"))
+        groups = httpx.get(f"{prometheus}/api/v1/rules", timeout=10).json()["data"]["groups"]
+        evaluated = all(not r["lastEvaluation"].startswith("0001") for g in groups
+                        for r in g["rules"])  # fmt: skip
+        if scraped and min(scraped) > after and evaluated:
+            return
+        time.sleep(0.2)
+    pytest.fail(f"no complete scrape of stride after the traffic stopped; {scrapes(prometheus)}")
 
 
 # ---- what Prometheus saw ----------------------------------------------------------------------
@@ -334,8 +353,9 @@ def dashboard_exprs() -> list[tuple[str, str]]:
 
 
 def grafana_to_promql(expr: str) -> str:
-    """Fill in what Grafana would: all models, decoders and users; a 1-minute rate window."""
-    expr = expr.replace("$__rate_interval", "1m")
+    """Fill in what Grafana would: all models, decoders and users; a rate window (5 minutes, so
+    that every sample of the traffic stays in it however long the tests before took)."""
+    expr = expr.replace("$__rate_interval", "5m")
     return re.sub(r"\$(model|decoder|user)\b", ".*", expr)
 
 
