@@ -64,7 +64,12 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=32, help="prompt tokens per request")
     parser.add_argument("--new", type=int, default=32, help="new tokens per request")
     parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument(
+        "--threads", type=int, help="CPU threads (on a busy machine 1 beats oversubscription)"
+    )
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     engine = Engine(
         EngineConfig(model=args.model, device=args.device, dtype=args.dtype, kv_cache_memory=None)
@@ -82,7 +87,7 @@ def main() -> None:
 
         print(
             f"model {engine.name} on {device} ({engine.dtype}), prompt {args.prompt}, "
-            f"new {args.new}, torch {torch.__version__}"
+            f"new {args.new}, torch {torch.__version__}, {torch.get_num_threads()} threads"
         )
         print(f"{'':12}{'batch 1':>12}{f'{args.concurrency} concurrent':>18}  (output tok/s)")
         rows = {}
