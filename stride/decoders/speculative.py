@@ -26,18 +26,21 @@ T(K) = spec·(1 + B(1+K)/S) + K·draft·(1 + B/S) and a plain one T0 = plain·(1
 grows with the tokens it scores once past S "saturation" tokens (where the device turns from
 memory- to compute-bound: 16 on CPU, 256 on GPU), and each draft position is one batched drafter
 forward. B is the number of speculative sequences in the step (the previous step's when
-reserving, the actual one when drafting). `plain`, `spec` and `draft` are measured: moving
-averages of the wall time of decode-only verification steps without and with drafts (they differ
-a lot on a GPU, where plain decode steps replay CUDA graphs and draft-scoring steps run eagerly)
-and of each drafter's forward per draft position. K stays 0 until plain decoding has been timed;
-until a drafting step has been timed, scoring drafts is assumed to cost what plain decoding does,
-and drafting what the drafter's size says (0 for n-gram, L/layers for early exit, the parameter
-ratio for a draft model). Goodput relative to plain decoding is G(K) = E(K)·T0/T(K); the policy
-picks the K ≤ K_max with the largest G, and K = 0 (plain decoding, no drafter work) unless the
-best G beats 1 by 5 %. a is measured too: per sequence, decayed counts of accepted and rejected
-drafts (a geometric model: a rejection ends a step's run) on top of a prior taken from the
-drafter's acceptance over all sequences. A sequence held at K = 0 by low acceptance probes with
-K = 1 every 16 steps if good drafts would pay at the measured costs, so its estimate can recover.
+reserving, the actual one when drafting). `spec` and `draft` are measured relative to `plain`
+(moving averages of wall times, so that a machine whose speed drifts keeps sensible ratios):
+decode-only verification steps with drafts against those without (they differ a lot on a GPU,
+where plain decode steps replay CUDA graphs and draft-scoring steps run eagerly), and each
+drafter's forward per draft position. K stays 0 until plain decoding has been timed; until a
+drafting step has been timed, and again after 256 plain steps without one (so that a stale
+measurement cannot pin K at 0), the costs come from sizes: scoring drafts costs what plain
+decoding does, drafting what the drafter's size says (0 for n-gram, L/layers for early exit,
+the parameter ratio for a draft model). Goodput relative to plain decoding is
+G(K) = E(K)·T0/T(K); the policy picks the K ≤ K_max with the largest G, and K = 0 (plain
+decoding, no drafter work) unless the best G beats 1 by 5 %. a is measured too: per sequence,
+decayed counts of accepted and rejected drafts (a geometric model: a rejection ends a step's
+run) on top of a prior taken from the drafter's acceptance over all sequences. A sequence held
+at K = 0 by low acceptance probes with K = 1 every 16 steps if good drafts would pay at the
+measured costs, so its estimate can recover.
 """
 
 from __future__ import annotations
@@ -145,6 +148,7 @@ class Speculative(Decoder):
     DECAY = 0.8
     PRIOR_WEIGHT = 2.0
     PROBE_EVERY = 16
+    REMEASURE_EVERY = 256
 
     def __init__(
         self,
@@ -162,9 +166,10 @@ class Speculative(Decoder):
         self._drafters: dict[tuple, Drafter] = {}
         self._prior: dict[str, float] = {}  # drafter name → acceptance over all sequences
         self._last_batch = 1
-        self._plain_s: float | None = None  # measured StepCosts.plain / .spec, in seconds
-        self._spec_s: float | None = None
-        self._draft_s: dict[int, float] = {}  # id(drafter) → measured StepCosts.draft
+        self._plain_s: float | None = None  # a plain step, seconds per token-count factor
+        self._spec_ratio: float | None = None  # StepCosts.spec measured, relative to plain
+        self._draft_ratio: dict[int, float] = {}  # id(drafter) → StepCosts.draft measured
+        self._plain_since_spec = 0  # plain steps timed since a drafting step was last timed
         self._timing: tuple[float, int, bool] | None = None  # this step: start, tokens, drafted
 
     # ---- admission ------------------------------------------------------------------------
@@ -238,12 +243,11 @@ class Speculative(Decoder):
         return (state.accepted + w * prior) / (state.accepted + state.rejected + w)
 
     def _costs(self, drafter: Drafter) -> StepCosts:
-        if not self.measure_costs:
+        stale = self._spec_ratio is None or self._plain_since_spec >= self.REMEASURE_EVERY
+        if not self.measure_costs or stale:  # sizes only: drafting gets (re)measured
             return StepCosts(self.saturation, draft=drafter.cost)
-        plain = self._plain_s or 1.0
-        spec = self._spec_s or plain  # until measured, assume drafts score at the plain rate
-        draft = self._draft_s.get(id(drafter), drafter.cost * plain)
-        return StepCosts(self.saturation, plain, spec, draft)
+        draft = self._draft_ratio.get(id(drafter), drafter.cost)
+        return StepCosts(self.saturation, spec=self._spec_ratio, draft=draft)
 
     def _plan(self, seq: Sequence, state: _State, batch: int) -> int:
         k_max = seq.decoder_options["num_speculative_tokens"]
@@ -285,9 +289,10 @@ class Speculative(Decoder):
                 continue
             start = time.perf_counter()
             made = drafter.draft([seqs[i] for i in idx], [ks[i] for i in idx], ctx.eos_ids)
-            per_position = (time.perf_counter() - start) / positions
-            unit = 1 + len(idx) / self.saturation
-            self._draft_s[id(drafter)] = _ema(self._draft_s.get(id(drafter)), per_position / unit)
+            if self._plain_s:
+                per_position = (time.perf_counter() - start) / positions
+                ratio = per_position / (1 + len(idx) / self.saturation) / self._plain_s
+                self._draft_ratio[id(drafter)] = _ema(self._draft_ratio.get(id(drafter)), ratio)
             for i, d in zip(idx, made, strict=True):
                 drafts[i] = d
         for st, d in zip(states, drafts, strict=True):
@@ -322,10 +327,12 @@ class Speculative(Decoder):
         if self._timing is not None:  # verification has synchronised with the device by now
             start, tokens, drafted = self._timing
             seconds = (time.perf_counter() - start) / (1 + tokens / self.saturation)
-            if drafted:
-                self._spec_s = _ema(self._spec_s, seconds)
-            else:
+            if not drafted:
                 self._plain_s = _ema(self._plain_s, seconds)
+                self._plain_since_spec += 1
+            elif self._plain_s:
+                self._spec_ratio = _ema(self._spec_ratio, seconds / self._plain_s)
+                self._plain_since_spec = 0
 
         commits = []
         offset = 0
