@@ -132,9 +132,22 @@ def uniform(row: Row, device: torch.device) -> float:
     return torch.rand((), generator=row.seq.generator, device=device).item()
 
 
+def _plain_greedy(row: Row) -> bool:
+    """Greedy with nothing for `adjust` to do: the argmax of the raw logits."""
+    p = row.params
+    return (
+        p.greedy
+        and not p.logit_bias
+        and not p.has_penalties
+        and row.seq.num_output_tokens + len(row.pending) >= p.min_tokens
+    )
+
+
 def sample(logits: torch.Tensor, rows: list[Row], eos_ids: set[int]) -> list[int]:
+    if all(map(_plain_greedy, rows)):  # the common serving case: one argmax, one sync
+        return logits.argmax(-1).tolist()
     logits = adjust(logits, rows, eos_ids)
-    if all(r.params.greedy for r in rows):  # the common serving case: skip the distribution
+    if all(r.params.greedy for r in rows):  # skip the distribution
         return logits.argmax(-1).tolist()
     return draw(probabilities(logits, rows), rows)
 

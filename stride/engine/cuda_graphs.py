@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from itertools import chain
 
+import numpy as np
 import torch
 
 from stride.engine.attention import DecodeMetadata
@@ -100,21 +102,30 @@ class DecodeGraphs:
         self,
         tokens: list[int],
         positions: list[int],
-        slots: list[int],
         lengths: list[int],
         tables: list[list[int]],
     ) -> torch.Tensor:
-        """One decode step for len(tokens) sequences; returns their [B, vocab] fp32 logits."""
+        """One decode step for len(tokens) sequences; returns their [B, vocab] fp32 logits.
+
+        `lengths` counts each sequence's context including the new token, whose K/V goes to the
+        slot of position `lengths - 1` in its block table.
+        """
         n = len(tokens)
         bucket = next(b for b in self.buckets if b >= n)
         self._copied.synchronize()  # the previous step's copy has left the pinned buffer
         h = self._host_np
         h[:n, _TOKEN] = tokens
         h[:n, _POSITION] = positions
-        h[:n, _SLOT] = slots
         h[:n, _LENGTH] = lengths
-        for i, table in enumerate(tables):
-            h[i, _TABLE : _TABLE + len(table)] = table
+        # Block tables, ragged, scattered into their rows in one go.
+        widths = np.fromiter(map(len, tables), dtype=np.int64, count=n)
+        flat = np.fromiter(chain.from_iterable(tables), dtype=np.int32, count=int(widths.sum()))
+        rows = np.repeat(np.arange(n), widths)
+        cols = np.arange(len(flat)) - np.repeat(np.cumsum(widths) - widths, widths)
+        h[rows, _TABLE + cols] = flat
+        last = h[:n, _LENGTH] - 1
+        bs = self.cache.block_size
+        h[:n, _SLOT] = h[np.arange(n), _TABLE + last // bs] * bs + last % bs
         self._pad_rows(n, bucket)
         self._inputs[:bucket].copy_(self._host[:bucket], non_blocking=True)
         self._copied.record()

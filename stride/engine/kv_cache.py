@@ -63,6 +63,8 @@ class KVCache:
 
     def reserve(self, seq: Sequence, num_slots: int) -> None:
         """Grow `seq`'s block table to cover `num_slots` slots, or raise OutOfBlocks."""
+        if num_slots <= len(seq.block_table) * self.block_size:
+            return  # most steps: no block boundary crossed
         need = self.blocks_needed(seq, num_slots)
         if need > len(self._free):
             raise OutOfBlocks(f"need {need} blocks, {len(self._free)} free")
@@ -72,8 +74,10 @@ class KVCache:
     def trim(self, seq: Sequence) -> None:
         """Return blocks beyond what `seq.num_cached` needs (after a rollback)."""
         keep = -(-seq.num_cached // self.block_size)
-        while len(seq.block_table) > keep:
-            self._free.append(seq.block_table.pop())
+        table = seq.block_table
+        if len(table) > keep:
+            self._free.extend(reversed(table[keep:]))
+            del table[keep:]
 
     def free(self, seq: Sequence) -> None:
         self._free.extend(reversed(seq.block_table))
@@ -83,4 +87,6 @@ class KVCache:
     def slots(self, seq: Sequence, start: int, end: int) -> list[int]:
         """Flat slot ids of positions [start, end) of `seq`'s cache."""
         bs, table = self.block_size, seq.block_table
+        if end - start == 1:
+            return [table[start // bs] * bs + start % bs]
         return [table[i // bs] * bs + i % bs for i in range(start, end)]

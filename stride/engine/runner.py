@@ -100,16 +100,13 @@ class ModelRunner:
         return list(logits.split([c.num_logits for c in chunks]))
 
     def _forward_graph(self, chunks: list[Chunk]) -> torch.Tensor:
-        bs = self.cache.block_size
-        tokens, positions, slots, lengths, tables = [], [], [], [], []
-        for c in chunks:
-            n, table = c.seq.num_cached, c.seq.block_table
-            tokens.append(c.token_ids[0])
-            positions.append(c.positions[0] if c.positions else n)
-            slots.append(table[n // bs] * bs + n % bs)
-            lengths.append(n + 1)
-            tables.append(table)
-        return self.graphs.run(tokens, positions, slots, lengths, tables)
+        cached = [c.seq.num_cached for c in chunks]
+        return self.graphs.run(
+            [c.token_ids[0] for c in chunks],
+            [c.positions[0] if c.positions else n for c, n in zip(chunks, cached, strict=True)],
+            [n + 1 for n in cached],
+            [c.seq.block_table for c in chunks],
+        )
 
     def _prepare(self, chunks: list[Chunk]):
         cache, bs = self.cache, self.cache.block_size

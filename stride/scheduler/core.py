@@ -6,6 +6,7 @@ and feeds it through queues. Every admitted request leaves through exactly one t
 
 from __future__ import annotations
 
+import gc
 import time
 from collections import defaultdict
 from typing import Any
@@ -42,8 +43,14 @@ class EngineCore:
         self.ctx = StepContext(eos_ids=engine.eos_ids, device=engine.device, engine=engine)
         self.seqs: dict[str, Sequence] = {}
         self._detok: dict[str, Detokenizer] = {}
+        self._grouped: dict[str, Sequence] = {}  # sequences that a model group runs
+        self._num_deadlines = 0  # sequences in flight with a deadline
         self.last_batch_size = 0
         self.last_num_tokens = 0
+        # Everything alive now (model, tokenizer, graphs, imported modules) lives as long as the
+        # loop: keep it out of the cyclic collector, whose full passes over that heap would
+        # otherwise stall a step for hundreds of ms every few hundred steps.
+        gc.freeze()
 
     # ---- admission and cancellation ---------------------------------------------------------
 
@@ -96,6 +103,7 @@ class EngineCore:
         if p.seed is not None:
             seq.generator = torch.Generator(self.engine.device).manual_seed(p.seed)
         self.seqs[seq.request_id] = seq
+        self._num_deadlines += seq.deadline is not None
         self._detok[seq.request_id] = Detokenizer(
             self.engine.tokenizer, p.stop, p.skip_special_tokens
         )
@@ -103,6 +111,7 @@ class EngineCore:
             self.scheduler.enqueue(seq)
         else:  # a model of the decoder's own runs it (diffusion); see _step_groups
             seq.status = Status.RUNNING
+            self._grouped[seq.request_id] = seq
 
     def abort(self, request_id: str) -> RequestOutput | None:
         seq = self.seqs.get(request_id)
@@ -124,40 +133,39 @@ class EngineCore:
 
     def step(self) -> list[RequestOutput]:
         outputs = self._expire_deadlines()
-        outputs += self._step_groups()
+        if self._grouped:
+            outputs += self._step_groups()
         plan = self.scheduler.schedule(self._extra_tokens, self._release)
         self.last_batch_size = len(plan)
         if not plan:
             return outputs
 
-        decoding = [s for s in plan if s.completes_tail]
-        by_decoder: dict[str, list[Scheduled]] = defaultdict(list)
-        for item in decoding:
-            by_decoder[item.seq.decoder].append(item)
-        proposals: dict[str, Proposal] = {}
-        for name, items in by_decoder.items():
-            seqs = [i.seq for i in items]
-            for item, prop in zip(items, self.decoders[name].propose(seqs, self.ctx)):
-                if len(prop.tokens) > item.extra:
+        # Plan indices of the sequences that complete their tail, by decoder.
+        by_decoder: dict[str, list[int]] = defaultdict(list)
+        for i, item in enumerate(plan):
+            if item.completes_tail:
+                by_decoder[item.seq.decoder].append(i)
+        proposals: list[Proposal | None] = [None] * len(plan)
+        for name, idx in by_decoder.items():
+            props = self.decoders[name].propose([plan[i].seq for i in idx], self.ctx)
+            for i, prop in zip(idx, props, strict=True):
+                if len(prop.tokens) > plan[i].extra:
                     raise RuntimeError(f"decoder {name} proposed more tokens than it reserved")
-                proposals[item.seq.request_id] = prop
+                proposals[i] = prop
 
-        chunks = [self._chunk(item, proposals.get(item.seq.request_id)) for item in plan]
+        chunks = [self._chunk(item, prop) for item, prop in zip(plan, proposals, strict=True)]
         self.last_num_tokens = sum(len(c.token_ids) for c in chunks)
         logits = self.engine.runner.forward(chunks)
-        by_id = {item.seq.request_id: lg for item, lg in zip(plan, logits)}
 
         for item in plan:
             if not item.completes_tail:
                 item.seq.num_cached += item.num_tail
-        for name, items in by_decoder.items():
-            seqs = [i.seq for i in items]
-            props = [proposals[s.request_id] for s in seqs]
-            commits = self.decoders[name].commit(
-                seqs, props, [by_id[s.request_id] for s in seqs], self.ctx
-            )
-            for seq, prop, commit in zip(seqs, props, commits):
-                out = self._apply(seq, prop, commit)
+        for name, idx in by_decoder.items():
+            seqs = [plan[i].seq for i in idx]
+            props = [proposals[i] for i in idx]
+            commits = self.decoders[name].commit(seqs, props, [logits[i] for i in idx], self.ctx)
+            for seq, commit in zip(seqs, commits, strict=True):
+                out = self._apply(seq, commit)
                 if out is not None:
                     outputs.append(out)
         return outputs
@@ -165,14 +173,14 @@ class EngineCore:
     def _step_groups(self) -> list[RequestOutput]:
         """One batched pass of every model group (diffusion LMs) over all of its sequences."""
         groups: dict[ModelGroup, list[Sequence]] = defaultdict(list)
-        for seq in self.seqs.values():
+        for seq in self._grouped.values():
             group = self.decoders[seq.decoder].model_group(seq)
             if group is not None:
                 groups[group].append(seq)
         outputs = []
         for group, seqs in groups.items():
             for seq, commit in zip(seqs, group.step(seqs, self.ctx), strict=True):
-                out = self._apply(seq, Proposal(), commit)
+                out = self._apply(seq, commit)
                 if out is not None:
                     outputs.append(out)
         return outputs
@@ -185,39 +193,43 @@ class EngineCore:
 
     def _chunk(self, item: Scheduled, prop: Proposal | None) -> Chunk:
         seq = item.seq
-        tail = seq.tail[: item.num_tail]
+        start = seq.num_cached
+        tail = seq.token_ids[start : start + item.num_tail]
         if seq.first_scheduled_time is None:
             seq.first_scheduled_time = time.monotonic()
         if prop is None:
             return Chunk(seq, tail, num_logits=0)
+        if not prop.tokens and prop.positions is None:
+            return Chunk(seq, tail, 1, None, prop.mask)
         positions = None
         if prop.positions is not None:
-            start = seq.num_cached
             positions = list(range(start, start + len(tail))) + prop.positions
         return Chunk(seq, tail + prop.tokens, 1 + len(prop.tokens), positions, prop.mask)
 
-    def _apply(self, seq: Sequence, prop: Proposal, commit: Commit) -> RequestOutput | None:
+    def _apply(self, seq: Sequence, commit: Commit) -> RequestOutput | None:
         """Append a commit's tokens under the stop rules, roll back rejected KV, emit output."""
-        seq.num_cached += len(seq.tail) + commit.kv_keep
+        token_ids = seq.token_ids
+        seq.num_cached = len(token_ids) + commit.kv_keep  # the whole tail was scored
         self.engine.cache.trim(seq)
         seq.stats.forward_passes += 1
         if seq.first_token_time is None:
             seq.first_token_time = time.monotonic()
 
         p, detok = seq.params, self._detok[seq.request_id]
-        out = RequestOutput(seq.request_id)
+        num_prompt = len(seq.prompt_ids)
+        eos_ids = () if p.ignore_eos else self.ctx.eos_ids
         reason: str | None = None
         stop_reason: str | int | None = None
-        for token, lp in zip(commit.tokens, commit.logprobs):
-            seq.token_ids.append(token)
-            out.token_ids.append(token)
-            out.logprobs.append(lp)
-            produced = seq.num_output_tokens
+        n = 0
+        for token in commit.tokens:
+            token_ids.append(token)
+            n += 1
+            produced = len(token_ids) - num_prompt
             stop_string = detok.add(token)
             if produced >= p.min_tokens:
                 if token in p.stop_token_ids:
                     reason, stop_reason = "stop", token
-                elif not p.ignore_eos and token in self.ctx.eos_ids:
+                elif token in eos_ids:
                     reason = "stop"
                 elif stop_string is not None:
                     reason, stop_reason = "stop", stop_string
@@ -225,11 +237,13 @@ class EngineCore:
                 reason = "length"
             if reason is not None:
                 break
-        seq.stats.committed_per_pass.append(len(out.token_ids))
+        seq.stats.committed_per_pass.append(n)
+        out = RequestOutput(seq.request_id, commit.tokens[:n], logprobs=commit.logprobs[:n])
         if reason is not None:
             return self._finish(seq, reason, out, stop_reason)
         out.text = detok.take(final=False)
-        self._fill_counts(seq, out)
+        out.num_prompt_tokens = num_prompt
+        out.num_output_tokens = len(token_ids) - num_prompt
         return out
 
     def _finish(
@@ -244,6 +258,8 @@ class EngineCore:
         self._release(seq)
         self.scheduler.remove(seq)
         del self.seqs[seq.request_id]
+        self._grouped.pop(seq.request_id, None)
+        self._num_deadlines -= seq.deadline is not None
         out.text = self._detok.pop(seq.request_id).take(final=True)
         out.finish_reason = reason
         out.stop_reason = stop_reason
@@ -258,6 +274,8 @@ class EngineCore:
         out.num_output_tokens = seq.num_output_tokens
 
     def _expire_deadlines(self) -> list[RequestOutput]:
+        if not self._num_deadlines:
+            return []
         now = time.monotonic()
         late = [s for s in self.seqs.values() if s.deadline is not None and s.deadline <= now]
         return [

@@ -28,6 +28,9 @@ class Detokenizer:
         piece = self._stream.step(self._backend, token_id)
         if not piece:
             return None
+        if not self._stop:
+            self.text += piece
+            return None
         start = max(0, len(self.text) - self._hold)
         self.text += piece
         found = [(at, stop) for stop in self._stop if (at := self.text.find(stop, start)) != -1]

@@ -24,19 +24,25 @@ class SchedulerConfig:
     max_waiting: int = 1024
 
 
-@dataclass
+@dataclass(slots=True)
 class Scheduled:
     seq: Sequence
     num_tail: int  # how many tail tokens are scored this step
     extra: int  # tokens the decoder adds after the tail (only when the whole tail fits)
-
-    @property
-    def completes_tail(self) -> bool:
-        return self.num_tail == len(self.seq.tail)
+    completes_tail: bool  # the whole uncached tail is scored this step
 
 
 def _order(seq: Sequence) -> tuple[int, float]:
     return (seq.priority, seq.arrival_time)
+
+
+def _remove(seqs: list[Sequence], seq: Sequence) -> bool:
+    """Remove `seq` by identity (`list.remove` would compare dataclass fields of every other)."""
+    for i, s in enumerate(seqs):
+        if s is seq:
+            del seqs[i]
+            return True
+    return False
 
 
 class Scheduler:
@@ -45,20 +51,17 @@ class Scheduler:
         self.cache = cache
         self.max_model_len = max_model_len
         self.waiting: list[Sequence] = []  # sorted by (priority, arrival)
-        self.running: list[Sequence] = []
+        self.running: list[Sequence] = []  # sorted by (priority, arrival)
         self.num_preemptions = 0  # since start
 
     def enqueue(self, seq: Sequence) -> None:
         seq.status = Status.WAITING
-        keys = [_order(s) for s in self.waiting]
-        self.waiting.insert(bisect.bisect_right(keys, _order(seq)), seq)
+        bisect.insort_right(self.waiting, seq, key=_order)
 
     def remove(self, seq: Sequence) -> None:
         """Take a finished or cancelled sequence out and free its KV at once."""
-        if seq in self.running:
-            self.running.remove(seq)
-        elif seq in self.waiting:
-            self.waiting.remove(seq)
+        if not _remove(self.running, seq):
+            _remove(self.waiting, seq)
         self.cache.free(seq)
         seq.status = Status.FINISHED
 
@@ -69,15 +72,21 @@ class Scheduler:
     ) -> list[Scheduled]:
         """Pick this step's work. `extra_tokens(seq, cap)` asks the sequence's decoder."""
         budget = self.config.max_num_batched_tokens
+        max_seqs = self.config.max_num_seqs
         plan: list[Scheduled] = []
-        self.running.sort(key=_order)
 
-        queue = list(self.running)
-        while queue and budget > 0 and len(plan) < self.config.max_num_seqs:
-            seq = queue.pop(0)
-            item = self._fit(seq, budget, extra_tokens)
+        queue = list(self.running)  # preemption takes victims from its end
+        i, end = 0, len(queue)
+        while i < end and budget > 0 and len(plan) < max_seqs:
+            seq = queue[i]
+            i += 1
+            item: Scheduled | None = self._fit(seq, budget, extra_tokens)
             while not self._try_reserve(item):
-                victim = queue.pop() if queue else seq
+                if end > i:
+                    end -= 1
+                    victim = queue[end]
+                else:
+                    victim = seq
                 self._preempt(victim, on_preempt)
                 if victim is seq:
                     item = None
@@ -86,30 +95,30 @@ class Scheduler:
                 plan.append(item)
                 budget -= item.num_tail + item.extra
 
-        while self.waiting and budget > 0 and len(plan) < self.config.max_num_seqs:
+        while self.waiting and budget > 0 and len(plan) < max_seqs:
             seq = self.waiting[0]
             item = self._fit(seq, budget, extra_tokens)
             if not self._try_reserve(item):
                 break
             self.waiting.pop(0)
             seq.status = Status.RUNNING
-            self.running.append(seq)
+            bisect.insort_right(self.running, seq, key=_order)
             plan.append(item)
             budget -= item.num_tail + item.extra
         return plan
 
     def _fit(self, seq: Sequence, budget: int, extra_tokens) -> Scheduled:
-        tail = len(seq.tail)
-        n = min(tail, budget)
-        extra = 0
-        if n == tail:
-            cap = min(
-                budget - n,
-                seq.params.max_tokens - seq.num_output_tokens - 1,
-                self.max_model_len - seq.num_tokens - 1,
-            )
-            extra = min(max(cap, 0), extra_tokens(seq, max(cap, 0)))
-        return Scheduled(seq, n, extra)
+        num_tokens = len(seq.token_ids)
+        tail = num_tokens - seq.num_cached
+        if tail > budget:
+            return Scheduled(seq, budget, 0, False)
+        cap = min(
+            budget - tail,
+            seq.params.max_tokens - (num_tokens - len(seq.prompt_ids)) - 1,
+            self.max_model_len - num_tokens - 1,
+        )
+        cap = max(cap, 0)
+        return Scheduled(seq, tail, min(cap, extra_tokens(seq, cap)), True)
 
     def _try_reserve(self, item: Scheduled) -> bool:
         seq = item.seq
@@ -120,7 +129,7 @@ class Scheduler:
         return True
 
     def _preempt(self, seq: Sequence, on_preempt: Callable[[Sequence], None]) -> None:
-        self.running.remove(seq)
+        _remove(self.running, seq)
         self.cache.free(seq)
         seq.num_preemptions += 1
         self.num_preemptions += 1

@@ -1,0 +1,110 @@
+"""Host (Python) cost of one engine step at high concurrency, on the CPU, model compute removed.
+
+On a GPU a decode step's graph replays in a few ms; what the step loop does around it in Python
+(schedule, pack inputs, sample, detokenize, stop checks, outputs) is pure host time. Here the
+tiny random model runs the prefill eagerly, and decode steps go through the CUDA-graph path's
+input packing with the replay replaced by a fixed logits tensor, so a decode step's wall time is
+the host overhead alone.
+
+    python bench/bench_host.py --concurrency 256 [--profile]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from stride.engine.cuda_graphs import _TABLE, DecodeGraphs  # noqa: E402
+from stride.engine.engine import Engine, EngineConfig  # noqa: E402
+from stride.engine.sequence import SamplingParams  # noqa: E402
+from stride.scheduler.core import EngineCore  # noqa: E402
+from stride.scheduler.outputs import GenerateRequest  # noqa: E402
+from tests.tiny import make_model_dir  # noqa: E402
+
+
+class HostGraphs(DecodeGraphs):
+    """DecodeGraphs' host side (packing into the input array) with no device and no replay."""
+
+    def __init__(self, cache, vocab: int, max_batch: int = 256, max_blocks: int = 64) -> None:
+        self.cache = cache
+        self.max_blocks = max_blocks
+        self.buckets = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b <= max_batch]
+        width = _TABLE + max_blocks
+        self._host = torch.zeros(max_batch, width, dtype=torch.int32)
+        self._host_np = self._host.numpy()
+        self._inputs = torch.zeros(max_batch, width, dtype=torch.int32)
+        self._logits = torch.randn(max_batch, vocab, generator=torch.Generator().manual_seed(0))
+        self._copied = _NoEvent()
+        self._graphs = {b: _NoGraph() for b in self.buckets}
+
+
+class _NoEvent:
+    def synchronize(self) -> None:
+        pass
+
+    def record(self) -> None:
+        pass
+
+
+class _NoGraph:
+    def replay(self) -> None:
+        pass
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--concurrency", type=int, default=256)
+    parser.add_argument("--prompt", type=int, default=128)
+    parser.add_argument("--new", type=int, default=128)
+    parser.add_argument("--profile", action="store_true", help="cProfile the decode steps")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+
+    model_dir = make_model_dir(Path(tempfile.mkdtemp()) / "tiny")
+    engine = Engine(EngineConfig(model=str(model_dir), device="cpu", max_model_len=1024))
+    vocab = engine.hf_config.vocab_size
+    engine.runner.graphs = HostGraphs(engine.cache, vocab, args.concurrency)
+    core = EngineCore(engine)
+    params = SamplingParams(max_tokens=args.new, temperature=0.0, ignore_eos=True)
+    g = torch.Generator().manual_seed(0)
+    for i in range(args.concurrency):
+        ids = torch.randint(3, vocab, (args.prompt,), generator=g).tolist()
+        core.add(GenerateRequest(f"r{i}", ids, params))
+
+    while any(s.in_prefill or s.num_cached == 0 for s in core.seqs.values()):
+        core.step()  # prefill (eager, real model compute): not measured
+    profiler = cProfile.Profile() if args.profile else None
+    times = []
+    tokens = 0
+    while core.has_work:
+        t0 = time.perf_counter()
+        if profiler:
+            profiler.enable()
+        outs = core.step()
+        if profiler:
+            profiler.disable()
+        times.append(time.perf_counter() - t0)
+        tokens += sum(len(o.token_ids) for o in outs)
+    full = [t for t in times if t][: max(1, len(times) - 2)]
+    mean = sum(full) / len(full)
+    print(
+        f"{len(times)} decode steps, {tokens} tokens, concurrency {args.concurrency}: "
+        f"host {mean * 1e6:.0f} us/step mean, {sorted(full)[len(full) // 2] * 1e6:.0f} median, "
+        f"{mean * 1e6 / args.concurrency:.2f} us per sequence; "
+        f"worst {sorted((round(t * 1e6), i) for i, t in enumerate(times))[-4:]} us"
+    )
+    if profiler:
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
+
+
+if __name__ == "__main__":
+    main()
