@@ -8,9 +8,14 @@ from stride.decoders import sampling
 from stride.decoders.base import Commit, Decoder, Proposal, StepContext
 from stride.engine.sequence import Sequence
 
+_NOTHING = Proposal()  # shared: nobody mutates a proposal, and a step makes one per sequence
+
 
 class Autoregressive(Decoder):
     name = "ar"
+
+    def propose(self, seqs: list[Sequence], ctx: StepContext) -> list[Proposal]:
+        return [_NOTHING] * len(seqs)
 
     def commit(
         self,
@@ -23,4 +28,4 @@ class Autoregressive(Decoder):
         stacked = torch.cat(logits)
         tokens = sampling.sample(stacked, rows, ctx.eos_ids)
         lps = sampling.logprobs(stacked, tokens, rows)
-        return [Commit([t], [lp]) for t, lp in zip(tokens, lps)]
+        return [Commit([t], [lp]) for t, lp in zip(tokens, lps, strict=True)]

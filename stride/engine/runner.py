@@ -36,10 +36,6 @@ class Chunk:
     mask: torch.Tensor | None = None  # [n, n] bool among this chunk's tokens; default causal
 
 
-def _is_decode(chunk: Chunk) -> bool:
-    return len(chunk.token_ids) == 1 and chunk.num_logits == 1 and chunk.mask is None
-
-
 class ModelRunner:
     def __init__(
         self,
@@ -70,10 +66,14 @@ class ModelRunner:
         graphs = self.graphs
         if graphs is None or num_layers not in (None, self.model.num_layers):
             return self._forward_eager(chunks, num_layers)
+        max_blocks = graphs.max_blocks
         decode = [
             i
             for i, c in enumerate(chunks)
-            if _is_decode(c) and len(c.seq.block_table) <= graphs.max_blocks
+            if c.num_logits == 1
+            and len(c.token_ids) == 1
+            and c.mask is None
+            and len(c.seq.block_table) <= max_blocks
         ]
         if not decode:
             return self._forward_eager(chunks, num_layers)
