@@ -441,26 +441,18 @@ async def http_streams(url: str, n: int, vocab: int, model: str) -> dict:
 
 
 def bench_http(model_dir: str) -> None:
+    """Streams through `stride serve` at 64 and 256, then the engine alone on the same model."""
     port = 8123
-    cmd = [
-        sys.executable,
-        "-m",
-        "stride.server.cli",
-        "serve",
-        "--model",
-        model_dir,
-        "--port",
-        str(port),
-        "--gpu-memory-utilization",
-        "0.3",
-        "--log-level",
-        "warning",
-    ]
+    device = ARGS.device
+    vocab = _vocab_size(model_dir)
+    cmd = [sys.executable, "-m", "stride.server.cli", "serve", "--model", model_dir]
+    cmd += ["--port", str(port), "--device", device, "--log-level", "warning"]
+    cmd += ["--gpu-memory-utilization", "0.3"] + ARGS.serve_args.split()
     server = subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
         import httpx
 
-        for _ in range(300):
+        for _ in range(600):
             try:
                 if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
                     break
@@ -468,19 +460,26 @@ def bench_http(model_dir: str) -> None:
                 pass
             time.sleep(0.5)
         model = httpx.get(f"http://127.0.0.1:{port}/v1/models").json()["data"][0]["id"]
-        for n in (64, 256):
-            r = asyncio.run(http_streams(f"http://127.0.0.1:{port}", n, 49152, model))
+        for n in ARGS.http_streams:
+            r = asyncio.run(http_streams(f"http://127.0.0.1:{port}", n, vocab, model))
             record(f"http/concurrent_{n}", r)
     finally:
         server.terminate()
         server.wait(30)
-    free_gpu()
-    engine = Engine(EngineConfig(model=model_dir, device="cuda", gpu_memory_utilization=0.3))
+    if device == "cuda":
+        free_gpu()
+    engine = Engine(EngineConfig(model=model_dir, device=device, gpu_memory_utilization=0.3))
     core = EngineCore(engine)
-    run_core(core, prompts(8, 49152, seed=3), new=16)
-    for n in (64, 256):
-        r = run_core(core, prompts(n, 49152, seed=n))
+    run_core(core, prompts(8, vocab, seed=3), new=16)
+    for n in ARGS.http_streams:
+        r = run_core(core, prompts(n, vocab, seed=n))
         record(f"http/engine_same_model_concurrent_{n}_tok_s", round(r["tok_s"], 1))
+
+
+def _vocab_size(model_dir: str) -> int:
+    """The model's vocabulary (prompts are random ids below it); SmolLM2's for a GGUF."""
+    config = Path(model_dir) / "config.json"
+    return json.loads(config.read_text())["vocab_size"] if config.exists() else 49152
 
 
 def main() -> None:
@@ -522,5 +521,12 @@ if __name__ == "__main__":
         "--http", action="store_true", help="through `stride serve` (needs --model-dir)"
     )
     parser.add_argument("--write-reference", help="CPU: write the greedy reference JSON here")
+    parser.add_argument(
+        "--http-streams",
+        default=[64, 256],
+        type=lambda t: [int(x) for x in t.split(",")],
+        help="concurrent streams for --http",
+    )
+    parser.add_argument("--serve-args", default="", help="more `stride serve` flags for --http")
     ARGS = parser.parse_args()
     main()
