@@ -34,11 +34,95 @@ class EngineDead(RuntimeError):
     """The step loop has stopped; the server answers 503."""
 
 
+class Submission:
+    """The outputs of requests submitted together, as they arrive on the caller's event loop.
+
+    The step loop appends each step's outputs here (one thread-safe call per step and event loop,
+    not one per output); `next()` takes everything queued since the consumer last looked, merged
+    per request. A consumer that falls behind thus gets fewer, larger outputs instead of a backlog.
+    """
+
+    def __init__(self, client: EngineClient, request_ids: list[str]) -> None:
+        self._client = client
+        self.request_ids = request_ids
+        self.unfinished = set(request_ids)
+        self._pending: list[RequestOutput] = []
+        self._waiter: asyncio.Future | None = None
+        self._closed = False
+
+    @property
+    def done(self) -> bool:
+        return not self.unfinished
+
+    def push(self, out: RequestOutput) -> None:
+        """On the event loop: queue one output and wake the consumer."""
+        self._pending.append(out)
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    async def next(self) -> list[RequestOutput]:
+        """Everything that arrived since the last call (waits for at least one output)."""
+        while not self._pending:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        outs, self._pending = coalesce(self._pending), []
+        for out in outs:
+            if out.finished:
+                self.unfinished.discard(out.request_id)
+        return outs
+
+    def close(self) -> None:
+        """Abort whatever still runs and stop receiving outputs (idempotent, synchronous)."""
+        if self._closed:
+            return
+        self._closed = True
+        for rid in self.unfinished:
+            self._client.abort(rid)
+        self._client._forget(self.request_ids)
+
+
+def coalesce(outs: list[RequestOutput]) -> list[RequestOutput]:
+    """Merge consecutive outputs of each request into one (text, tokens, logprobs; end carried).
+
+    Outputs with an error stay apart, so the tokens before an error still reach the client.
+    """
+    if len(outs) < 2:
+        return outs
+    result: list[RequestOutput] = []
+    last: dict[str, int] = {}  # request id -> position of its latest output in `result`
+    for out in outs:
+        i = last.get(out.request_id)
+        if i is None or result[i].finished or out.error is not None:
+            last[out.request_id] = len(result)
+            result.append(out)
+        else:
+            result[i] = _joined(result[i], out)
+    return result
+
+
+def _joined(a: RequestOutput, b: RequestOutput) -> RequestOutput:
+    return RequestOutput(
+        b.request_id,
+        token_ids=a.token_ids + b.token_ids,
+        text=a.text + b.text,
+        logprobs=a.logprobs + b.logprobs,
+        finish_reason=b.finish_reason,
+        stop_reason=b.stop_reason,
+        num_prompt_tokens=b.num_prompt_tokens or a.num_prompt_tokens,
+        num_output_tokens=b.num_output_tokens or a.num_output_tokens,
+        decoder_stats=b.decoder_stats or a.decoder_stats,
+        timings=b.timings or a.timings,
+    )
+
+
 class EngineClient:
     def __init__(self, core: EngineCore) -> None:
         self.core = core
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, Submission]] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self.dead: str | None = None  # why the loop died, if it did
@@ -52,45 +136,49 @@ class EngineClient:
     def num_in_flight(self) -> int:
         return len(self._streams)
 
-    async def generate(self, req: GenerateRequest, n: int = 1) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """Submit `req` (n samples of it) and yield (index, output) until each sample ends.
+    async def submit(self, requests: list[GenerateRequest]) -> Submission:
+        """Admit `requests` together (all or none) and return their outputs to come.
 
-        Raises QueueFull / RequestRejected / EngineDead before yielding anything if the request
-        is not admitted. Closing the iterator early aborts every sample still running.
+        Raises QueueFull / RequestRejected / EngineDead if they are not admitted. The caller must
+        `close()` the submission, which aborts every request that has not finished.
         """
         if self.dead:
             raise EngineDead(self.dead)
         if len(self.core.scheduler.waiting) + self._inbox.qsize() >= self.core.config.max_waiting:
             raise QueueFull("the waiting queue is full")
         loop = asyncio.get_running_loop()
-        out_q: asyncio.Queue = asyncio.Queue()
-        ids = [req.request_id if n == 1 else f"{req.request_id}-{i}" for i in range(n)]
+        sub = Submission(self, [r.request_id for r in requests])
         admitted: asyncio.Future = loop.create_future()
-        children = [_child(req, rid, i) for i, rid in enumerate(ids)]
         with self._lock:
-            for rid in ids:
-                self._streams[rid] = (loop, out_q)
-        self._inbox.put((_ADD, (children, loop, admitted)))
+            for rid in sub.request_ids:
+                self._streams[rid] = (loop, sub)
+        self._inbox.put((_ADD, (requests, loop, admitted)))
         try:
             await admitted  # raises what admission raised
         except BaseException as e:
-            self._forget(ids)
-            if not isinstance(e, (QueueFull, RequestRejected, EngineDead)):
-                for rid in ids:  # cancelled while being admitted: the add may still land
-                    self.abort(rid)
+            if isinstance(e, (QueueFull, RequestRejected, EngineDead)):
+                sub.unfinished.clear()  # nothing was added
+            sub.close()  # cancelled while being admitted: the add may still land; abort it
             raise
+        return sub
+
+    async def generate(
+        self, req: GenerateRequest, n: int = 1
+    ) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Submit `req` (n samples of it) and yield (index, output) until each sample ends.
+
+        Raises like `submit` before yielding anything. Closing the iterator early aborts every
+        sample still running.
+        """
+        ids = [req.request_id if n == 1 else f"{req.request_id}-{i}" for i in range(n)]
+        sub = await self.submit([child(req, rid, i) for i, rid in enumerate(ids)])
         index = {rid: i for i, rid in enumerate(ids)}
-        remaining = set(ids)
         try:
-            while remaining:
-                out: RequestOutput = await out_q.get()
-                if out.finished:
-                    remaining.discard(out.request_id)
-                yield index[out.request_id], out
+            while not sub.done:
+                for out in await sub.next():
+                    yield index[out.request_id], out
         finally:
-            for rid in remaining:
-                self.abort(rid)
-            self._forget(ids)
+            sub.close()
 
     def abort(self, request_id: str) -> None:
         self._inbox.put((_ABORT, request_id))
@@ -122,15 +210,13 @@ class EngineClient:
             log.exception("engine loop died")
             self.dead = f"engine loop died: {type(e).__name__}: {e}"
             failed = self.core.fail_all(self.dead)
-            self._deliver(failed)
             answered = {o.request_id for o in failed}
             with self._lock:
-                streams = [(r, t) for r, t in self._streams.items() if r not in answered]
-            for rid, (loop, q) in streams:  # requests admitted but not yet in the core
-                err = RequestOutput(
-                    rid, finish_reason="error", error=EngineError("engine_dead", self.dead)
-                )
-                loop.call_soon_threadsafe(q.put_nowait, err)
+                unanswered = [r for r in self._streams if r not in answered]
+            for rid in unanswered:  # requests admitted but not yet in the core
+                error = EngineError("engine_dead", self.dead)
+                failed.append(RequestOutput(rid, finish_reason="error", error=error))
+            self._deliver(failed)
             while not self._inbox.empty():
                 kind, payload = self._inbox.get()
                 if kind == _ADD:
@@ -156,12 +242,12 @@ class EngineClient:
                 if out is not None:
                     self._deliver([out])
             return
-        children, loop, fut = payload
+        requests, loop, fut = payload
         added: list[str] = []
         try:
-            for child in children:
-                self.core.add(child)
-                added.append(child.request_id)
+            for req in requests:
+                self.core.add(req)
+                added.append(req.request_id)
         except (QueueFull, RequestRejected) as e:
             for rid in added:
                 self.core.abort(rid)
@@ -170,12 +256,20 @@ class EngineClient:
         loop.call_soon_threadsafe(_settle, fut, None)
 
     def _deliver(self, outs: list[RequestOutput]) -> None:
+        """Hand a step's outputs to their event loops: one thread-safe call per loop."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Submission, RequestOutput]]] = {}
         with self._lock:
-            targets = [(self._streams.get(o.request_id), o) for o in outs]
-        for target, out in targets:
-            if target is not None:
-                loop, q = target
-                loop.call_soon_threadsafe(q.put_nowait, out)
+            for out in outs:
+                target = self._streams.get(out.request_id)
+                if target is not None:
+                    by_loop.setdefault(target[0], []).append((target[1], out))
+        for loop, items in by_loop.items():
+            loop.call_soon_threadsafe(_dispatch, items)
+
+
+def _dispatch(items: list[tuple[Submission, RequestOutput]]) -> None:
+    for sub, out in items:
+        sub.push(out)
 
 
 def _settle(fut: asyncio.Future, error: BaseException | None) -> None:
@@ -187,7 +281,7 @@ def _settle(fut: asyncio.Future, error: BaseException | None) -> None:
         fut.set_exception(error)
 
 
-def _child(req: GenerateRequest, request_id: str, index: int) -> GenerateRequest:
+def child(req: GenerateRequest, request_id: str, index: int) -> GenerateRequest:
     params = req.params
     if params.seed is not None and index:
         params = dataclasses.replace(params, seed=params.seed + index)

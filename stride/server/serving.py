@@ -300,6 +300,9 @@ def _sse(events: AsyncIterator[str]) -> StreamingResponse:
     return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
 
 
+_USAGE = {"usage"}
+
+
 class _View:
     """One response in the making: choices, usage, and the shape of its chunks."""
 
@@ -341,26 +344,31 @@ class _View:
         try:
             for event in self.opening():
                 yield self._chunk(event, include_usage)
-            async for index, out in gen:
-                if out.error is not None and out.finish_reason != "deadline":
-                    yield sse(_failure(out).body())
+            failed = False
+            async for batch in gen.batches():  # one write per batch, one event per choice
+                events = []
+                for index, out in batch:
+                    if out.error is not None and out.finish_reason != "deadline":
+                        events.append(sse(_failure(out).body()))
+                        failed = True
+                        break
+                    self.choices[index].add(out)
+                    chunk = self.delta(index, out)
+                    if chunk is not None:
+                        events.append(self._chunk(chunk, include_usage))
+                if events:
+                    yield "".join(events)
+                if failed:
                     break
-                self.choices[index].add(out)
-                chunk = self.delta(index, out)
-                if chunk is not None:
-                    yield self._chunk(chunk, include_usage)
-            else:
-                if include_usage:
-                    yield self._chunk(self.final_chunk(), include_usage)
+            if include_usage and not failed:
+                yield self._chunk(self.final_chunk(), include_usage)
             yield SSE_DONE
         finally:
             gen.close()
 
     def _chunk(self, chunk: s.Response, include_usage: bool) -> str:
-        data = chunk.model_dump(mode="json")
-        if not include_usage:
-            data.pop("usage", None)
-        return sse(data)
+        data = chunk.model_dump_json() if include_usage else chunk.model_dump_json(exclude=_USAGE)
+        return f"data: {data}\n\n"
 
     def opening(self) -> list[s.Response]:
         return []

@@ -1,9 +1,10 @@
 """Engine output streams as HTTP sees them: several prompts merged, admission first, SSE framing.
 
-A request with several prompts (or n samples) becomes one engine generation per prompt; their
-outputs are merged into one stream of (choice index, output). `start()` returns once every prompt
-was admitted and produced its first output, so admission errors (429, 400) still become a status
-code before any byte of a stream is sent. Closing the stream aborts whatever is still running.
+A request with several prompts (or n samples) becomes one engine request per prompt and sample,
+submitted together; their outputs are merged into one stream of (choice index, output).
+`start()` returns once every prompt was admitted and produced its first output, so admission
+errors (429, 400) still become a status code before any byte of a stream is sent.
+Closing the stream aborts whatever is still running.
 """
 
 from __future__ import annotations
@@ -11,17 +12,15 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator, Awaitable
-from contextlib import aclosing
 from typing import Any, TypeVar
 
 from starlette.requests import Request
 
 from stride.metrics import Metrics
-from stride.scheduler.client import EngineClient
-from stride.scheduler.outputs import EngineError, GenerateRequest, RequestOutput
+from stride.scheduler.client import EngineClient, Submission, child, coalesce
+from stride.scheduler.outputs import GenerateRequest, RequestOutput
 
 T = TypeVar("T")
-_DONE = object()
 
 
 class Generation:
@@ -35,67 +34,69 @@ class Generation:
         metrics: Metrics | None = None,
     ) -> None:
         self._client = client
-        self._requests = requests
+        self._children = [
+            child(req, req.request_id if n == 1 else f"{req.request_id}-{j}", j)
+            for req in requests
+            for j in range(n)
+        ]
+        self._index = {c.request_id: i for i, c in enumerate(self._children)}
         self._n = n
         self._trackers = (
             [metrics.track(r.decoder, r.user, r.decoder_options) for r in requests]
             if metrics
             else []
         )
-        self._queue: asyncio.Queue[Any] = asyncio.Queue()
-        self._tasks: list[asyncio.Task] = []
-        self._first: list[asyncio.Future] = []
+        self._sub: Submission | None = None
+        self._early: list[RequestOutput] = []  # outputs that arrived while start() waited
+        self._closed = False
 
     async def start(self) -> None:
-        """Submit everything; raise the first admission error (after aborting the rest)."""
-        loop = asyncio.get_running_loop()
-        self._first = [loop.create_future() for _ in self._requests]
-        self._tasks = [
-            asyncio.create_task(self._pump(i, req)) for i, req in enumerate(self._requests)
-        ]
+        """Submit everything; return once every prompt produced an output, or raise why not."""
         try:
-            await asyncio.gather(*self._first)
+            self._sub = await self._client.submit(self._children)
+            waiting = set(range(len(self._children) // self._n))
+            while waiting and not self._sub.done:
+                outs = await self._next()
+                self._early += outs
+                waiting -= {self._index[o.request_id] // self._n for o in outs}
         except BaseException:
             self.close()
             raise
 
-    async def _pump(self, i: int, req: GenerateRequest) -> None:
-        first = self._first[i]
-        try:
-            async with aclosing(self._client.generate(req, n=self._n)) as outs:
-                async for j, out in outs:
-                    if not first.done():
-                        first.set_result(None)
-                    if self._trackers:
-                        self._trackers[i].observe(out)
-                    self._queue.put_nowait((i * self._n + j, out))
-        except Exception as e:
-            if not first.done():
-                first.set_exception(e)
-            else:  # not expected after admission: still end the choice with an error
-                error = EngineError("internal_error", f"{type(e).__name__}: {e}")
-                self._queue.put_nowait((i * self._n, RequestOutput(req.request_id, error=error)))
-        finally:
-            if self._trackers:
-                self._trackers[i].close()
-            self._queue.put_nowait(_DONE)
+    async def _next(self) -> list[RequestOutput]:
+        outs = await self._sub.next()
+        if self._trackers:
+            for out in outs:
+                self._trackers[self._index[out.request_id] // self._n].observe(out)
+        return outs
+
+    async def batches(self) -> AsyncIterator[list[tuple[int, RequestOutput]]]:
+        """(choice index, output) of everything that arrived since the consumer last looked.
+
+        A consumer that falls behind (a slow client, a busy event loop) gets each choice's
+        queued tokens merged into one output.
+        """
+        if self._early:
+            outs, self._early = coalesce(self._early), []
+            yield [(self._index[o.request_id], o) for o in outs]
+        while not self._sub.done:
+            outs = await self._next()
+            yield [(self._index[o.request_id], o) for o in outs]
 
     async def __aiter__(self) -> AsyncIterator[tuple[int, RequestOutput]]:
-        live = len(self._tasks)
-        while live:
-            item = await self._queue.get()
-            if item is _DONE:
-                live -= 1
-            else:
+        async for batch in self.batches():
+            for item in batch:
                 yield item
 
     def close(self) -> None:
         """Abort what still runs. Synchronous, so it also works inside a cancelled scope."""
-        for task in self._tasks:
-            task.cancel()
-        for fut in self._first:  # mark errors of prompts nobody waited for as seen
-            if fut.done() and not fut.cancelled():
-                fut.exception()
+        if self._closed:
+            return
+        self._closed = True
+        if self._sub is not None:
+            self._sub.close()
+        for tracker in self._trackers:
+            tracker.close()
 
 
 class ClientGone(Exception):
