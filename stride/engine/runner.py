@@ -6,11 +6,12 @@ an optional mask among them, and how many trailing rows need logits. Keys and va
 scored token are written to the slots right after the sequence's cached ones; the decoder's
 commit decides how many of them stay.
 
-On a GPU the layers run through fused Triton kernels (`fused.FusedForward`), and plain decode
-chunks (one token, causal, one logits row) skip the general path: they are replayed as a CUDA
-graph (`cuda_graphs.DecodeGraphs`), and whatever else the step holds (prefill chunks, drafts,
-windows) runs eagerly beside them. Both write disjoint KV slots, so the split is invisible to
-callers.
+On a GPU the layers run through fused Triton kernels (`fused.FusedForward`), and short causal
+chunks (a decode token, a speculative tail plus its drafts, a Jacobi window) skip the general
+path: each of their tokens becomes one row of a decode step replayed as a CUDA graph
+(`cuda_graphs.DecodeGraphs`), and whatever else the step holds (prefill chunks, lookahead's
+masked branches) runs eagerly beside them. Both write disjoint KV slots, so the split is
+invisible to callers.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ from stride.engine.cuda_graphs import DecodeGraphs
 from stride.engine.kv_cache import KVCache
 from stride.engine.model import CausalLM
 from stride.engine.sequence import Sequence
+
+MAX_GRAPH_QUERY = 16  # longer chunks (prefills) are cheaper as one eager pass than as rows
 
 
 @dataclass
@@ -66,32 +69,33 @@ class ModelRunner:
         graphs = self.graphs
         if graphs is None or num_layers not in (None, self.model.num_layers):
             return self._forward_eager(chunks, num_layers)
-        max_blocks = graphs.max_blocks
-        decode = [
-            i
-            for i, c in enumerate(chunks)
-            if c.num_logits == 1
-            and len(c.token_ids) == 1
-            and c.mask is None
-            and len(c.seq.block_table) <= max_blocks
-        ]
-        if not decode:
-            return self._forward_eager(chunks, num_layers)
-        if len(decode) == len(chunks) <= graphs.max_batch:  # the common pure-decode step
-            return list(self._forward_graph(chunks).split(1))
         out: list[torch.Tensor | None] = [None] * len(chunks)
-        for start in range(0, len(decode), graphs.max_batch):
-            group = decode[start : start + graphs.max_batch]
-            logits = self._forward_graph([chunks[i] for i in group])
-            for i, row in zip(group, logits.split(1), strict=True):
-                out[i] = row
+        group: list[int] = []
+        rows = 0
+        for i, c in enumerate(chunks):
+            if not self._graphable(c):
+                continue
+            if rows + len(c.token_ids) > graphs.max_batch:
+                self._forward_graph(chunks, group, out)
+                group, rows = [], 0
+            group.append(i)
+            rows += len(c.token_ids)
+        if group:
+            self._forward_graph(chunks, group, out)
         rest = [i for i, o in enumerate(out) if o is None]
         if rest:
-            for i, row in zip(
-                rest, self._forward_eager([chunks[i] for i in rest], num_layers), strict=True
-            ):
-                out[i] = row
+            eager = self._forward_eager([chunks[i] for i in rest], num_layers)
+            for i, logits in zip(rest, eager, strict=True):
+                out[i] = logits
         return out  # type: ignore[return-value]
+
+    def _graphable(self, c: Chunk) -> bool:
+        """Short causal chunks replay as graph rows: a decode token, K drafts, a Jacobi window."""
+        return (
+            c.mask is None
+            and len(c.token_ids) <= MAX_GRAPH_QUERY
+            and len(c.seq.block_table) <= self.graphs.max_blocks
+        )
 
     def _forward_eager(self, chunks: list[Chunk], num_layers: int | None) -> list[torch.Tensor]:
         meta, tokens, positions, rows = self._prepare(chunks)
@@ -99,28 +103,45 @@ class ModelRunner:
         logits = self.model.logits(hidden[rows])
         return list(logits.split([c.num_logits for c in chunks]))
 
-    def _forward_graph(self, chunks: list[Chunk]) -> torch.Tensor:
-        cached = [c.seq.num_cached for c in chunks]
-        return self.graphs.run(
-            [c.token_ids[0] for c in chunks],
-            [c.positions[0] if c.positions else n for c, n in zip(chunks, cached, strict=True)],
-            [n + 1 for n in cached],
-            [c.seq.block_table for c in chunks],
-        )
+    def _forward_graph(
+        self, chunks: list[Chunk], group: list[int], out: list[torch.Tensor | None]
+    ) -> None:
+        """Replay the decode graph with one row per token of the grouped chunks.
+
+        Token i of a chunk is a decode row whose context ends at itself: every layer writes all
+        rows' K/V before any row attends, so row i sees rows 0..i-1 of its chunk, which is
+        exactly causal attention over the chunk.
+        """
+        tokens: list[int] = []
+        positions: list[int] = []
+        lengths: list[int] = []
+        tables: list[list[int]] = []
+        for i in group:
+            c = chunks[i]
+            start, n = c.seq.num_cached, len(c.token_ids)
+            tokens += c.token_ids
+            positions += c.positions or range(start, start + n)
+            lengths += range(start + 1, start + n + 1)
+            tables += [c.seq.block_table] * n
+        logits = self.graphs.run(tokens, positions, lengths, tables)
+        offset = 0
+        for i in group:
+            c = chunks[i]
+            offset += len(c.token_ids)
+            out[i] = logits[offset - c.num_logits : offset]
 
     def _prepare(self, chunks: list[Chunk]):
-        cache, bs = self.cache, self.cache.block_size
+        bs = self.cache.block_size
         n_q = [len(c.token_ids) for c in chunks]
         starts = [c.seq.num_cached for c in chunks]
         n_ctx = [s + n for s, n in zip(starts, n_q, strict=True)]
         b, q_max, l_max = len(chunks), max(n_q), max(n_ctx)
 
-        tokens, positions, slots, rows = [], [], [], []
+        tokens, positions, rows = [], [], []
         offset = 0
         for c, start, n in zip(chunks, starts, n_q, strict=True):
             tokens.extend(c.token_ids)
             positions.extend(c.positions or range(start, start + n))
-            slots.extend(cache.slots(c.seq, start, start + n))
             rows.extend(range(offset + n - c.num_logits, offset + n))
             offset += n
 
@@ -137,11 +158,13 @@ class ModelRunner:
         q_valid = q_pos[None, :] < n_q_t[:, None]
         first_token = torch.cumsum(n_q_t, 0) - n_q_t
         q_index = torch.where(q_valid, first_token[:, None] + q_pos[None, :], 0)
+        place = starts_t[:, None] + q_pos[None, :]  # [B, Q]: each query's place in its context
+        # Each scored token's K/V goes to the slot of its place, chunk after chunk.
+        slots = kv_slots.gather(1, place.clamp(max=l_max - 1))[q_valid]
 
         # Causal by default: query i of a chunk sees cached slots and chunk tokens up to itself.
         k_pos = torch.arange(l_max)
-        limit = starts_t[:, None] + q_pos[None, :]  # [B, Q]
-        mask = k_pos[None, None, :] <= limit[:, :, None]
+        mask = k_pos[None, None, :] <= place[:, :, None]
         for i, c in enumerate(chunks):
             if c.mask is not None:
                 s, n = starts[i], n_q[i]
@@ -151,7 +174,7 @@ class ModelRunner:
 
         dev = self.device
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long).to(dev, non_blocking=True),
+            slot_mapping=slots.to(dev, non_blocking=True),
             q_index=q_index.to(dev, non_blocking=True),
             q_valid=q_valid.to(dev, non_blocking=True),
             kv_slots=kv_slots.to(dev, non_blocking=True),
