@@ -86,3 +86,41 @@ def test_gpu_fp32_greedy_equals_cpu(tiny_dir):
         )
         outs[device] = _greedy(EngineCore(Engine(config)), prompts, 32)
     assert outs["cuda"] == outs["cpu"]
+
+
+@needs_triton
+@needs_cuda
+@pytest.mark.parametrize(
+    ("decoder", "options"),
+    [
+        ("speculative", {"draft": "ngram", "num_speculative_tokens": 4, "adaptive": False}),
+        ("refine", {"method": "jacobi"}),
+    ],
+)
+def test_multi_token_chunks_replay_as_graph_rows(tiny_dir, decoder, options, monkeypatch):
+    """Drafts and Jacobi windows are scored as graph rows (no eager pass once prompts are in),
+    and the tokens still equal the CPU path's in fp32."""
+    prompt = [5, 6, 7, 8, 9] * 4  # repetitive (n-gram drafts), longer than MAX_GRAPH_QUERY
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    outs = {}
+    eager_tokens = []
+    for device in ("cpu", "cuda"):
+        engine = Engine(EngineConfig(model=str(tiny_dir), device=device, dtype="float32",
+                                     kv_cache_memory=64 << 20))  # fmt: skip
+        if device == "cuda":
+            eager = engine.runner._forward_eager
+
+            def counting(chunks, num_layers, eager=eager):
+                eager_tokens.extend(len(c.token_ids) for c in chunks)
+                return eager(chunks, num_layers)
+
+            monkeypatch.setattr(engine.runner, "_forward_eager", counting)
+        core = EngineCore(engine)
+        core.add(GenerateRequest("r", prompt, params, decoder=decoder, decoder_options=options))
+        tokens = []
+        while core.has_work:
+            for o in core.step():
+                tokens += o.token_ids
+        outs[device] = tokens
+    assert outs["cuda"] == outs["cpu"]
+    assert eager_tokens == [len(prompt)]  # only the prefill ran eagerly
