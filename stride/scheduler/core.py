@@ -9,10 +9,12 @@ from __future__ import annotations
 import gc
 import time
 from collections import defaultdict
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from stride.decoders.autoregressive import Autoregressive
 from stride.decoders.base import Commit, Decoder, DecoderError, ModelGroup, Proposal, StepContext
 from stride.decoders.registry import build_decoders
 from stride.engine.engine import Engine
@@ -27,6 +29,16 @@ from stride.scheduler.outputs import (
     RequestRejected,
 )
 from stride.scheduler.policy import Scheduled, Scheduler, SchedulerConfig
+
+
+@dataclass
+class _Launched:
+    """A forward pass started but not yet committed: its plan, proposals and logits rows."""
+
+    plan: list[Scheduled]
+    by_decoder: dict[str, list[int]]  # plan indices that complete their tail, by decoder
+    proposals: list[Proposal | None]
+    logits: list[torch.Tensor]
 
 
 class EngineCore:
@@ -45,6 +57,12 @@ class EngineCore:
         self._detok: dict[str, Detokenizer] = {}
         self._grouped: dict[str, Sequence] = {}  # sequences that a model group runs
         self._num_deadlines = 0  # sequences in flight with a deadline
+        # Decoders whose commit is a plain per-row sample, and how many sequences use others.
+        self._plain = {n for n, d in self.decoders.items() if type(d) is Autoregressive}
+        self._num_unplain = 0
+        # On a GPU, the next step's forward is launched before this step's text is decoded.
+        self.launch_ahead = engine.runner.graphs is not None
+        self._launched: _Launched | None = None
         self.last_batch_size = 0
         self.last_num_tokens = 0
         # Everything alive now (model, tokenizer, graphs, imported modules) lives as long as the
@@ -104,6 +122,7 @@ class EngineCore:
             seq.generator = torch.Generator(self.engine.device).manual_seed(p.seed)
         self.seqs[seq.request_id] = seq
         self._num_deadlines += seq.deadline is not None
+        self._num_unplain += seq.decoder not in self._plain
         self._detok[seq.request_id] = Detokenizer(
             self.engine.tokenizer, p.stop, p.skip_special_tokens
         )
@@ -133,13 +152,39 @@ class EngineCore:
 
     def step(self) -> list[RequestOutput]:
         outputs = self._expire_deadlines()
+        untexted: list[tuple[RequestOutput, Detokenizer]] = []
         if self._grouped:
-            outputs += self._step_groups()
+            outputs += self._step_groups(untexted)
+        launched, self._launched = self._launched or self._launch(), None
+        if launched is not None:
+            self._commit(launched, outputs, untexted)
+            if self._may_launch_ahead():
+                self._launched = self._launch()
+        # Decoding text last: with a forward launched ahead, this runs while the GPU computes.
+        for out, detok in untexted:
+            out.text = detok.take(final=False)
+        return outputs
+
+    def _may_launch_ahead(self) -> bool:
+        """Launch the next step's forward now, before this step's text is decoded?
+
+        Only on the GPU path, and only when nothing but plain decoding is in flight and nobody
+        waits: then the next step's plan is the one it would pick itself, unless a request
+        arrives (it joins a step later) or leaves (its row is dropped) in between.
+        """
+        return (
+            self.launch_ahead
+            and self._num_unplain == 0
+            and not self.scheduler.waiting
+            and not self._grouped
+        )
+
+    def _launch(self) -> _Launched | None:
+        """Schedule, let decoders propose, and start the forward pass (asynchronous on a GPU)."""
         plan = self.scheduler.schedule(self._extra_tokens, self._release)
         self.last_batch_size = len(plan)
         if not plan:
-            return outputs
-
+            return None
         # Plan indices of the sequences that complete their tail, by decoder.
         by_decoder: dict[str, list[int]] = defaultdict(list)
         for i, item in enumerate(plan):
@@ -156,21 +201,34 @@ class EngineCore:
         chunks = [self._chunk(item, prop) for item, prop in zip(plan, proposals, strict=True)]
         self.last_num_tokens = sum(len(c.token_ids) for c in chunks)
         logits = self.engine.runner.forward(chunks)
+        return _Launched(plan, by_decoder, proposals, logits)
 
+    def _commit(
+        self,
+        launched: _Launched,
+        outputs: list[RequestOutput],
+        untexted: list[tuple[RequestOutput, Detokenizer]],
+    ) -> None:
+        plan, proposals, logits = launched.plan, launched.proposals, launched.logits
         for item in plan:
-            if not item.completes_tail:
+            if not item.completes_tail and item.seq.status is not Status.FINISHED:
                 item.seq.num_cached += item.num_tail
-        for name, idx in by_decoder.items():
+        for name, idx in launched.by_decoder.items():
+            # Sequences aborted or expired since the launch lose their rows.
+            idx = [i for i in idx if plan[i].seq.status is not Status.FINISHED]
+            if not idx:
+                continue
             seqs = [plan[i].seq for i in idx]
             props = [proposals[i] for i in idx]
             commits = self.decoders[name].commit(seqs, props, [logits[i] for i in idx], self.ctx)
             for seq, commit in zip(seqs, commits, strict=True):
-                out = self._apply(seq, commit)
+                out = self._apply(seq, commit, untexted)
                 if out is not None:
                     outputs.append(out)
-        return outputs
 
-    def _step_groups(self) -> list[RequestOutput]:
+    def _step_groups(
+        self, untexted: list[tuple[RequestOutput, Detokenizer]]
+    ) -> list[RequestOutput]:
         """One batched pass of every model group (diffusion LMs) over all of its sequences."""
         groups: dict[ModelGroup, list[Sequence]] = defaultdict(list)
         for seq in self._grouped.values():
@@ -180,7 +238,7 @@ class EngineCore:
         outputs = []
         for group, seqs in groups.items():
             for seq, commit in zip(seqs, group.step(seqs, self.ctx), strict=True):
-                out = self._apply(seq, commit)
+                out = self._apply(seq, commit, untexted)
                 if out is not None:
                     outputs.append(out)
         return outputs
@@ -206,8 +264,16 @@ class EngineCore:
             positions = list(range(start, start + len(tail))) + prop.positions
         return Chunk(seq, tail + prop.tokens, 1 + len(prop.tokens), positions, prop.mask)
 
-    def _apply(self, seq: Sequence, commit: Commit) -> RequestOutput | None:
-        """Append a commit's tokens under the stop rules, roll back rejected KV, emit output."""
+    def _apply(
+        self,
+        seq: Sequence,
+        commit: Commit,
+        untexted: list[tuple[RequestOutput, Detokenizer]],
+    ) -> RequestOutput | None:
+        """Append a commit's tokens under the stop rules, roll back rejected KV, emit output.
+
+        An output that does not end its request gets its text later, from `untexted`.
+        """
         token_ids = seq.token_ids
         seq.num_cached = len(token_ids) + commit.kv_keep  # the whole tail was scored
         self.engine.cache.trim(seq)
@@ -241,7 +307,7 @@ class EngineCore:
         out = RequestOutput(seq.request_id, commit.tokens[:n], logprobs=commit.logprobs[:n])
         if reason is not None:
             return self._finish(seq, reason, out, stop_reason)
-        out.text = detok.take(final=False)
+        untexted.append((out, detok))
         out.num_prompt_tokens = num_prompt
         out.num_output_tokens = len(token_ids) - num_prompt
         return out
@@ -260,6 +326,7 @@ class EngineCore:
         del self.seqs[seq.request_id]
         self._grouped.pop(seq.request_id, None)
         self._num_deadlines -= seq.deadline is not None
+        self._num_unplain -= seq.decoder not in self._plain
         out.text = self._detok.pop(seq.request_id).take(final=True)
         out.finish_reason = reason
         out.stop_reason = stop_reason
@@ -290,6 +357,7 @@ class EngineCore:
     def fail_all(self, message: str) -> list[RequestOutput]:
         """The loop is dying: every request still in flight gets an error as its last output."""
         error = EngineError("engine_dead", message)
+        self._launched = None
         outs = []
         for seq in list(self.seqs.values()):
             try:
