@@ -13,6 +13,7 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from stride.scheduler.core import EngineCore
@@ -34,6 +35,30 @@ class EngineDead(RuntimeError):
     """The step loop has stopped; the server answers 503."""
 
 
+@dataclass
+class ModelInfo:
+    """What the HTTP edge needs to know about the loaded model (plain data: crosses processes)."""
+
+    name: str
+    tokenizer: Any
+    max_model_len: int
+    capacity: int  # tokens one sequence can hold: the context length, or less if the KV is small
+    vocab_size: int
+    max_waiting: int
+
+    @classmethod
+    def of(cls, core: EngineCore) -> ModelInfo:
+        engine, cache = core.engine, core.engine.cache
+        return cls(
+            name=engine.name,
+            tokenizer=engine.tokenizer,
+            max_model_len=engine.max_model_len,
+            capacity=min(engine.max_model_len, cache.num_usable_blocks * cache.block_size),
+            vocab_size=engine.hf_config.vocab_size,
+            max_waiting=core.config.max_waiting,
+        )
+
+
 class Submission:
     """The outputs of requests submitted together, as they arrive on the caller's event loop.
 
@@ -42,7 +67,7 @@ class Submission:
     per request. A consumer that falls behind thus gets fewer, larger outputs instead of a backlog.
     """
 
-    def __init__(self, client: EngineClient, request_ids: list[str]) -> None:
+    def __init__(self, client: BaseClient, request_ids: list[str]) -> None:
         self._client = client
         self.request_ids = request_ids
         self.unfinished = set(request_ids)
@@ -118,19 +143,18 @@ def _joined(a: RequestOutput, b: RequestOutput) -> RequestOutput:
     )
 
 
-class EngineClient:
-    def __init__(self, core: EngineCore) -> None:
-        self.core = core
-        self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+class BaseClient:
+    """Submission, streams and delivery, common to the thread and the process step loops."""
+
+    def __init__(self) -> None:
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, Submission]] = {}
         self._lock = threading.Lock()
-        self._stop = threading.Event()
         self.dead: str | None = None  # why the loop died, if it did
-        self.on_step: Callable[[EngineCore, float, list[RequestOutput]], None] | None = None
-        self._thread = threading.Thread(target=self._loop, name="stride-engine", daemon=True)
-        self._thread.start()
+        self.on_step: Callable[[Any, float, list[RequestOutput]], None] | None = None
 
-    # ---- caller side (asyncio) ----------------------------------------------------------------
+    @property
+    def model(self) -> ModelInfo:
+        raise NotImplementedError
 
     @property
     def num_in_flight(self) -> int:
@@ -144,7 +168,7 @@ class EngineClient:
         """
         if self.dead:
             raise EngineDead(self.dead)
-        if len(self.core.scheduler.waiting) + self._inbox.qsize() >= self.core.config.max_waiting:
+        if self._num_waiting() >= self.model.max_waiting:
             raise QueueFull("the waiting queue is full")
         loop = asyncio.get_running_loop()
         sub = Submission(self, [r.request_id for r in requests])
@@ -152,7 +176,7 @@ class EngineClient:
         with self._lock:
             for rid in sub.request_ids:
                 self._streams[rid] = (loop, sub)
-        self._inbox.put((_ADD, (requests, loop, admitted)))
+        self._add(requests, loop, admitted)
         try:
             await admitted  # raises what admission raised
         except BaseException as e:
@@ -181,6 +205,63 @@ class EngineClient:
             sub.close()
 
     def abort(self, request_id: str) -> None:
+        raise NotImplementedError
+
+    def shutdown(self) -> None:
+        raise NotImplementedError
+
+    def _num_waiting(self) -> int:
+        raise NotImplementedError
+
+    def _add(
+        self, requests: list[GenerateRequest], loop: asyncio.AbstractEventLoop, fut: asyncio.Future
+    ) -> None:
+        raise NotImplementedError
+
+    def _forget(self, ids: list[str]) -> None:
+        with self._lock:
+            for rid in ids:
+                self._streams.pop(rid, None)
+
+    def _deliver(self, outs: list[RequestOutput]) -> None:
+        """Hand a step's outputs to their event loops: one thread-safe call per loop."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Submission, RequestOutput]]] = {}
+        with self._lock:
+            for out in outs:
+                target = self._streams.get(out.request_id)
+                if target is not None:
+                    by_loop.setdefault(target[0], []).append((target[1], out))
+        for loop, items in by_loop.items():
+            loop.call_soon_threadsafe(_dispatch, items)
+
+    def _fail_rest(self, failed: list[RequestOutput]) -> None:
+        """The loop died: deliver `failed`, and an error to every other stream still open."""
+        answered = {o.request_id for o in failed}
+        with self._lock:
+            unanswered = [r for r in self._streams if r not in answered]
+        error = EngineError("engine_dead", self.dead or "engine loop died")
+        for rid in unanswered:  # e.g. requests admitted but not yet in the core
+            failed.append(RequestOutput(rid, finish_reason="error", error=error))
+        self._deliver(failed)
+
+
+class EngineClient(BaseClient):
+    """The step loop on a thread of this process (tests reach the core through `client.core`)."""
+
+    def __init__(self, core: EngineCore) -> None:
+        super().__init__()
+        self.core = core
+        self._model = ModelInfo.of(core)
+        self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="stride-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def model(self) -> ModelInfo:
+        return self._model
+
+    def abort(self, request_id: str) -> None:
         self._inbox.put((_ABORT, request_id))
 
     def shutdown(self) -> None:
@@ -188,10 +269,11 @@ class EngineClient:
         self._inbox.put((_ABORT, None))
         self._thread.join(timeout=10)
 
-    def _forget(self, ids: list[str]) -> None:
-        with self._lock:
-            for rid in ids:
-                self._streams.pop(rid, None)
+    def _num_waiting(self) -> int:
+        return len(self.core.scheduler.waiting) + self._inbox.qsize()
+
+    def _add(self, requests, loop, fut) -> None:
+        self._inbox.put((_ADD, (requests, loop, fut)))
 
     # ---- loop side (engine thread) ------------------------------------------------------------
 
@@ -209,19 +291,12 @@ class EngineClient:
         except Exception as e:  # the loop is broken: answer everyone, then refuse new work
             log.exception("engine loop died")
             self.dead = f"engine loop died: {type(e).__name__}: {e}"
-            failed = self.core.fail_all(self.dead)
-            answered = {o.request_id for o in failed}
-            with self._lock:
-                unanswered = [r for r in self._streams if r not in answered]
-            for rid in unanswered:  # requests admitted but not yet in the core
-                error = EngineError("engine_dead", self.dead)
-                failed.append(RequestOutput(rid, finish_reason="error", error=error))
-            self._deliver(failed)
+            self._fail_rest(self.core.fail_all(self.dead))
             while not self._inbox.empty():
                 kind, payload = self._inbox.get()
                 if kind == _ADD:
                     _, loop, fut = payload
-                    loop.call_soon_threadsafe(_settle, fut, EngineDead(self.dead))
+                    loop.call_soon_threadsafe(settle, fut, EngineDead(self.dead))
 
     def _drain(self, block: bool) -> None:
         try:
@@ -243,28 +318,21 @@ class EngineClient:
                     self._deliver([out])
             return
         requests, loop, fut = payload
-        added: list[str] = []
-        try:
-            for req in requests:
-                self.core.add(req)
-                added.append(req.request_id)
-        except (QueueFull, RequestRejected) as e:
-            for rid in added:
-                self.core.abort(rid)
-            loop.call_soon_threadsafe(_settle, fut, e)
-            return
-        loop.call_soon_threadsafe(_settle, fut, None)
+        loop.call_soon_threadsafe(settle, fut, admit(self.core, requests))
 
-    def _deliver(self, outs: list[RequestOutput]) -> None:
-        """Hand a step's outputs to their event loops: one thread-safe call per loop."""
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Submission, RequestOutput]]] = {}
-        with self._lock:
-            for out in outs:
-                target = self._streams.get(out.request_id)
-                if target is not None:
-                    by_loop.setdefault(target[0], []).append((target[1], out))
-        for loop, items in by_loop.items():
-            loop.call_soon_threadsafe(_dispatch, items)
+
+def admit(core: EngineCore, requests: list[GenerateRequest]) -> Exception | None:
+    """Add every request to the core, or none of them: the admission error, if any."""
+    added: list[str] = []
+    try:
+        for req in requests:
+            core.add(req)
+            added.append(req.request_id)
+    except (QueueFull, RequestRejected) as e:
+        for rid in added:
+            core.abort(rid)
+        return e
+    return None
 
 
 def _dispatch(items: list[tuple[Submission, RequestOutput]]) -> None:
@@ -272,7 +340,7 @@ def _dispatch(items: list[tuple[Submission, RequestOutput]]) -> None:
         sub.push(out)
 
 
-def _settle(fut: asyncio.Future, error: BaseException | None) -> None:
+def settle(fut: asyncio.Future, error: BaseException | None) -> None:
     if fut.done():
         return
     if error is None:

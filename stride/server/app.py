@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Annotated, Any
 
+import torch
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -26,9 +27,10 @@ from stride.decoders.registry import DecodersConfig, build_decoders
 from stride.engine.engine import Engine, EngineConfig
 from stride.engine.loader import served_name
 from stride.metrics import Metrics, MetricsMiddleware
-from stride.scheduler.client import EngineClient
+from stride.scheduler.client import BaseClient, EngineClient
 from stride.scheduler.core import EngineCore
 from stride.scheduler.policy import SchedulerConfig
+from stride.scheduler.process import EngineProcessConfig, ProcessEngineClient
 from stride.server import errors
 from stride.server import schemas as s
 from stride.server.auth import APIKeyMiddleware
@@ -49,6 +51,7 @@ class ServerConfig:
     api_key: str | None = None
     protect_metrics: bool = False  # with an API key: require it on /metrics too
     metrics_users: str | None = None  # "a,b": users with their own metrics label (else "other")
+    engine_process: bool | None = None  # the step loop in its own process; None: on for CUDA
 
 
 class Phase(enum.Enum):
@@ -63,7 +66,7 @@ class Lifecycle:
 
     def __init__(self) -> None:
         self.phase = Phase.LOADING
-        self.client: EngineClient | None = None
+        self.client: BaseClient | None = None
         self.error: str | None = None
         self.in_flight = 0
         self.on_failure: Callable[[str], None] | None = None  # e.g. the CLI exits
@@ -116,11 +119,26 @@ class _Gate:
             self.lifecycle.in_flight -= 1
 
 
-def build_client(config: ServerConfig) -> EngineClient:
-    """Load the model and start the step loop (slow: runs on a worker thread)."""
+def build_client(config: ServerConfig) -> BaseClient:
+    """Load the model and start the step loop (slow: runs on a worker thread).
+
+    On a GPU the loop runs in its own process, so that HTTP handling and the step loop do not
+    take turns on one GIL; on a CPU (and for tests, which reach into `client.core`) on a thread.
+    """
+    if use_engine_process(config):
+        return ProcessEngineClient(
+            EngineProcessConfig(config.engine, config.scheduler, config.decoders)
+        )
     engine = Engine(config.engine)
     core = EngineCore(engine, config.scheduler, build_decoders(engine, config.decoders))
     return EngineClient(core)
+
+
+def use_engine_process(config: ServerConfig) -> bool:
+    if config.engine_process is not None:
+        return config.engine_process
+    device = config.engine.device
+    return device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
 
 
 def create_app(config: ServerConfig | None = None) -> FastAPI:
@@ -140,13 +158,13 @@ def create_app(config: ServerConfig | None = None) -> FastAPI:
                 return
             loop.call_soon_threadsafe(_ready, client)
 
-        def _ready(client: EngineClient) -> None:
+        def _ready(client: BaseClient) -> None:
             lifecycle.client = app.state.client = client
             client.on_step = metrics.on_step
             app.state.serving = Serving(client, config.decoders.default, metrics)
             if lifecycle.phase is Phase.LOADING:
                 lifecycle.phase = Phase.READY
-            log.info("serving %s", client.core.engine.name)
+            log.info("serving %s", client.model.name)
 
         def _failed(message: str) -> None:
             lifecycle.phase, lifecycle.error = Phase.FAILED, message

@@ -88,6 +88,15 @@ def build_parser() -> argparse.ArgumentParser:
     _flag(e, "max-num-batched-tokens", "most tokens in one step", 2048, int)
     _flag(e, "max-waiting", "queue size; beyond it requests get 429", 1024, int)
 
+    env = os.environ.get("STRIDE_ENGINE_PROCESS")
+    e.add_argument(
+        "--engine-process",
+        action=argparse.BooleanOptionalAction,
+        default=None if env is None else env.lower() in {"1", "true", "yes", "on"},
+        help="run the step loop in its own process (default: on for CUDA, off for CPU) "
+        "[$STRIDE_ENGINE_PROCESS]",
+    )
+
     d = p.add_argument_group("decoders")
     _flag(
         d, "decoder", 'default decoder: a name or JSON like \'{"type": "ar"}\'', "ar", parse_decoder
@@ -133,6 +142,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         api_key=args.api_key,
         protect_metrics=args.protect_metrics,
         metrics_users=args.metrics_users,
+        engine_process=args.engine_process,
     )
 
 

@@ -21,7 +21,7 @@ from stride.decoders.registry import parse_spec
 from stride.decoders.sampling import TokenLogprob
 from stride.engine.sequence import SamplingParams
 from stride.metrics import Metrics
-from stride.scheduler.client import EngineClient
+from stride.scheduler.client import BaseClient
 from stride.scheduler.outputs import GenerateRequest, RequestOutput
 from stride.server import schemas as s
 from stride.server.errors import APIError, from_engine_error, from_exception
@@ -64,21 +64,20 @@ def _finite(x: float) -> float:
 class Serving:
     def __init__(
         self,
-        client: EngineClient,
+        client: BaseClient,
         default_decoder: str | dict[str, Any],
         metrics: Metrics | None = None,
     ) -> None:
-        engine = client.core.engine
+        model = client.model
         self.client = client
         self.metrics = metrics
         self.default_decoder = default_decoder
-        self.model_name: str = engine.name
-        self.tokenizer = engine.tokenizer
-        self._backend = engine.tokenizer.backend_tokenizer  # immutable calls: thread-safe
-        self.max_model_len: int = engine.max_model_len
-        cache = engine.cache
-        self.capacity = min(self.max_model_len, cache.num_usable_blocks * cache.block_size)
-        self.vocab_size: int = engine.hf_config.vocab_size
+        self.model_name: str = model.name
+        self.tokenizer = model.tokenizer
+        self._backend = model.tokenizer.backend_tokenizer  # immutable calls: thread-safe
+        self.max_model_len: int = model.max_model_len
+        self.capacity = model.capacity
+        self.vocab_size: int = model.vocab_size
         self._pieces: dict[int, str] = {}
 
     # ---- tokens ---------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 from starlette.requests import Request
 
 from stride.metrics import Metrics
-from stride.scheduler.client import EngineClient, Submission, child, coalesce
+from stride.scheduler.client import BaseClient, Submission, child, coalesce
 from stride.scheduler.outputs import GenerateRequest, RequestOutput
 
 T = TypeVar("T")
@@ -28,7 +28,7 @@ class Generation:
 
     def __init__(
         self,
-        client: EngineClient,
+        client: BaseClient,
         requests: list[GenerateRequest],
         n: int,
         metrics: Metrics | None = None,
