@@ -67,7 +67,9 @@ class EngineCore:
         self.last_num_tokens = 0
         # Everything alive now (model, tokenizer, graphs, imported modules) lives as long as the
         # loop: keep it out of the cyclic collector, whose full passes over that heap would
-        # otherwise stall a step for hundreds of ms every few hundred steps.
+        # otherwise stall a step for hundreds of ms every few dozen steps. Collect first, so that
+        # garbage of earlier engines (tests make many) is not frozen with it.
+        gc.collect()
         gc.freeze()
 
     # ---- admission and cancellation ---------------------------------------------------------
