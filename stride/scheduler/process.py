@@ -4,14 +4,18 @@ The server process sends plain `GenerateRequest`s (and aborts) down a pipe; the 
 sends back, per step, the batch of `RequestOutput`s together with the step's numbers
 (`StepStats`), from which the server's metrics are kept as if the core were local. The engine
 process ignores SIGINT/SIGTERM (the server drains, then stops it) and exits when the pipe closes.
+`STRIDE_ENGINE_SETUP=module:function` runs in the engine process before the model loads.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import importlib
 import itertools
 import logging
 import multiprocessing as mp
+import os
 import signal
 import threading
 import time
@@ -141,10 +145,9 @@ class ProcessEngineClient(BaseClient):
                 kind, payload = self._conn.recv()
                 if kind == "outs":
                     outs, stats, seconds = payload
-                    if stats is not None:
-                        self.stats = stats
-                        if self.on_step is not None:
-                            self.on_step(stats.as_core(), seconds, outs)
+                    self.stats = stats
+                    if self.on_step is not None:
+                        self.on_step(stats.as_core(), seconds, outs)
                     self._deliver(outs)
                 elif kind == "admitted":
                     key, error = payload
@@ -181,6 +184,7 @@ def _main(config: EngineProcessConfig, conn: Connection) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the server drains first, then stops us
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
+        _run_setup(os.environ.get("STRIDE_ENGINE_SETUP"))
         engine = Engine(config.engine)
         core = EngineCore(engine, config.scheduler, build_decoders(engine, config.decoders))
     except Exception as e:
@@ -198,6 +202,14 @@ def _main(config: EngineProcessConfig, conn: Connection) -> None:
         conn.send(("dead", (message, core.fail_all(message))))
 
 
+def _run_setup(spec: str | None) -> None:
+    """Call `module:function` first, e.g. to register decoders defined outside Stride: what the
+    server process registered does not exist in this fresh (spawned) interpreter."""
+    if spec:
+        module, _, function = spec.partition(":")
+        getattr(importlib.import_module(module), function)()
+
+
 def _loop(core: EngineCore, conn: Connection) -> None:
     while True:
         while not core.has_work or conn.poll():  # block for work; else take what is there
@@ -207,7 +219,8 @@ def _loop(core: EngineCore, conn: Connection) -> None:
             if kind == "abort":
                 out = core.abort(payload)
                 if out is not None:
-                    conn.send(("outs", ([out], None, 0.0)))
+                    idle = dataclasses.replace(StepStats.of(core), batch_size=0, num_tokens=0)
+                    conn.send(("outs", ([out], idle, 0.0)))  # gauges see the freed KV at once
             else:
                 key, requests = payload
                 conn.send(("admitted", (key, _plain(admit(core, requests)))))

@@ -1,0 +1,123 @@
+"""`stride serve --engine-process`: the step loop in its own process, over real HTTP."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from transformers import AutoTokenizer
+
+from tests.server_harness import free_port
+from tests.test_server import PROMPT_IDS, hf_greedy
+from tests.test_server_cli import LAUNCH, _wait_healthy
+
+ROOT = Path(__file__).resolve().parent.parent
+SLOW = {"prompt": "x", "max_tokens": 40, "ignore_eos": True, "stream": True, "decoder": "slow"}
+
+
+def _serve(model_dir: Path, port: int) -> subprocess.Popen:
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "STRIDE_ENGINE_SETUP": "tests.server_harness:register_test_decoders",
+    }
+    cmd = [sys.executable, "-c", LAUNCH, "serve", "--model", str(model_dir), "--device", "cpu"]
+    cmd += ["--engine-process", "--kv-cache-memory", "8MiB", "--port", str(port)]
+    cmd += ["--shutdown-timeout", "60", "--log-level", "warning"]
+    return subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+
+
+@pytest.fixture(scope="module")
+def served(tiny_dir):
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = _serve(tiny_dir, port)
+    try:
+        _wait_healthy(url, proc)
+        yield url, proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _gauge(url: str, name: str) -> float:
+    text = httpx.get(f"{url}/metrics").text
+    return float(re.search(rf"^{name}\{{[^}}]*\}} (\S+)$", text, re.M).group(1))
+
+
+def test_completion_matches_transformers(served, tiny_hf, tiny_dir):
+    url, _ = served
+    body = {"prompt": PROMPT_IDS, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    out = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()
+    expected = AutoTokenizer.from_pretrained(tiny_dir).decode(
+        hf_greedy(tiny_hf, PROMPT_IDS, 8), skip_special_tokens=True
+    )
+    assert out["choices"][0]["text"] == expected
+    assert out["usage"]["completion_tokens"] == 8
+    assert out["usage"]["decoder"]["forward_passes"] == 8
+
+
+def test_streaming_matches_the_full_response(served):
+    url, _ = served
+    body = {"prompt": PROMPT_IDS, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    full = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()
+    stream = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", f"{url}/v1/completions", json=stream, timeout=60) as r:
+        events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+    assert text == full["choices"][0]["text"]
+    assert chunks[-1]["usage"]["completion_tokens"] == 12
+
+
+def test_disconnect_frees_the_kv_cache(served):
+    url, _ = served
+    steps = _gauge(url, "stride_engine_step_duration_seconds_count")
+    with httpx.stream("POST", f"{url}/v1/completions", json=SLOW, timeout=60) as r:
+        assert next(r.iter_lines()).startswith("data: ")
+    deadline = time.monotonic() + 30
+    while _gauge(url, "stride_kv_cache_usage_ratio") > 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _gauge(url, "stride_kv_cache_usage_ratio") == 0  # shipped with the abort's output
+    assert _gauge(url, "stride_requests_running") == 0
+    time.sleep(0.3)  # an abort that did not land would keep stepping (20 ms each)
+    assert _gauge(url, "stride_engine_step_duration_seconds_count") - steps < SLOW["max_tokens"]
+
+
+def test_sigterm_drains_then_stops_the_engine_process(served):
+    url, proc = served
+    results: list[list[str]] = [[] for _ in range(2)]
+    started = [threading.Event() for _ in range(2)]
+
+    def stream(i: int) -> None:
+        with httpx.stream("POST", f"{url}/v1/completions", json=SLOW, timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    results[i].append(line[6:])
+                    started[i].set()
+
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for event in started:
+        assert event.wait(60)
+    proc.send_signal(signal.SIGTERM)
+    for t in threads:
+        t.join(timeout=60)
+    for events in results:  # every request in flight ran to its end
+        assert events[-1] == "[DONE]"
+        assert json.loads(events[-2])["choices"][0]["finish_reason"] == "length"
+    assert proc.wait(timeout=60) == 0
