@@ -123,4 +123,5 @@ def test_multi_token_chunks_replay_as_graph_rows(tiny_dir, decoder, options, mon
                 tokens += o.token_ids
         outs[device] = tokens
     assert outs["cuda"] == outs["cpu"]
-    assert eager_tokens == [len(prompt)]  # only the prefill ran eagerly
+    # Only the prompt's chunk (with the first proposal riding along) ran eagerly.
+    assert len(eager_tokens) == 1 and eager_tokens[0] >= len(prompt)
