@@ -11,6 +11,7 @@ from torch import nn
 from transformers import BertConfig, BertForMaskedLM
 
 from stride.decoders.autoregressive import Autoregressive
+from stride.decoders.base import DecodersConfig
 from stride.decoders.diffusion import DiffusionGroup
 from stride.decoders.refine import Refine
 from stride.engine.diffusion import DiffusionModel
@@ -135,7 +136,7 @@ def bert_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def bert_core(engine, bert_dir) -> EngineCore:
-    refine = Refine.build(engine, str(bert_dir))
+    refine = Refine.from_config(engine, DecodersConfig(diffusion_model=str(bert_dir)))
     return EngineCore(engine, decoders={"ar": Autoregressive(), "refine": refine})
 
 

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from stride.decoders.sampling import TokenLogprob
+from stride.engine.engine import Engine
 from stride.engine.sequence import SamplingParams, Sequence
 
 
@@ -52,8 +53,24 @@ class StepContext:
     engine: Any = None  # the engine (runner, model) for decoders that run extra forwards
 
 
+@dataclass
+class DecodersConfig:
+    """Server-wide decoder settings (command-line flags); per-request options come on top."""
+
+    default: str | dict[str, Any] = "ar"
+    draft_model: str | None = None  # speculative: a causal LM sharing the target's tokenizer
+    num_speculative_tokens: int = 4  # speculative: default K (the adaptive policy may lower it)
+    diffusion_model: str | None = None  # refine/diffusion: a masked diffusion LM
+    trust_remote_code: bool = False  # diffusion models loaded through AutoModel need it
+
+
 class Decoder:
     name: str = ""
+
+    @classmethod
+    def from_config(cls, engine: Engine, config: DecodersConfig) -> Decoder:
+        """The server's instance; decoders with models or settings of their own override this."""
+        return cls()
 
     def validate(self, params: SamplingParams, options: dict[str, Any]) -> dict[str, Any]:
         """Check a request's options at admission; return them normalised or raise DecoderError."""

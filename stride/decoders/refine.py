@@ -12,7 +12,15 @@ from typing import Any
 
 import torch
 
-from stride.decoders.base import Commit, Decoder, DecoderError, ModelGroup, Proposal, StepContext
+from stride.decoders.base import (
+    Commit,
+    Decoder,
+    DecoderError,
+    DecodersConfig,
+    ModelGroup,
+    Proposal,
+    StepContext,
+)
 from stride.decoders.diffusion import DiffusionGroup
 from stride.decoders.jacobi import Jacobi
 from stride.decoders.lookahead import Lookahead
@@ -30,13 +38,15 @@ class Refine(Decoder):
         self.diffusion = diffusion
 
     @classmethod
-    def build(
-        cls, engine: Engine, diffusion_model: str | None, trust_remote_code: bool = False
-    ) -> Refine:
-        if diffusion_model is None:
+    def from_config(cls, engine: Engine, config: DecodersConfig) -> Refine:
+        if config.diffusion_model is None:
             return cls()
         group = DiffusionGroup.load(
-            diffusion_model, engine.tokenizer, engine.device, engine.dtype, trust_remote_code
+            config.diffusion_model,
+            engine.tokenizer,
+            engine.device,
+            engine.dtype,
+            config.trust_remote_code,
         )
         return cls(group)
 

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 from stride.decoders.autoregressive import Autoregressive
-from stride.decoders.base import Decoder, DecoderError
+from stride.decoders.base import Decoder, DecoderError, DecodersConfig
 from stride.decoders.refine import Refine
 from stride.decoders.speculative import Speculative
 from stride.engine.engine import Engine
@@ -18,7 +17,9 @@ DECODERS: dict[str, type[Decoder]] = {
 }
 
 
-def parse_spec(spec: str | dict[str, Any] | None, default: str | dict[str, Any]) -> tuple[str, dict]:
+def parse_spec(
+    spec: str | dict[str, Any] | None, default: str | dict[str, Any]
+) -> tuple[str, dict]:
     """`"ar"` or `{"type": "ar", ...options}` (None: the server default) → (name, options)."""
     spec = default if spec is None else spec
     if isinstance(spec, str):
@@ -35,25 +36,7 @@ def parse_spec(spec: str | dict[str, Any] | None, default: str | dict[str, Any])
     return name, options
 
 
-@dataclass
-class DecodersConfig:
-    """Server-wide decoder settings (command-line flags); per-request options come on top."""
-
-    default: str | dict[str, Any] = "ar"
-    draft_model: str | None = None  # speculative: a causal LM sharing the target's tokenizer
-    num_speculative_tokens: int = 4  # speculative: default K (the adaptive policy may lower it)
-    diffusion_model: str | None = None  # refine/diffusion: a masked diffusion LM
-    trust_remote_code: bool = False  # diffusion models loaded through AutoModel need it
-
-
 def build_decoders(engine: Engine, config: DecodersConfig | None = None) -> dict[str, Decoder]:
     """One instance of every registered decoder, set up for `engine`."""
     config = config or DecodersConfig()
-    return {
-        name: Speculative(engine, config.draft_model, config.num_speculative_tokens)
-        if cls is Speculative
-        else Refine.build(engine, config.diffusion_model, config.trust_remote_code)
-        if cls is Refine
-        else cls()
-        for name, cls in DECODERS.items()
-    }
+    return {name: cls.from_config(engine, config) for name, cls in DECODERS.items()}

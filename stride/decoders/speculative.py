@@ -52,7 +52,14 @@ from typing import Any
 import torch
 
 from stride.decoders import sampling
-from stride.decoders.base import Commit, Decoder, DecoderError, Proposal, StepContext
+from stride.decoders.base import (
+    Commit,
+    Decoder,
+    DecoderError,
+    DecodersConfig,
+    Proposal,
+    StepContext,
+)
 from stride.decoders.drafters import (
     Draft,
     Drafter,
@@ -171,6 +178,10 @@ class Speculative(Decoder):
         self._draft_ratio: dict[int, float] = {}  # id(drafter) → StepCosts.draft measured
         self._plain_since_spec = 0  # plain steps timed since a drafting step was last timed
         self._timing: tuple[float, int, bool] | None = None  # this step: start, tokens, drafted
+
+    @classmethod
+    def from_config(cls, engine: Engine, config: DecodersConfig) -> Speculative:
+        return cls(engine, config.draft_model, config.num_speculative_tokens)
 
     # ---- admission ------------------------------------------------------------------------
 
