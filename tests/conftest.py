@@ -22,7 +22,9 @@ torch.set_num_threads(1)
 def tiny_dirs(tmp_path_factory) -> dict[str, Path]:
     """One tiny random model per supported architecture, written once per session."""
     root = tmp_path_factory.mktemp("models")
-    return {arch: make_model_dir(root / arch, arch) for arch in ("llama", "qwen2", "qwen3", "mistral")}
+    return {
+        arch: make_model_dir(root / arch, arch) for arch in ("llama", "qwen2", "qwen3", "mistral")
+    }
 
 
 @pytest.fixture(scope="session")
@@ -36,8 +38,13 @@ def tiny_hf(tiny_dir):
 
 
 def make_core(model_dir: Path | str | None, kv_bytes: int = 16 << 20, **sched) -> EngineCore:
-    engine = Engine(EngineConfig(model=None if model_dir is None else str(model_dir),
-                                 device="cpu", kv_cache_memory=kv_bytes))
+    engine = Engine(
+        EngineConfig(
+            model=None if model_dir is None else str(model_dir),
+            device="cpu",
+            kv_cache_memory=kv_bytes,
+        )
+    )
     return EngineCore(engine, SchedulerConfig(**sched))
 
 

@@ -37,6 +37,7 @@ def test_gguf_path_is_converted_once_and_cached(default_engine):
 
 
 def test_dtype_override(tiny_dir):
-    engine = Engine(EngineConfig(model=str(tiny_dir), device="cpu", dtype="bfloat16",
-                                 kv_cache_memory=1 << 20))
+    engine = Engine(
+        EngineConfig(model=str(tiny_dir), device="cpu", dtype="bfloat16", kv_cache_memory=1 << 20)
+    )
     assert engine.dtype == torch.bfloat16 and engine.cache.k.dtype == torch.bfloat16

@@ -46,8 +46,9 @@ def test_temperature_sharpens():
 
 
 def test_penalties_and_bias():
-    seq = Sequence("r", [0], SamplingParams(frequency_penalty=1.0, presence_penalty=0.5,
-                                            logit_bias={3: 5.0}))
+    seq = Sequence(
+        "r", [0], SamplingParams(frequency_penalty=1.0, presence_penalty=0.5, logit_bias={3: 5.0})
+    )
     seq.token_ids += [1, 1, 2]
     out = sampling.adjust(torch.zeros(1, 4), [sampling.Row(seq)], eos_ids=set())
     # token 1: twice (-2 frequency, -0.5 presence); token 2: once; token 3: +5 bias.
@@ -91,12 +92,16 @@ def test_seeded_sampling_is_reproducible_whatever_the_batch(tiny_dir):
     params = SamplingParams(max_tokens=16, temperature=1.0, seed=1234, ignore_eos=True)
     alone = _generate(make_core(tiny_dir), [GenerateRequest("x", prompt, params)])["x"]
     others = [
-        GenerateRequest(f"o{i}", [9 + i] * (3 + i), SamplingParams(max_tokens=20 - i,
-                                                                 temperature=0.8, top_p=0.9))
+        GenerateRequest(
+            f"o{i}",
+            [9 + i] * (3 + i),
+            SamplingParams(max_tokens=20 - i, temperature=0.8, top_p=0.9),
+        )
         for i in range(5)
     ]
-    crowded = _generate(make_core(tiny_dir), others[:2] + [GenerateRequest("x", prompt, params)]
-                        + others[2:])["x"]
+    crowded = _generate(
+        make_core(tiny_dir), others[:2] + [GenerateRequest("x", prompt, params)] + others[2:]
+    )["x"]
     assert alone == crowded
     other_seed = SamplingParams(max_tokens=16, temperature=1.0, seed=99, ignore_eos=True)
     assert _generate(make_core(tiny_dir), [GenerateRequest("x", prompt, other_seed)])["x"] != alone
@@ -105,8 +110,16 @@ def test_seeded_sampling_is_reproducible_whatever_the_batch(tiny_dir):
 def test_stop_string_split_across_tokens(tiny_dir):
     core = make_core(tiny_dir)
     tok = core.engine.tokenizer
-    free = _generate(core, [GenerateRequest("a", tok.encode("Hello"), SamplingParams(
-        max_tokens=30, temperature=0.0, ignore_eos=True))])["a"]
+    free = _generate(
+        core,
+        [
+            GenerateRequest(
+                "a",
+                tok.encode("Hello"),
+                SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True),
+            )
+        ],
+    )["a"]
     text = tok.decode(free)
     # Two characters straddling the boundary between the 3rd and 4th tokens' text.
     boundary = len(tok.decode(free[:3]))
@@ -115,8 +128,13 @@ def test_stop_string_split_across_tokens(tiny_dir):
     assert len(stop) == 2 and 0 <= start
 
     outs = []
-    core.add(GenerateRequest("b", tok.encode("Hello"), SamplingParams(
-        max_tokens=30, temperature=0.0, ignore_eos=True, stop=[stop])))
+    core.add(
+        GenerateRequest(
+            "b",
+            tok.encode("Hello"),
+            SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, stop=[stop]),
+        )
+    )
     while core.has_work:
         outs.extend(core.step())
     streamed = "".join(o.text for o in outs)
@@ -126,10 +144,23 @@ def test_stop_string_split_across_tokens(tiny_dir):
 
 def test_stop_token_ids_and_max_tokens(tiny_dir):
     core = make_core(tiny_dir)
-    free = _generate(core, [GenerateRequest("a", [5, 6], SamplingParams(
-        max_tokens=12, temperature=0.0, ignore_eos=True))])["a"]
-    core.add(GenerateRequest("b", [5, 6], SamplingParams(
-        max_tokens=12, temperature=0.0, ignore_eos=True, stop_token_ids=[free[4]])))
+    free = _generate(
+        core,
+        [
+            GenerateRequest(
+                "a", [5, 6], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+            )
+        ],
+    )["a"]
+    core.add(
+        GenerateRequest(
+            "b",
+            [5, 6],
+            SamplingParams(
+                max_tokens=12, temperature=0.0, ignore_eos=True, stop_token_ids=[free[4]]
+            ),
+        )
+    )
     outs = []
     while core.has_work:
         outs.extend(core.step())

@@ -17,7 +17,6 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
-
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from stride.engine.model import SUPPORTED_ARCHITECTURES, CausalLM
