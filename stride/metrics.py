@@ -31,8 +31,7 @@ from prometheus_client import (
 )
 
 if TYPE_CHECKING:
-    from stride.scheduler.core import EngineCore
-    from stride.scheduler.outputs import RequestOutput
+    from stride.scheduler.outputs import RequestOutput, StepStats
 
 USERS_ENV = "STRIDE_METRICS_USERS"
 OTHER_USER = "other"
@@ -238,16 +237,16 @@ class Metrics:
 
     # ---- step loop ------------------------------------------------------------------------
 
-    def on_step(self, core: EngineCore, step_seconds: float, outputs: list[RequestOutput]) -> None:
-        """`EngineClient.on_step`: runs on the engine thread after every step."""
-        self._put(self._running, len(core.scheduler.running))
-        self._put(self._waiting, len(core.scheduler.waiting))
-        self._put(self._kv, core.engine.cache.usage)
-        self._put(self._batch, core.last_batch_size)
-        if core.last_batch_size:
+    def on_step(self, stats: StepStats, step_seconds: float, outputs: list[RequestOutput]) -> None:
+        """The engine client's `on_step`: after every engine step, on the client's loop thread."""
+        self._put(self._running, stats.num_running)
+        self._put(self._waiting, stats.num_waiting)
+        self._put(self._kv, stats.kv_usage)
+        self._put(self._batch, stats.batch_size)
+        if stats.batch_size:
             self._step.observe(step_seconds)
-            self._step_tokens.observe(core.last_num_tokens)
-        preempted = core.scheduler.num_preemptions - self._preemptions_seen
+            self._step_tokens.observe(stats.num_tokens)
+        preempted = stats.num_preemptions - self._preemptions_seen
         if preempted > 0:
             self._preempted.inc(preempted)
             self._preemptions_seen += preempted

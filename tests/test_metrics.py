@@ -303,9 +303,9 @@ def test_engine_gauges_are_one_series_per_model_present_at_zero_from_the_start(t
     client = EngineClient(core)
     seen: list[tuple[float, float]] = []
 
-    def on_step(core, seconds, outputs):
-        metrics.on_step(core, seconds, outputs)
-        seen.append((value(metrics, "stride_requests_running"), len(core.scheduler.running)))
+    def on_step(stats, seconds, outputs):
+        metrics.on_step(stats, seconds, outputs)
+        seen.append((value(metrics, "stride_requests_running"), stats.num_running))
 
     client.on_step = on_step
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)

@@ -23,6 +23,7 @@ from stride.scheduler.outputs import (
     QueueFull,
     RequestOutput,
     RequestRejected,
+    StepStats,
 )
 
 log = logging.getLogger(__name__)
@@ -150,7 +151,7 @@ class BaseClient:
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, Submission]] = {}
         self._lock = threading.Lock()
         self.dead: str | None = None  # why the loop died, if it did
-        self.on_step: Callable[[Any, float, list[RequestOutput]], None] | None = None
+        self.on_step: Callable[[StepStats, float, list[RequestOutput]], None] | None = None
 
     @property
     def model(self) -> ModelInfo:
@@ -286,7 +287,7 @@ class EngineClient(BaseClient):
                 t0 = time.perf_counter()
                 outs = self.core.step()
                 if self.on_step is not None:
-                    self.on_step(self.core, time.perf_counter() - t0, outs)
+                    self.on_step(self.core.stats(), time.perf_counter() - t0, outs)
                 self._deliver(outs)
         except Exception as e:  # the loop is broken: answer everyone, then refuse new work
             log.exception("engine loop died")

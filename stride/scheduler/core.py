@@ -27,6 +27,7 @@ from stride.scheduler.outputs import (
     QueueFull,
     RequestOutput,
     RequestRejected,
+    StepStats,
 )
 from stride.scheduler.policy import Scheduled, Scheduler, SchedulerConfig
 
@@ -149,6 +150,16 @@ class EngineCore:
     @property
     def num_waiting(self) -> int:
         return len(self.scheduler.waiting)
+
+    def stats(self) -> StepStats:
+        return StepStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            kv_usage=self.engine.cache.usage,
+            batch_size=self.last_batch_size,
+            num_tokens=self.last_num_tokens,
+            num_preemptions=self.scheduler.num_preemptions,
+        )
 
     # ---- the step ---------------------------------------------------------------------------
 

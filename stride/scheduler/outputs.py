@@ -53,6 +53,18 @@ class RequestOutput:
         return self.finish_reason is not None or self.error is not None
 
 
+@dataclass
+class StepStats:
+    """The engine's numbers after one step: what the metrics read, in either client mode."""
+
+    num_running: int
+    num_waiting: int
+    kv_usage: float
+    batch_size: int
+    num_tokens: int
+    num_preemptions: int  # since the start
+
+
 class QueueFull(RuntimeError):
     """The waiting queue is at capacity; the server answers 429."""
 

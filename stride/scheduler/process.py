@@ -2,7 +2,7 @@
 
 The server process sends plain `GenerateRequest`s (and aborts) down a pipe; the engine process
 sends back, per step, the batch of `RequestOutput`s together with the step's numbers
-(`StepStats`), from which the server's metrics are kept as if the core were local. The engine
+(`StepStats`), from which the server's metrics are kept as they are for a local core. The engine
 process ignores SIGINT/SIGTERM (the server drains, then stops it) and exits when the pipe closes.
 `STRIDE_ENGINE_SETUP=module:function` runs in the engine process before the model loads.
 """
@@ -21,53 +21,16 @@ import threading
 import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from types import SimpleNamespace
 from typing import Any
 
 from stride.decoders.registry import DecodersConfig, build_decoders
 from stride.engine.engine import Engine, EngineConfig
 from stride.scheduler.client import BaseClient, EngineDead, ModelInfo, admit, settle
 from stride.scheduler.core import EngineCore
-from stride.scheduler.outputs import QueueFull, RequestOutput, RequestRejected
+from stride.scheduler.outputs import QueueFull, RequestOutput, RequestRejected, StepStats
 from stride.scheduler.policy import SchedulerConfig
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class StepStats:
-    """One step's engine numbers, shipped with its outputs."""
-
-    num_running: int
-    num_waiting: int
-    kv_usage: float
-    batch_size: int
-    num_tokens: int
-    num_preemptions: int  # since the start
-
-    @classmethod
-    def of(cls, core: EngineCore) -> StepStats:
-        return cls(
-            len(core.scheduler.running),
-            len(core.scheduler.waiting),
-            core.engine.cache.usage,
-            core.last_batch_size,
-            core.last_num_tokens,
-            core.scheduler.num_preemptions,
-        )
-
-    def as_core(self) -> Any:
-        """What `Metrics.on_step` reads of a core, from these numbers."""
-        return SimpleNamespace(
-            scheduler=SimpleNamespace(
-                running=range(self.num_running),
-                waiting=range(self.num_waiting),
-                num_preemptions=self.num_preemptions,
-            ),
-            engine=SimpleNamespace(cache=SimpleNamespace(usage=self.kv_usage)),
-            last_batch_size=self.batch_size,
-            last_num_tokens=self.num_tokens,
-        )
 
 
 @dataclass
@@ -147,7 +110,7 @@ class ProcessEngineClient(BaseClient):
                     outs, stats, seconds = payload
                     self.stats = stats
                     if self.on_step is not None:
-                        self.on_step(stats.as_core(), seconds, outs)
+                        self.on_step(stats, seconds, outs)
                     self._deliver(outs)
                 elif kind == "admitted":
                     key, error = payload
@@ -219,14 +182,14 @@ def _loop(core: EngineCore, conn: Connection) -> None:
             if kind == "abort":
                 out = core.abort(payload)
                 if out is not None:
-                    idle = dataclasses.replace(StepStats.of(core), batch_size=0, num_tokens=0)
+                    idle = dataclasses.replace(core.stats(), batch_size=0, num_tokens=0)
                     conn.send(("outs", ([out], idle, 0.0)))  # gauges see the freed KV at once
             else:
                 key, requests = payload
                 conn.send(("admitted", (key, _plain(admit(core, requests)))))
         t0 = time.perf_counter()
         outs = core.step()
-        conn.send(("outs", (outs, StepStats.of(core), time.perf_counter() - t0)))
+        conn.send(("outs", (outs, core.stats(), time.perf_counter() - t0)))
 
 
 def _plain(error: Exception | None) -> tuple[str, str, str, str | None] | None:
