@@ -105,7 +105,8 @@ def verify(
 
 
 def expected_tokens(alpha: float, k: int) -> float:
-    return sum(alpha**i for i in range(k + 1))
+    """1 + alpha + … + alpha^k, in closed form (the policy evaluates it per step and K)."""
+    return k + 1.0 if alpha == 1.0 else (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
 
 
 @dataclass
@@ -156,6 +157,7 @@ class Speculative(Decoder):
     PRIOR_WEIGHT = 2.0
     PROBE_EVERY = 16
     REMEASURE_EVERY = 256
+    SYNC_EVERY = 32  # with launch-ahead, one step in this many runs unoverlapped to be timed
 
     def __init__(
         self,
@@ -178,6 +180,9 @@ class Speculative(Decoder):
         self._draft_ratio: dict[int, float] = {}  # id(drafter) → StepCosts.draft measured
         self._plain_since_spec = 0  # plain steps timed since a drafting step was last timed
         self._timing: tuple[float, int, bool] | None = None  # this step: start, tokens, drafted
+        self._choices: dict[tuple, int] = {}  # choose_k's answers under the current costs
+        self._launched_ahead = False  # the core launches the next step before this one ends
+        self._steps = 0
 
     @classmethod
     def from_config(cls, engine: Engine, config: DecodersConfig) -> Speculative:
@@ -266,13 +271,37 @@ class Speculative(Decoder):
             return k_max
         if self.measure_costs and self._plain_s is None:
             return 0  # measure plain decoding first: it is what speculation must beat
-        costs = self._costs(state.drafter)
-        k = choose_k(self._alpha(state), batch, k_max, costs)
-        if k == 0 and choose_k(0.9, batch, k_max, costs) > 0:
+        k = self._choose(self._alpha(state), batch, k_max, state.drafter)
+        if k == 0 and self._choose(0.9, batch, k_max, state.drafter) > 0:
             # Speculation would pay at this batch size if drafts were good: probe now and then.
             if (state.idle_steps + 1) % self.PROBE_EVERY == 0:
                 k = 1
         return k
+
+    def _choose(self, alpha: float, batch: int, k_max: int, drafter: Drafter) -> int:
+        """choose_k, remembered until the costs change: in a large batch most sequences share
+        alpha (the drafter's prior, at K = 0), so a step evaluates the policy a few times, not
+        once per sequence."""
+        key = (alpha, batch, k_max, id(drafter))
+        k = self._choices.get(key)
+        if k is None:
+            k = self._choices[key] = choose_k(alpha, batch, k_max, self._costs(drafter))
+        return k
+
+    def may_launch_ahead(self) -> bool:
+        """May the core launch the next step's forward before this step's text is decoded?
+
+        Outputs do not depend on it (the next plan is fixed once this step has committed), but
+        the policy's timings do: a step launched ahead overlaps host work of the step before, so
+        its wall time is not its cost. Steps run unoverlapped until plain decoding has been
+        timed, and then one in SYNC_EVERY, so the measurements stay fresh; the others are not
+        timed.
+        """
+        ahead = self._plain_s is not None and self._steps % self.SYNC_EVERY != 0
+        if not self.measure_costs:
+            ahead = True
+        self._launched_ahead = ahead
+        return ahead
 
     def extra_tokens(self, seq: Sequence, cap: int) -> int:
         state = self._state(seq)
@@ -286,7 +315,7 @@ class Speculative(Decoder):
         self._last_batch = max(len(seqs), 1)
         states = [self._state(s) for s in seqs]
         ks = [
-            min(st.reserved, self._plan(s, st, len(seqs)))
+            min(st.reserved, self._plan(s, st, len(seqs))) if st.reserved else 0
             for s, st in zip(seqs, states, strict=True)
         ]
         by_drafter: dict[int, list[int]] = {}
@@ -304,13 +333,16 @@ class Speculative(Decoder):
                 per_position = (time.perf_counter() - start) / positions
                 ratio = per_position / (1 + len(idx) / self.saturation) / self._plain_s
                 self._draft_ratio[id(drafter)] = _ema(self._draft_ratio.get(id(drafter)), ratio)
+                self._choices.clear()
             for i, d in zip(idx, made, strict=True):
                 drafts[i] = d
         for st, d in zip(states, drafts, strict=True):
             st.drafts = {"tokens": d.tokens, "q": d.q}
-        # Time the verification forward of decode-only steps (a prefill would skew it).
+        # Time the verification forward of decode-only steps (a prefill would skew it), unless
+        # it was launched ahead (see may_launch_ahead).
         self._timing = None
-        if all(len(s.tail) == 1 for s in seqs):
+        ahead, self._launched_ahead = self._launched_ahead, False
+        if self.measure_costs and not ahead and all(len(s.tail) == 1 for s in seqs):
             tokens = len(seqs) + sum(len(d.tokens) for d in drafts)
             self._timing = (time.perf_counter(), tokens, any(d.tokens for d in drafts))
         return [Proposal(list(d.tokens)) for d in drafts]
@@ -322,8 +354,11 @@ class Speculative(Decoder):
         logits: list[torch.Tensor],
         ctx: StepContext,
     ) -> list[Commit]:
+        self._steps += 1
         states = [self._state(s) for s in seqs]
         drafts = [st.drafts["tokens"] for st in states]
+        if not any(drafts):  # nothing to verify: exactly what plain decoding does
+            return self._commit_plain(seqs, states, logits, ctx)
         rows = [
             sampling.Row(s, list(d[:j]))
             for s, d in zip(seqs, drafts, strict=True)
@@ -335,15 +370,7 @@ class Speculative(Decoder):
             accepted, last = self._verify_greedy(adjusted, drafts)
         else:
             accepted, last = self._verify_sampled(adjusted, rows, seqs, states, ctx)
-        if self._timing is not None:  # verification has synchronised with the device by now
-            start, tokens, drafted = self._timing
-            seconds = (time.perf_counter() - start) / (1 + tokens / self.saturation)
-            if not drafted:
-                self._plain_s = _ema(self._plain_s, seconds)
-                self._plain_since_spec += 1
-            elif self._plain_s:
-                self._spec_ratio = _ema(self._spec_ratio, seconds / self._plain_s)
-                self._plain_since_spec = 0
+        self._time_step()
 
         commits = []
         offset = 0
@@ -358,6 +385,40 @@ class Speculative(Decoder):
             st.drafts = {}
             commits.append(Commit(tokens, lps, kv_keep=n_acc))
         return commits
+
+    def _commit_plain(
+        self,
+        seqs: list[Sequence],
+        states: list[_State],
+        logits: list[torch.Tensor],
+        ctx: StepContext,
+    ) -> list[Commit]:
+        """A step in which no sequence drafted: one batched sample, as the `ar` decoder does."""
+        rows = [sampling.Row(s) for s in seqs]
+        stacked = torch.cat(logits)
+        tokens = sampling.sample(stacked, rows, ctx.eos_ids)  # synchronises with the device
+        lps = sampling.logprobs(stacked, tokens, rows)
+        self._time_step()
+        for seq, st in zip(seqs, states, strict=True):
+            st.idle_steps += 1
+            st.drafter.accepted(seq, 0)
+            st.drafts = {}
+        return [Commit([t], [lp]) for t, lp in zip(tokens, lps, strict=True)]
+
+    def _time_step(self) -> None:
+        """Fold this step's wall time (verification has synchronised by now) into the costs."""
+        if self._timing is None:
+            return
+        start, tokens, drafted = self._timing
+        self._timing = None
+        seconds = (time.perf_counter() - start) / (1 + tokens / self.saturation)
+        if not drafted:
+            self._plain_s = _ema(self._plain_s, seconds)
+            self._plain_since_spec += 1
+        elif self._plain_s:
+            self._spec_ratio = _ema(self._spec_ratio, seconds / self._plain_s)
+            self._plain_since_spec = 0
+        self._choices.clear()
 
     def _verify_greedy(
         self, adjusted: torch.Tensor, drafts: list[list[int]]
@@ -401,9 +462,9 @@ class Speculative(Decoder):
                 else:
                     q[i, :n] = st.drafts["q"].to(q.dtype)
         u = torch.rand(b, k, device=dev)
-        for i, s in enumerate(seqs):
-            if s.generator is not None:
-                u[i] = torch.rand(k, generator=s.generator, device=dev)
+        for i, (s, n) in enumerate(zip(seqs, counts, strict=True)):
+            if s.generator is not None and n:  # as many draws as drafts: batch-independent
+                u[i, :n] = torch.rand(n, generator=s.generator, device=dev)
         num = torch.tensor(counts, device=dev)
         accepted, dist = verify(p, q, drafts, num, u)
         last = sampling.draw(dist, [sampling.Row(s) for s in seqs])

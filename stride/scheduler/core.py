@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import gc
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,7 +60,7 @@ class EngineCore:
         self._num_deadlines = 0  # sequences in flight with a deadline
         # Decoders whose commit is a plain per-row sample, and how many sequences use others.
         self._plain = {n for n, d in self.decoders.items() if type(d) is Autoregressive}
-        self._num_unplain = 0
+        self._unplain: Counter[str] = Counter()
         # On a GPU, the next step's forward is launched before this step's text is decoded.
         self.launch_ahead = engine.runner.graphs is not None
         self._launched: _Launched | None = None
@@ -125,7 +125,8 @@ class EngineCore:
             seq.generator = torch.Generator(self.engine.device).manual_seed(p.seed)
         self.seqs[seq.request_id] = seq
         self._num_deadlines += seq.deadline is not None
-        self._num_unplain += seq.decoder not in self._plain
+        if seq.decoder not in self._plain:
+            self._unplain[seq.decoder] += 1
         self._detok[seq.request_id] = Detokenizer(
             self.engine.tokenizer, p.stop, p.skip_special_tokens
         )
@@ -181,16 +182,18 @@ class EngineCore:
     def _may_launch_ahead(self) -> bool:
         """Launch the next step's forward now, before this step's text is decoded?
 
-        Only on the GPU path, and only when nothing but plain decoding is in flight and nobody
-        waits: then the next step's plan is the one it would pick itself, unless a request
-        arrives (it joins a step later) or leaves (its row is dropped) in between.
+        Only on the GPU path, when nobody waits, and when every decoder in flight is plain or
+        agrees (its `may_launch_ahead()`: its next plan is fixed once it has committed): then
+        the next step's plan is the one it would pick itself, unless a request arrives (it joins
+        a step later) or leaves (its row is dropped) in between.
         """
-        return (
-            self.launch_ahead
-            and self._num_unplain == 0
-            and not self.scheduler.waiting
-            and not self._grouped
-        )
+        if not self.launch_ahead or self.scheduler.waiting or self._grouped:
+            return False
+        for name, count in self._unplain.items():
+            agrees = getattr(self.decoders[name], "may_launch_ahead", None)
+            if count and (agrees is None or not agrees()):
+                return False
+        return True
 
     def _launch(self) -> _Launched | None:
         """Schedule, let decoders propose, and start the forward pass (asynchronous on a GPU)."""
@@ -339,7 +342,8 @@ class EngineCore:
         del self.seqs[seq.request_id]
         self._grouped.pop(seq.request_id, None)
         self._num_deadlines -= seq.deadline is not None
-        self._num_unplain -= seq.decoder not in self._plain
+        if seq.decoder not in self._plain:
+            self._unplain[seq.decoder] -= 1
         out.text = self._detok.pop(seq.request_id).take(final=True)
         out.finish_reason = reason
         out.stop_reason = stop_reason
