@@ -10,8 +10,16 @@ import torch
 from safetensors.torch import load_file, save_file
 from scipy.stats import chisquare
 
+from stride.decoders.base import StepContext
 from stride.decoders.registry import DecodersConfig, build_decoders
-from stride.decoders.speculative import Speculative, StepCosts, choose_k, verify
+from stride.decoders.speculative import (
+    Speculative,
+    StepCosts,
+    _bucket,
+    _Timings,
+    choose_k,
+    verify,
+)
 from stride.engine.engine import Engine, EngineConfig
 from stride.engine.runner import Chunk
 from stride.engine.sequence import SamplingParams, Sequence
@@ -376,6 +384,52 @@ def test_adaptive_policy_speculates_only_when_it_pays():
     assert choose_k(0.8, 1, 4, StepCosts(256, plain=1.0, spec=5.0)) == 0
     gpu = [choose_k(0.7, b, 6, StepCosts(256, draft=0.1)) for b in (1, 64, 512)]
     assert gpu[0] >= gpu[1] >= gpu[2] and gpu[0] > 0 and gpu[2] == 0
+
+
+def test_a_step_drafts_only_if_its_drafts_pay_for_it_at_this_batch_size(tiny_dir):
+    """Injected step costs per batch size: what drafting costs, not when, decides K."""
+    engine = Engine(EngineConfig(model=str(tiny_dir), device="cpu", kv_cache_memory=8 << 20))
+    dec = Speculative(engine, saturation_tokens=256)  # a GPU's saturation
+    ctx = StepContext(eos_ids=set(), device=torch.device("cpu"))
+    repeats, plain = [5, 6, 7, 8] * 4, list(range(20, 36))  # a prompt-lookup hit; none
+
+    def step(batch: int, spec_cost: float, hits: int, alpha_good: bool, probe: bool = False):
+        """Draft tokens per sequence of one step at `batch` whose drafting step measured
+        `spec_cost` × a plain one; `hits` sequences find an n-gram to draft."""
+        timings = _Timings(plain_s=1.0, spec=spec_cost, plain_steps=dec.PLAIN_WARMUP)
+        dec._timings[_bucket(batch)] = timings
+        dec._choices.clear()
+        dec._last_batch = batch
+        seqs = []
+        for i in range(batch):
+            seq = Sequence(f"s{i}", repeats if i < hits else plain, greedy(8), "speculative")
+            seq.decoder_options = dec.validate(seq.params, {"draft": "ngram"})
+            state = dec._state(seq)
+            state.accepted, state.rejected = (10.0, 0.0) if alpha_good else (0.0, 10.0)
+            state.idle_steps = dec.PROBE_EVERY - 1 if probe else 0
+            dec.extra_tokens(seq, cap=K)
+            seqs.append(seq)
+        reserved = [dec._state(s).reserved for s in seqs]
+        return reserved, [len(p.tokens) for p in dec.propose(seqs, ctx)]
+
+    # Batch 1: a drafting step 1.3x a plain one pays for good drafts, and for a probe.
+    reserved, drafted = step(1, 1.3, hits=1, alpha_good=True)
+    assert drafted[0] > 0
+    assert step(1, 1.3, hits=1, alpha_good=False, probe=True)[1] == [1]
+    # ... but not at 5x, even for drafts accepted 93 % of the time: K = 0.
+    assert step(1, 5.0, hits=1, alpha_good=True)[1] == [0]
+    # Batch 64, all sequences drafting good drafts, scoring steps as dear as plain ones: K > 0.
+    assert min(step(64, 1.0, hits=64, alpha_good=True)[1]) > 0
+    # Batch 64, only 4 sequences find drafts: each would pay alone, but their few extra tokens
+    # do not pay for a draft-scoring step of 64 rows measured at 1.3x a plain one.
+    reserved, drafted = step(64, 1.3, hits=4, alpha_good=True)
+    assert sum(reserved) > 0 and sum(drafted) == 0
+    # Batch 64, probes of 4 sequences (the module's failure on the GPU): none even at 1.0x.
+    reserved, drafted = step(64, 1.0, hits=4, alpha_good=False, probe=True)
+    assert reserved[:4] == [1] * 4 and sum(drafted) == 0
+    # The same probes in a batch of 1 still run: there they are the whole step.
+    assert StepCosts(256, spec=1.3).step_gain(1, [(0.9, 1)]) > 1.05
+    assert StepCosts(256, spec=1.0).step_gain(64, [(0.9, 1)] * 4) < 1.05
 
 
 def test_adaptive_backs_off_when_drafts_fail(tiny_dir, reference):

@@ -28,9 +28,11 @@ memory- to compute-bound: 16 on CPU, 256 on GPU), and each draft position is one
 forward. B is the number of speculative sequences in the step (the previous step's when
 reserving, the actual one when drafting). `spec` and `draft` are measured relative to `plain`
 (moving averages of wall times, so that a machine whose speed drifts keeps sensible ratios):
-decode-only verification steps with drafts against those without (they differ a lot on a GPU,
-where plain decode steps replay CUDA graphs and draft-scoring steps run eagerly), and each
-drafter's forward per draft position. K stays 0 until plain decoding has been timed; until a
+decode-only verification steps with drafts (through their per-row commit) against those
+without (they differ a lot on a GPU, where plain decode steps replay CUDA graphs and
+draft-scoring steps run eagerly), and each
+drafter's forward per draft position. K stays 0 until plain decoding has been timed (4 steps,
+the fastest counts: the first steps at a batch size can be slow once); until a
 drafting step has been timed, and again after 256 plain steps without one (so that a stale
 measurement cannot pin K at 0), the costs come from sizes: scoring drafts costs what plain
 decoding does, drafting what the drafter's size says (0 for n-gram, L/layers for early exit,
@@ -41,6 +43,17 @@ decayed counts of accepted and rejected drafts (a geometric model: a rejection e
 run) on top of a prior taken from the drafter's acceptance over all sequences. A sequence held
 at K = 0 by low acceptance probes with K = 1 every 16 steps if good drafts would pay at the
 measured costs, so its estimate can recover.
+
+Then the step as a whole must pay. Whatever G(K) says per sequence, a step that scores any draft
+is a draft-scoring forward for all B rows (eager rather than a CUDA graph replay, a drafter
+forward), so `propose` drops every adaptive draft of the step unless the step's expected tokens,
+B + Σ(E(K_i) − 1) over its drafting sequences (a probe priced at a = 0.9), beat B plain tokens
+by 5 % at the step's cost (`StepCosts.step_gain`). A few probes in a large batch do not; at
+batch 1 the check is G(K) itself. Step costs are measured per batch-size bucket (1, 2, 3-4, …,
+33-64, …: `_bucket`), since a draft-scoring step of 64 rows and one of 1 row relate differently
+to their plain steps and the token-count model misjudges how much room a 64-row step has. A
+bucket prices from sizes until a drafting step there has been timed; after a drafting step at
+such a bucket, steps run unoverlapped until one is (`may_launch_ahead`).
 """
 
 from __future__ import annotations
@@ -124,6 +137,19 @@ class StepCosts:
         step = self.spec * (1 + batch * (1 + k) / self.saturation) + k * self.draft * unit
         return expected_tokens(alpha, k) * self.plain * unit / step
 
+    def step_gain(self, batch: int, drafts: list[tuple[float, int]]) -> float:
+        """Goodput of a whole step relative to a plain one, for (alpha, k) per drafting sequence.
+
+        `gain` prices a sequence's drafts as if every sequence drafted as many; a step pays one
+        draft-scoring forward however few sequences draft in it, so a handful of drafts in a
+        large batch (probes) cannot pay for it there."""
+        unit = 1 + batch / self.saturation
+        tokens = batch + sum(k for _, k in drafts)
+        positions = max((k for _, k in drafts), default=0)
+        step = self.spec * (1 + tokens / self.saturation) + positions * self.draft * unit
+        extra = sum(expected_tokens(alpha, k) - 1 for alpha, k in drafts)
+        return (batch + extra) / batch * self.plain * unit / step
+
 
 def choose_k(alpha: float, batch: int, k_max: int, costs: StepCosts) -> int:
     """The goodput-maximising number of drafts (see the module docstring); 0 when none pays."""
@@ -133,6 +159,21 @@ def choose_k(alpha: float, batch: int, k_max: int, costs: StepCosts) -> int:
         if gain > best_gain:
             best_k, best_gain = k, gain
     return best_k if best_gain >= 1.05 else 0
+
+
+def _bucket(batch: int) -> int:
+    """Batch sizes whose step costs are measured together: 1, 2, 3-4, 5-8, …, 33-64, …"""
+    return (max(batch, 1) - 1).bit_length()
+
+
+@dataclass
+class _Timings:
+    """Measured step costs at one batch-size bucket (see the module docstring)."""
+
+    plain_s: float | None = None  # a plain step, seconds per token-count factor
+    spec: float | None = None  # StepCosts.spec measured, relative to plain_s
+    plain_since_spec: int = 0  # plain steps timed since a drafting step was last timed
+    plain_steps: int = 0  # plain steps timed in all
 
 
 def _ema(old: float | None, new: float, weight: float = 0.2) -> float:
@@ -148,6 +189,7 @@ class _State:
     rejected: float = 0.0
     reserved: int = 0  # K that extra_tokens reserved for this step
     idle_steps: int = 0  # consecutive steps at K = 0 forced by low acceptance
+    probing: bool = False  # this step's K = 1 is a probe (see _plan)
     drafts: dict[str, Any] = field(default_factory=dict)
 
 
@@ -156,6 +198,8 @@ class Speculative(Decoder):
     DECAY = 0.8
     PRIOR_WEIGHT = 2.0
     PROBE_EVERY = 16
+    PLAIN_WARMUP = 4  # plain steps timed at a batch size before anything is priced against them
+    PROBE_ALPHA = 0.9  # the acceptance a probe is priced at: it asks "would good drafts pay?"
     REMEASURE_EVERY = 256
     SYNC_EVERY = 32  # with launch-ahead, one step in this many runs unoverlapped to be timed
 
@@ -175,11 +219,10 @@ class Speculative(Decoder):
         self._drafters: dict[tuple, Drafter] = {}
         self._prior: dict[str, float] = {}  # drafter name → acceptance over all sequences
         self._last_batch = 1
-        self._plain_s: float | None = None  # a plain step, seconds per token-count factor
-        self._spec_ratio: float | None = None  # StepCosts.spec measured, relative to plain
+        self._timings: dict[int, _Timings] = {}  # _bucket(batch) → its measured step costs
         self._draft_ratio: dict[int, float] = {}  # id(drafter) → StepCosts.draft measured
-        self._plain_since_spec = 0  # plain steps timed since a drafting step was last timed
-        self._timing: tuple[float, int, bool] | None = None  # this step: start, tokens, drafted
+        self._drafted = False  # the last proposed step drafted
+        self._timing: tuple[float, int, bool, _Timings] | None = None  # this step's, if timed
         self._choices: dict[tuple, int] = {}  # choose_k's answers under the current costs
         self._launched_ahead = False  # the core launches the next step before this one ends
         self._steps = 0
@@ -258,25 +301,48 @@ class Speculative(Decoder):
         w = self.PRIOR_WEIGHT
         return (state.accepted + w * prior) / (state.accepted + state.rejected + w)
 
-    def _costs(self, drafter: Drafter) -> StepCosts:
-        stale = self._spec_ratio is None or self._plain_since_spec >= self.REMEASURE_EVERY
-        if not self.measure_costs or stale:  # sizes only: drafting gets (re)measured
+    def _timings_at(self, batch: int) -> _Timings:
+        return self._timings.setdefault(_bucket(batch), _Timings())
+
+    def _stale(self, timings: _Timings) -> bool:
+        """No drafting step measured at this batch size, or none lately: price from sizes."""
+        return timings.spec is None or timings.plain_since_spec >= self.REMEASURE_EVERY
+
+    def _costs(self, drafter: Drafter, batch: int) -> StepCosts:
+        timings = self._timings_at(batch)
+        if not self.measure_costs or self._stale(timings):  # sizes: drafting gets (re)measured
             return StepCosts(self.saturation, draft=drafter.cost)
         draft = self._draft_ratio.get(id(drafter), drafter.cost)
-        return StepCosts(self.saturation, spec=self._spec_ratio, draft=draft)
+        return StepCosts(self.saturation, spec=timings.spec, draft=draft)
 
     def _plan(self, seq: Sequence, state: _State, batch: int) -> int:
+        state.probing = False
         k_max = seq.decoder_options["num_speculative_tokens"]
         if not seq.decoder_options["adaptive"] or k_max == 0:
             return k_max
-        if self.measure_costs and self._plain_s is None:
+        if self.measure_costs and self._timings_at(batch).plain_steps < self.PLAIN_WARMUP:
             return 0  # measure plain decoding first: it is what speculation must beat
         k = self._choose(self._alpha(state), batch, k_max, state.drafter)
-        if k == 0 and self._choose(0.9, batch, k_max, state.drafter) > 0:
+        if k == 0 and self._choose(self.PROBE_ALPHA, batch, k_max, state.drafter) > 0:
             # Speculation would pay at this batch size if drafts were good: probe now and then.
             if (state.idle_steps + 1) % self.PROBE_EVERY == 0:
-                k = 1
+                k, state.probing = 1, True
         return k
+
+    def _step_pays(self, seqs: list[Sequence], states: list[_State], ks: list[int]) -> bool:
+        """Do the adaptive drafts of this step, together, pay for a draft-scoring step?"""
+        if any(k and not s.decoder_options["adaptive"] for s, k in zip(seqs, ks, strict=True)):
+            return True  # fixed K drafts anyway: the step scores drafts whatever we decide
+        drafts: dict[int, list[tuple[float, int]]] = {}  # by drafter: each prices its forwards
+        for st, k in zip(states, ks, strict=True):
+            if k:
+                alpha = self.PROBE_ALPHA if st.probing else self._alpha(st)
+                drafts.setdefault(id(st.drafter), []).append((alpha, k))
+        by_id = {id(st.drafter): st.drafter for st in states}
+        batch = len(seqs)
+        return all(
+            self._costs(by_id[d], batch).step_gain(batch, ds) >= 1.05 for d, ds in drafts.items()
+        )
 
     def _choose(self, alpha: float, batch: int, k_max: int, drafter: Drafter) -> int:
         """choose_k, remembered until the costs change: in a large batch most sequences share
@@ -285,7 +351,7 @@ class Speculative(Decoder):
         key = (alpha, batch, k_max, id(drafter))
         k = self._choices.get(key)
         if k is None:
-            k = self._choices[key] = choose_k(alpha, batch, k_max, self._costs(drafter))
+            k = self._choices[key] = choose_k(alpha, batch, k_max, self._costs(drafter, batch))
         return k
 
     def may_launch_ahead(self) -> bool:
@@ -295,9 +361,13 @@ class Speculative(Decoder):
         the policy's timings do: a step launched ahead overlaps host work of the step before, so
         its wall time is not its cost. Steps run unoverlapped until plain decoding has been
         timed, and then one in SYNC_EVERY, so the measurements stay fresh; the others are not
-        timed.
+        timed. After a drafting step at a batch size whose drafting cost is not measured (or
+        stale), steps run unoverlapped, so that the next drafting step gets timed.
         """
-        ahead = self._plain_s is not None and self._steps % self.SYNC_EVERY != 0
+        timings = self._timings_at(self._last_batch)
+        warm = timings.plain_steps >= self.PLAIN_WARMUP
+        ahead = warm and self._steps % self.SYNC_EVERY != 0
+        ahead = ahead and not (self._drafted and self._stale(timings))
         if not self.measure_costs:
             ahead = True
         self._launched_ahead = ahead
@@ -318,6 +388,9 @@ class Speculative(Decoder):
             min(st.reserved, self._plan(s, st, len(seqs))) if st.reserved else 0
             for s, st in zip(seqs, states, strict=True)
         ]
+        if any(ks) and not self._step_pays(seqs, states, ks):
+            ks = [0] * len(seqs)
+        self._drafted = any(ks)
         by_drafter: dict[int, list[int]] = {}
         for i, st in enumerate(states):
             by_drafter.setdefault(id(st.drafter), []).append(i)
@@ -329,9 +402,10 @@ class Speculative(Decoder):
                 continue
             start = time.perf_counter()
             made = drafter.draft([seqs[i] for i in idx], [ks[i] for i in idx], ctx.eos_ids)
-            if self._plain_s:
+            plain_s = self._timings_at(len(seqs)).plain_s
+            if plain_s:
                 per_position = (time.perf_counter() - start) / positions
-                ratio = per_position / (1 + len(idx) / self.saturation) / self._plain_s
+                ratio = per_position / (1 + len(idx) / self.saturation) / plain_s
                 self._draft_ratio[id(drafter)] = _ema(self._draft_ratio.get(id(drafter)), ratio)
                 self._choices.clear()
             for i, d in zip(idx, made, strict=True):
@@ -344,7 +418,8 @@ class Speculative(Decoder):
         ahead, self._launched_ahead = self._launched_ahead, False
         if self.measure_costs and not ahead and all(len(s.tail) == 1 for s in seqs):
             tokens = len(seqs) + sum(len(d.tokens) for d in drafts)
-            self._timing = (time.perf_counter(), tokens, any(d.tokens for d in drafts))
+            drafted = any(d.tokens for d in drafts)
+            self._timing = (time.perf_counter(), tokens, drafted, self._timings_at(len(seqs)))
         return [Proposal(list(d.tokens)) for d in drafts]
 
     def commit(
@@ -370,7 +445,6 @@ class Speculative(Decoder):
             accepted, last = self._verify_greedy(adjusted, drafts)
         else:
             accepted, last = self._verify_sampled(adjusted, rows, seqs, states, ctx)
-        self._time_step()
 
         commits = []
         offset = 0
@@ -384,6 +458,7 @@ class Speculative(Decoder):
             st.drafter.accepted(seq, n_acc)
             st.drafts = {}
             commits.append(Commit(tokens, lps, kv_keep=n_acc))
+        self._time_step()  # a drafting step's per-row commit is part of its cost
         return commits
 
     def _commit_plain(
@@ -409,15 +484,21 @@ class Speculative(Decoder):
         """Fold this step's wall time (verification has synchronised by now) into the costs."""
         if self._timing is None:
             return
-        start, tokens, drafted = self._timing
+        start, tokens, drafted, timings = self._timing
         self._timing = None
         seconds = (time.perf_counter() - start) / (1 + tokens / self.saturation)
         if not drafted:
-            self._plain_s = _ema(self._plain_s, seconds)
-            self._plain_since_spec += 1
-        elif self._plain_s:
-            self._spec_ratio = _ema(self._spec_ratio, seconds / self._plain_s)
-            self._plain_since_spec = 0
+            # The first steps at a batch size can be slow once (allocation, kernel selection):
+            # the fastest of them is the baseline, so that drafting is not judged cheap by it.
+            if timings.plain_steps < self.PLAIN_WARMUP:
+                timings.plain_s = min(timings.plain_s or seconds, seconds)
+            else:
+                timings.plain_s = _ema(timings.plain_s, seconds)
+            timings.plain_steps += 1
+            timings.plain_since_spec += 1
+        elif timings.plain_s:
+            timings.spec = _ema(timings.spec, seconds / timings.plain_s)
+            timings.plain_since_spec = 0
         self._choices.clear()
 
     def _verify_greedy(
