@@ -400,6 +400,7 @@ def test_a_step_drafts_only_if_its_drafts_pay_for_it_at_this_batch_size(tiny_dir
         dec._timings[_bucket(batch)] = timings
         dec._choices.clear()
         dec._last_batch = batch
+        dec._hold = None
         seqs = []
         for i in range(batch):
             seq = Sequence(f"s{i}", repeats if i < hits else plain, greedy(8), "speculative")
@@ -424,6 +425,11 @@ def test_a_step_drafts_only_if_its_drafts_pay_for_it_at_this_batch_size(tiny_dir
     # do not pay for a draft-scoring step of 64 rows measured at 1.3x a plain one.
     reserved, drafted = step(64, 1.3, hits=4, alpha_good=True)
     assert sum(reserved) > 0 and sum(drafted) == 0
+    # ... and the next steps at this batch size do not even reserve (or look up) drafts.
+    seq = Sequence("again", repeats, greedy(8), "speculative")
+    seq.decoder_options = dec.validate(seq.params, {"draft": "ngram"})
+    dec._state(seq).accepted = 10.0
+    assert dec.extra_tokens(seq, cap=K) == 0
     # Batch 64, probes of 4 sequences (the module's failure on the GPU): none even at 1.0x.
     reserved, drafted = step(64, 1.0, hits=4, alpha_good=False, probe=True)
     assert reserved[:4] == [1] * 4 and sum(drafted) == 0

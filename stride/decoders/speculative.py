@@ -49,11 +49,13 @@ is a draft-scoring forward for all B rows (eager rather than a CUDA graph replay
 forward), so `propose` drops every adaptive draft of the step unless the step's expected tokens,
 B + Σ(E(K_i) − 1) over its drafting sequences (a probe priced at a = 0.9), beat B plain tokens
 by 5 % at the step's cost (`StepCosts.step_gain`). A few probes in a large batch do not; at
-batch 1 the check is G(K) itself. Step costs are measured per batch-size bucket (1, 2, 3-4, …,
-33-64, …: `_bucket`), since a draft-scoring step of 64 rows and one of 1 row relate differently
-to their plain steps and the token-count model misjudges how much room a 64-row step has. A
-bucket prices from sizes until a drafting step there has been timed; after a drafting step at
-such a bucket, steps run unoverlapped until one is (`may_launch_ahead`).
+batch 1 the check is G(K) itself. After a step dropped its drafts, K is 0 at that batch size for
+16 steps (no drafter lookups, no reserved KV), then the check runs again. Step costs are
+measured per batch-size bucket (1, 2, 3-4, …, 33-64, …: `_bucket`), since a draft-scoring step
+of 64 rows and one of 1 row relate differently to their plain steps and the token-count model
+misjudges how much room a 64-row step has. A bucket prices from sizes until a drafting step
+there has been timed; after a drafting step at such a bucket, steps run unoverlapped until one
+is (`may_launch_ahead`).
 """
 
 from __future__ import annotations
@@ -222,6 +224,7 @@ class Speculative(Decoder):
         self._timings: dict[int, _Timings] = {}  # _bucket(batch) → its measured step costs
         self._draft_ratio: dict[int, float] = {}  # id(drafter) → StepCosts.draft measured
         self._drafted = False  # the last proposed step drafted
+        self._hold: tuple[int, int] | None = None  # (bucket, step): no drafts there until then
         self._timing: tuple[float, int, bool, _Timings] | None = None  # this step's, if timed
         self._choices: dict[tuple, int] = {}  # choose_k's answers under the current costs
         self._launched_ahead = False  # the core launches the next step before this one ends
@@ -322,6 +325,8 @@ class Speculative(Decoder):
             return k_max
         if self.measure_costs and self._timings_at(batch).plain_steps < self.PLAIN_WARMUP:
             return 0  # measure plain decoding first: it is what speculation must beat
+        if self._hold and self._hold[0] == _bucket(batch) and self._steps < self._hold[1]:
+            return 0  # a step at this batch size just found its drafts would not pay
         k = self._choose(self._alpha(state), batch, k_max, state.drafter)
         if k == 0 and self._choose(self.PROBE_ALPHA, batch, k_max, state.drafter) > 0:
             # Speculation would pay at this batch size if drafts were good: probe now and then.
@@ -390,6 +395,7 @@ class Speculative(Decoder):
         ]
         if any(ks) and not self._step_pays(seqs, states, ks):
             ks = [0] * len(seqs)
+            self._hold = (_bucket(len(seqs)), self._steps + self.PROBE_EVERY)
         self._drafted = any(ks)
         by_drafter: dict[int, list[int]] = {}
         for i, st in enumerate(states):
