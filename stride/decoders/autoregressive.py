@@ -24,8 +24,15 @@ class Autoregressive(Decoder):
         logits: list[torch.Tensor],
         ctx: StepContext,
     ) -> list[Commit]:
-        rows = [sampling.Row(s) for s in seqs]
-        stacked = torch.cat(logits)
-        tokens = sampling.sample(stacked, rows, ctx.eos_ids)
-        lps = sampling.logprobs(stacked, tokens, rows)
-        return [Commit([t], [lp]) for t, lp in zip(tokens, lps, strict=True)]
+        return sample_one_each(seqs, logits, ctx)
+
+
+def sample_one_each(
+    seqs: list[Sequence], logits: list[torch.Tensor], ctx: StepContext
+) -> list[Commit]:
+    """One token per sequence from its single logits row, in one batched draw."""
+    rows = [sampling.Row(s) for s in seqs]
+    stacked = torch.cat(logits)
+    tokens = sampling.sample(stacked, rows, ctx.eos_ids)  # synchronises with the device
+    lps = sampling.logprobs(stacked, tokens, rows)
+    return [Commit([t], [lp]) for t, lp in zip(tokens, lps, strict=True)]

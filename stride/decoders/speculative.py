@@ -67,6 +67,7 @@ from typing import Any
 import torch
 
 from stride.decoders import sampling
+from stride.decoders.autoregressive import sample_one_each
 from stride.decoders.base import (
     Commit,
     Decoder,
@@ -475,16 +476,13 @@ class Speculative(Decoder):
         ctx: StepContext,
     ) -> list[Commit]:
         """A step in which no sequence drafted: one batched sample, as the `ar` decoder does."""
-        rows = [sampling.Row(s) for s in seqs]
-        stacked = torch.cat(logits)
-        tokens = sampling.sample(stacked, rows, ctx.eos_ids)  # synchronises with the device
-        lps = sampling.logprobs(stacked, tokens, rows)
+        commits = sample_one_each(seqs, logits, ctx)
         self._time_step()
         for seq, st in zip(seqs, states, strict=True):
             st.idle_steps += 1
             st.drafter.accepted(seq, 0)
             st.drafts = {}
-        return [Commit([t], [lp]) for t, lp in zip(tokens, lps, strict=True)]
+        return commits
 
     def _time_step(self) -> None:
         """Fold this step's wall time (verification has synchronised by now) into the costs."""
