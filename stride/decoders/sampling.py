@@ -127,11 +127,6 @@ def draw(probs: torch.Tensor, rows: list[Row]) -> list[int]:
     return out.tolist()
 
 
-def uniform(row: Row, device: torch.device) -> float:
-    """A U(0,1) draw from the row's own generator when seeded (speculative acceptance tests)."""
-    return torch.rand((), generator=row.seq.generator, device=device).item()
-
-
 def _plain_greedy(row: Row) -> bool:
     """Greedy with nothing for `adjust` to do: the argmax of the raw logits."""
     p = row.params

@@ -64,9 +64,6 @@ class DecodeGraphs:
     def max_batch(self) -> int:
         return self.buckets[-1]
 
-    def fits(self, batch: int, max_blocks: int) -> bool:
-        return batch <= self.max_batch and max_blocks <= self.max_blocks
-
     def _pad_rows(self, start: int, end: int) -> None:
         h = self._host_np
         h[start:end, :_TABLE] = 0

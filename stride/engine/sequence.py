@@ -133,7 +133,3 @@ class Sequence:
     def tail(self) -> list[int]:
         """Tokens not yet in the KV cache; the next forward must score them."""
         return self.token_ids[self.num_cached :]
-
-    @property
-    def in_prefill(self) -> bool:
-        return self.num_tokens - self.num_cached > 1

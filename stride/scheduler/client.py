@@ -157,10 +157,6 @@ class BaseClient:
     def model(self) -> ModelInfo:
         raise NotImplementedError
 
-    @property
-    def num_in_flight(self) -> int:
-        return len(self._streams)
-
     async def submit(self, requests: list[GenerateRequest]) -> Submission:
         """Admit `requests` together (all or none) and return their outputs to come.
 
