@@ -7,6 +7,13 @@ input packing with the replay replaced by a fixed logits tensor, so a decode ste
 the host overhead alone.
 
     python bench/bench_host.py --concurrency 256 [--profile]
+    python bench/bench_host.py --concurrency 64 --decoder ar speculative:ngram \
+        speculative:early_exit
+
+With several decoders, each runs in turn on a fresh engine and a table compares their host µs
+per step. Speculative runs use the adaptive policy with a GPU's saturation (256 tokens) unless
+told otherwise, so that it weighs drafting as it would on the GPU; with the replay removed,
+whatever a speculative step costs beyond an `ar` step is the decoder's own host work.
 """
 
 from __future__ import annotations
@@ -23,6 +30,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from stride.decoders.registry import build_decoders  # noqa: E402
+from stride.decoders.speculative import Speculative  # noqa: E402
 from stride.engine.cuda_graphs import _TABLE, DecodeGraphs  # noqa: E402
 from stride.engine.engine import Engine, EngineConfig  # noqa: E402
 from stride.engine.sequence import SamplingParams  # noqa: E402
@@ -60,31 +69,30 @@ class _NoGraph:
         pass
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--concurrency", type=int, default=256)
-    parser.add_argument("--prompt", type=int, default=128)
-    parser.add_argument("--new", type=int, default=128)
-    parser.add_argument("--profile", action="store_true", help="cProfile the decode steps")
-    args = parser.parse_args()
-    torch.set_num_threads(1)
-
+def run(args: argparse.Namespace, decoder: str) -> dict[str, float]:
+    """Prefill `concurrency` requests decoded by `decoder`, then time every decode step."""
     model_dir = make_model_dir(Path(tempfile.mkdtemp()) / "tiny")
     engine = Engine(EngineConfig(model=str(model_dir), device="cpu", max_model_len=1024))
     vocab = engine.hf_config.vocab_size
     engine.runner.graphs = HostGraphs(engine.cache, vocab, args.concurrency)
-    core = EngineCore(engine)
+    decoders = build_decoders(engine)
+    decoders["speculative"] = Speculative(engine, saturation_tokens=args.saturation)
+    core = EngineCore(engine, decoders=decoders)
+    name, _, draft = decoder.partition(":")
+    options = {"draft": draft, "adaptive": args.k is None} if draft else {}
+    if draft and args.k is not None:
+        options["num_speculative_tokens"] = args.k
     params = SamplingParams(max_tokens=args.new, temperature=0.0, ignore_eos=True)
     g = torch.Generator().manual_seed(0)
     for i in range(args.concurrency):
         ids = torch.randint(3, vocab, (args.prompt,), generator=g).tolist()
-        core.add(GenerateRequest(f"r{i}", ids, params))
+        core.add(GenerateRequest(f"r{i}", ids, params, name, dict(options)))
 
-    while any(s.in_prefill or s.num_cached == 0 for s in core.seqs.values()):
+    while any(len(s.tail) > 1 or s.num_cached == 0 for s in core.seqs.values()):
         core.step()  # prefill (eager, real model compute): not measured
     profiler = cProfile.Profile() if args.profile else None
     times = []
-    tokens = 0
+    tokens = drafted = 0
     while core.has_work:
         t0 = time.perf_counter()
         if profiler:
@@ -94,16 +102,51 @@ def main() -> None:
             profiler.disable()
         times.append(time.perf_counter() - t0)
         tokens += sum(len(o.token_ids) for o in outs)
+        drafted += sum((o.decoder_stats or {}).get("draft_tokens", 0) for o in outs)
     full = [t for t in times if t][: max(1, len(times) - 2)]
     mean = sum(full) / len(full)
+    median = sorted(full)[len(full) // 2]
     print(
-        f"{len(times)} decode steps, {tokens} tokens, concurrency {args.concurrency}: "
-        f"host {mean * 1e6:.0f} us/step mean, {sorted(full)[len(full) // 2] * 1e6:.0f} median, "
-        f"{mean * 1e6 / args.concurrency:.2f} us per sequence; "
+        f"{decoder}: {len(times)} decode steps, {tokens} tokens, concurrency "
+        f"{args.concurrency}: host {mean * 1e6:.0f} us/step mean, {median * 1e6:.0f} median, "
+        f"{mean * 1e6 / args.concurrency:.2f} us per sequence; {drafted} drafted; "
         f"worst {sorted((round(t * 1e6), i) for i, t in enumerate(times))[-4:]} us"
     )
     if profiler:
         pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
+    return {"mean": mean, "median": median, "steps": len(times), "drafted": drafted}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--concurrency", type=int, default=256)
+    parser.add_argument("--prompt", type=int, default=128)
+    parser.add_argument("--new", type=int, default=128)
+    parser.add_argument(
+        "--decoder",
+        nargs="+",
+        default=["ar"],
+        help="ar | speculative:ngram | speculative:early_exit (several: a comparison table)",
+    )
+    parser.add_argument("--k", type=int, help="speculative: fixed K (default: adaptive)")
+    parser.add_argument(
+        "--saturation", type=float, default=256.0, help="speculative: the policy's saturation"
+    )
+    parser.add_argument("--profile", action="store_true", help="cProfile the decode steps")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+
+    results = [(d, run(args, d)) for d in args.decoder]
+    if len(results) > 1:
+        base = next((r for d, r in results if d == "ar"), None)
+        print("\n| decoder | host us/step mean | median | vs ar | drafted |")
+        print("|---|---:|---:|---:|---:|")
+        for d, r in results:
+            ratio = f"{r['mean'] / base['mean']:.2f}x" if base else "-"
+            print(
+                f"| {d} | {r['mean'] * 1e6:.0f} | {r['median'] * 1e6:.0f} | {ratio} "
+                f"| {r['drafted']} |"
+            )
 
 
 if __name__ == "__main__":
