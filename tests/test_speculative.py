@@ -400,14 +400,15 @@ def test_a_step_drafts_only_if_its_drafts_pay_for_it_at_this_batch_size(tiny_dir
         dec._timings[_bucket(batch)] = timings
         dec._choices.clear()
         dec._last_batch = batch
-        dec._hold = None
+        dec._hold = dec._idle = None
+        dec._quiet = False
         seqs = []
         for i in range(batch):
             seq = Sequence(f"s{i}", repeats if i < hits else plain, greedy(8), "speculative")
             seq.decoder_options = dec.validate(seq.params, {"draft": "ngram"})
             state = dec._state(seq)
             state.accepted, state.rejected = (10.0, 0.0) if alpha_good else (0.0, 10.0)
-            state.idle_steps = dec.PROBE_EVERY - 1 if probe else 0
+            state.born = dec._steps + 1 - dec.PROBE_EVERY if probe else dec._steps  # probe phase
             dec.extra_tokens(seq, cap=K)
             seqs.append(seq)
         reserved = [dec._state(s).reserved for s in seqs]

@@ -87,6 +87,7 @@ from stride.engine.engine import Engine
 from stride.engine.sequence import SamplingParams, Sequence
 
 MAX_K = 16
+_NOTHING = Proposal()  # shared by all sequences of a plain step: nobody mutates a proposal
 OPTIONS = ("draft", "num_speculative_tokens", "adaptive", "exit_layer", "ngram_max")
 
 
@@ -191,8 +192,8 @@ class _State:
     accepted: float = 0.0  # decayed counts of accepted and rejected drafts
     rejected: float = 0.0
     reserved: int = 0  # K that extra_tokens reserved for this step
-    idle_steps: int = 0  # consecutive steps at K = 0 forced by low acceptance
     probing: bool = False  # this step's K = 1 is a probe (see _plan)
+    born: int = 0  # the decoder's step count when this state was made: the probe phase
     drafts: dict[str, Any] = field(default_factory=dict)
 
 
@@ -226,6 +227,12 @@ class Speculative(Decoder):
         self._draft_ratio: dict[int, float] = {}  # id(drafter) → StepCosts.draft measured
         self._drafted = False  # the last proposed step drafted
         self._hold: tuple[int, int] | None = None  # (bucket, step): no drafts there until then
+        self._hold_steps = self.PROBE_EVERY  # the next hold's length (doubles while checks fail)
+        self._idle: tuple[int, int] | None = None  # (batch, step): every plan is K = 0 until then
+        self._quiet = measure_costs  # this step: K = 0 for every adaptive sequence, unplanned
+        self._planned = False  # this step: some adaptive sequence's plan had K > 0
+        self._next_probe: int | None = None  # this step's plans: the earliest step to probe in
+        self._reserved = False  # this step: some sequence reserved drafts
         self._timing: tuple[float, int, bool, _Timings] | None = None  # this step's, if timed
         self._choices: dict[tuple, int] = {}  # choose_k's answers under the current costs
         self._launched_ahead = False  # the core launches the next step before this one ends
@@ -295,7 +302,7 @@ class Speculative(Decoder):
 
     def _state(self, seq: Sequence) -> _State:
         if seq.decoder_state is None:
-            seq.decoder_state = _State(self._drafter(seq.decoder_options))
+            seq.decoder_state = _State(self._drafter(seq.decoder_options), born=self._steps)
         return seq.decoder_state
 
     # ---- the adaptive policy --------------------------------------------------------------
@@ -330,10 +337,30 @@ class Speculative(Decoder):
             return 0  # a step at this batch size just found its drafts would not pay
         k = self._choose(self._alpha(state), batch, k_max, state.drafter)
         if k == 0 and self._choose(self.PROBE_ALPHA, batch, k_max, state.drafter) > 0:
-            # Speculation would pay at this batch size if drafts were good: probe now and then.
-            if (state.idle_steps + 1) % self.PROBE_EVERY == 0:
+            # Speculation would pay at this batch size if drafts were good: probe now and then,
+            # all such sequences in the same step (one draft-scoring step, not many).
+            wait = -(self._steps - state.born + 1) % self.PROBE_EVERY
+            if wait == 0:
                 k, state.probing = 1, True
+            elif self._next_probe is None or self._steps + wait < self._next_probe:
+                self._next_probe = self._steps + wait
         return k
+
+    def _quiet_at(self, batch: int) -> bool:
+        """Is the next step's K = 0 for every adaptive sequence, without asking the policy?
+
+        While plain decoding is being timed at this batch size, while a hold is on (a step
+        found its drafts would not pay), and while the last plan at exactly this batch gave
+        every sequence K = 0 (until the next probe step: an estimate changes only when its
+        sequence drafts, and a sequence new to the decoder is planned anyway). Such a step
+        costs what an `ar` step does: no per-sequence policy, lookups or bookkeeping.
+        """
+        if self.measure_costs and self._timings_at(batch).plain_steps < self.PLAIN_WARMUP:
+            return True
+        hold, idle = self._hold, self._idle
+        if hold and hold[0] == _bucket(batch) and self._steps < hold[1]:
+            return True
+        return idle is not None and idle[0] == batch and self._steps < idle[1]
 
     def _step_pays(self, seqs: list[Sequence], states: list[_State], ks: list[int]) -> bool:
         """Do the adaptive drafts of this step, together, pay for a draft-scoring step?"""
@@ -367,28 +394,50 @@ class Speculative(Decoder):
         the policy's timings do: a step launched ahead overlaps host work of the step before, so
         its wall time is not its cost. Steps run unoverlapped until plain decoding has been
         timed, and then one in SYNC_EVERY, so the measurements stay fresh; the others are not
-        timed. After a drafting step at a batch size whose drafting cost is not measured (or
-        stale), steps run unoverlapped, so that the next drafting step gets timed.
+        timed. Quiet steps (`_quiet_at`) all launch ahead: nothing is priced against them.
+        After a drafting step at a batch size whose drafting cost is not measured (or stale),
+        steps run unoverlapped, so that the next drafting step gets timed.
         """
         timings = self._timings_at(self._last_batch)
-        warm = timings.plain_steps >= self.PLAIN_WARMUP
-        ahead = warm and self._steps % self.SYNC_EVERY != 0
-        ahead = ahead and not (self._drafted and self._stale(timings))
         if not self.measure_costs:
             ahead = True
+        elif timings.plain_steps < self.PLAIN_WARMUP:
+            ahead = False
+        elif self._quiet:
+            ahead = True  # K = 0 for a while: nothing is priced against this step's time
+        else:
+            ahead = self._steps % self.SYNC_EVERY != 0
+            ahead = ahead and not (self._drafted and self._stale(timings))
         self._launched_ahead = ahead
         return ahead
 
     def extra_tokens(self, seq: Sequence, cap: int) -> int:
+        state = seq.decoder_state
+        if self._quiet and state is not None and seq.decoder_options["adaptive"]:
+            state.reserved = 0  # the O(1) path of a quiet step (see _quiet_at)
+            return 0
         state = self._state(seq)
         k = min(self._plan(seq, state, self._last_batch), cap)
+        if k and seq.decoder_options["adaptive"]:
+            self._planned = True
         state.reserved = state.drafter.available(seq, k) if k else 0
+        self._reserved = self._reserved or state.reserved > 0
         return state.reserved
 
     # ---- propose and commit ---------------------------------------------------------------
 
     def propose(self, seqs: list[Sequence], ctx: StepContext) -> list[Proposal]:
-        self._last_batch = max(len(seqs), 1)
+        planned_at, self._last_batch = self._last_batch, max(len(seqs), 1)
+        reserved, planned, next_probe = self._reserved, self._planned, self._next_probe
+        self._reserved = self._planned = False
+        if not planned and not self._quiet:  # the policy said K = 0 to every adaptive sequence
+            until = self._steps + self.PROBE_EVERY  # re-planned at least this often
+            self._idle = (planned_at, until if next_probe is None else min(until, next_probe))
+        if not reserved:  # nothing to draft: a plain step, as `ar` makes it
+            self._next_probe = None
+            self._drafted = False
+            self._start_timing(seqs, len(seqs), drafted=False)
+            return [_NOTHING] * len(seqs)
         states = [self._state(s) for s in seqs]
         ks = [
             min(st.reserved, self._plan(s, st, len(seqs))) if st.reserved else 0
@@ -396,7 +445,15 @@ class Speculative(Decoder):
         ]
         if any(ks) and not self._step_pays(seqs, states, ks):
             ks = [0] * len(seqs)
-            self._hold = (_bucket(len(seqs)), self._steps + self.PROBE_EVERY)
+            # No drafts at this batch size for a while; each check that fails again doubles it.
+            bucket = _bucket(len(seqs))
+            if self._hold is None or self._hold[0] != bucket:
+                self._hold_steps = self.PROBE_EVERY
+            self._hold = (bucket, self._steps + self._hold_steps)
+            self._hold_steps = min(2 * self._hold_steps, self.REMEASURE_EVERY)
+        elif any(ks):  # estimates change with drafts; a passed check ends the backoff
+            self._idle, self._hold_steps = None, self.PROBE_EVERY
+        self._next_probe = None  # (the plans above are this step's, not the next one's)
         self._drafted = any(ks)
         by_drafter: dict[int, list[int]] = {}
         for i, st in enumerate(states):
@@ -419,15 +476,17 @@ class Speculative(Decoder):
                 drafts[i] = d
         for st, d in zip(states, drafts, strict=True):
             st.drafts = {"tokens": d.tokens, "q": d.q}
-        # Time the verification forward of decode-only steps (a prefill would skew it), unless
-        # it was launched ahead (see may_launch_ahead).
+        self._drafted = any(d.tokens for d in drafts)
+        self._start_timing(seqs, len(seqs) + sum(len(d.tokens) for d in drafts), self._drafted)
+        return [Proposal(list(d.tokens)) if d.tokens else _NOTHING for d in drafts]
+
+    def _start_timing(self, seqs: list[Sequence], tokens: int, drafted: bool) -> None:
+        """Time the verification forward of decode-only steps (a prefill would skew it), unless
+        it was launched ahead (see may_launch_ahead)."""
         self._timing = None
         ahead, self._launched_ahead = self._launched_ahead, False
-        if self.measure_costs and not ahead and all(len(s.tail) == 1 for s in seqs):
-            tokens = len(seqs) + sum(len(d.tokens) for d in drafts)
-            drafted = any(d.tokens for d in drafts)
+        if self.measure_costs and not ahead and all(s.num_tokens - s.num_cached == 1 for s in seqs):
             self._timing = (time.perf_counter(), tokens, drafted, self._timings_at(len(seqs)))
-        return [Proposal(list(d.tokens)) for d in drafts]
 
     def commit(
         self,
@@ -437,10 +496,13 @@ class Speculative(Decoder):
         ctx: StepContext,
     ) -> list[Commit]:
         self._steps += 1
+        if not self._drafted:  # nothing to verify: exactly what plain decoding does
+            commits = sample_one_each(seqs, logits, ctx)
+            self._time_step()
+            self._quiet = self._quiet_at(self._last_batch)
+            return commits
         states = [self._state(s) for s in seqs]
         drafts = [st.drafts["tokens"] for st in states]
-        if not any(drafts):  # nothing to verify: exactly what plain decoding does
-            return self._commit_plain(seqs, states, logits, ctx)
         rows = [
             sampling.Row(s, list(d[:j]))
             for s, d in zip(seqs, drafts, strict=True)
@@ -466,22 +528,7 @@ class Speculative(Decoder):
             st.drafts = {}
             commits.append(Commit(tokens, lps, kv_keep=n_acc))
         self._time_step()  # a drafting step's per-row commit is part of its cost
-        return commits
-
-    def _commit_plain(
-        self,
-        seqs: list[Sequence],
-        states: list[_State],
-        logits: list[torch.Tensor],
-        ctx: StepContext,
-    ) -> list[Commit]:
-        """A step in which no sequence drafted: one batched sample, as the `ar` decoder does."""
-        commits = sample_one_each(seqs, logits, ctx)
-        self._time_step()
-        for seq, st in zip(seqs, states, strict=True):
-            st.idle_steps += 1
-            st.drafter.accepted(seq, 0)
-            st.drafts = {}
+        self._quiet = self._quiet_at(self._last_batch)
         return commits
 
     def _time_step(self) -> None:
@@ -565,9 +612,7 @@ class Speculative(Decoder):
         for i in range(accepted):
             stats.accepted_per_position[i] += 1
         if drafted == 0:
-            state.idle_steps += 1
             return
-        state.idle_steps = 0
         rejected = 1 if accepted < drafted else 0
         state.accepted = self.DECAY * state.accepted + accepted
         state.rejected = self.DECAY * state.rejected + rejected
