@@ -24,6 +24,7 @@ import pstats
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -90,6 +91,7 @@ def run(args: argparse.Namespace, decoder: str) -> dict[str, float]:
 
     while any(len(s.tail) > 1 or s.num_cached == 0 for s in core.seqs.values()):
         core.step()  # prefill (eager, real model compute): not measured
+    ahead = count_launch_ahead(core)
     profiler = cProfile.Profile() if args.profile else None
     times = []
     tokens = drafted = 0
@@ -110,11 +112,25 @@ def run(args: argparse.Namespace, decoder: str) -> dict[str, float]:
         f"{decoder}: {len(times)} decode steps, {tokens} tokens, concurrency "
         f"{args.concurrency}: host {mean * 1e6:.0f} us/step mean, {median * 1e6:.0f} median, "
         f"{mean * 1e6 / args.concurrency:.2f} us per sequence; {drafted} drafted; "
+        f"launched ahead {ahead[True]} of {ahead[True] + ahead[False]}; "
         f"worst {sorted((round(t * 1e6), i) for i, t in enumerate(times))[-4:]} us"
     )
     if profiler:
         pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
-    return {"mean": mean, "median": median, "steps": len(times), "drafted": drafted}
+    return {"mean": mean, "median": median, "drafted": drafted, "ahead": ahead}
+
+
+def count_launch_ahead(core: EngineCore) -> Counter:
+    """Count the core's launch-ahead answers: on a GPU an unoverlapped step waits for the host."""
+    answers: Counter = Counter()
+    decide = core._may_launch_ahead
+
+    def counted() -> bool:
+        answers[ok := decide()] += 1
+        return ok
+
+    core._may_launch_ahead = counted
+    return answers
 
 
 def main() -> None:
@@ -139,13 +155,13 @@ def main() -> None:
     results = [(d, run(args, d)) for d in args.decoder]
     if len(results) > 1:
         base = next((r for d, r in results if d == "ar"), None)
-        print("\n| decoder | host us/step mean | median | vs ar | drafted |")
-        print("|---|---:|---:|---:|---:|")
+        print("\n| decoder | host us/step mean | median | vs ar | drafted | launched ahead |")
+        print("|---|---:|---:|---:|---:|---:|")
         for d, r in results:
             ratio = f"{r['mean'] / base['mean']:.2f}x" if base else "-"
             print(
                 f"| {d} | {r['mean'] * 1e6:.0f} | {r['median'] * 1e6:.0f} | {ratio} "
-                f"| {r['drafted']} |"
+                f"| {r['drafted']} | {r['ahead'][True]}/{r['ahead'][True] + r['ahead'][False]} |"
             )
 
 

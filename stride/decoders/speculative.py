@@ -206,6 +206,7 @@ class Speculative(Decoder):
     PROBE_ALPHA = 0.9  # the acceptance a probe is priced at: it asks "would good drafts pay?"
     REMEASURE_EVERY = 256
     SYNC_EVERY = 32  # with launch-ahead, one step in this many runs unoverlapped to be timed
+    BACKOFF_BATCH = 8  # from this batch size on, holds double while their checks fail
 
     def __init__(
         self,
@@ -445,9 +446,11 @@ class Speculative(Decoder):
         ]
         if any(ks) and not self._step_pays(seqs, states, ks):
             ks = [0] * len(seqs)
-            # No drafts at this batch size for a while; each check that fails again doubles it.
+            # No drafts at this batch size for a while. In a large batch each check that fails
+            # again doubles the wait: a check there costs a lookup per sequence on the step's
+            # critical path; in a small one it is cheap and a missed run of good drafts dear.
             bucket = _bucket(len(seqs))
-            if self._hold is None or self._hold[0] != bucket:
+            if self._hold is None or self._hold[0] != bucket or len(seqs) < self.BACKOFF_BATCH:
                 self._hold_steps = self.PROBE_EVERY
             self._hold = (bucket, self._steps + self._hold_steps)
             self._hold_steps = min(2 * self._hold_steps, self.REMEASURE_EVERY)
