@@ -10,7 +10,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from scipy.stats import chisquare
 
-from stride.decoders.base import StepContext
+from stride.decoders.autoregressive import Autoregressive
+from stride.decoders.base import Proposal, StepContext
 from stride.decoders.registry import DecodersConfig, build_decoders
 from stride.decoders.speculative import (
     Speculative,
@@ -437,6 +438,54 @@ def test_a_step_drafts_only_if_its_drafts_pay_for_it_at_this_batch_size(tiny_dir
     # The same probes in a batch of 1 still run: there they are the whole step.
     assert StepCosts(256, spec=1.3).step_gain(1, [(0.9, 1)]) > 1.05
     assert StepCosts(256, spec=1.0).step_gain(64, [(0.9, 1)] * 4) < 1.05
+
+
+def test_a_quiet_step_proposes_nothing_and_commits_like_ar(tiny_dir):
+    """A step at K = 0 for every adaptive sequence (here: a hold at this batch size) asks no
+    drafter, proposes nothing and commits exactly what `ar` commits; fixed K still drafts."""
+    engine = Engine(EngineConfig(model=str(tiny_dir), device="cpu", kv_cache_memory=8 << 20))
+    dec = Speculative(engine, saturation_tokens=256)
+    ctx = StepContext(eos_ids=set(), device=torch.device("cpu"))
+    repeats = [5, 6, 7, 8] * 4  # prompt lookup finds drafts here
+
+    def batch() -> list[Sequence]:
+        seqs = []
+        for i in range(8):
+            params = SamplingParams(max_tokens=8, temperature=0.0 if i % 2 else 0.9, seed=i)
+            params.logprobs = 2 if i == 3 else None
+            seq = Sequence(f"s{i}", repeats, params, "speculative")
+            seq.decoder_options = dec.validate(params, {"draft": "ngram"})
+            seq.generator = torch.Generator().manual_seed(i)
+            seqs.append(seq)
+        return seqs
+
+    seqs, twins = batch(), batch()
+    for seq in seqs:
+        dec._state(seq).accepted = 10.0  # drafts accepted so far: the policy would draft
+    dec._timings[_bucket(8)] = _Timings(plain_s=1.0, spec=1.0, plain_steps=dec.PLAIN_WARMUP)
+    dec._hold = (_bucket(8), dec._steps + 100)  # an earlier step found drafts would not pay
+    dec._last_batch = 8
+    dec._quiet = dec._quiet_at(8)
+    assert dec._quiet
+
+    def no_lookup(*args):
+        raise AssertionError("a quiet step looked up drafts")
+
+    drafter = dec._state(seqs[0]).drafter
+    drafter.available = drafter.draft = no_lookup
+    assert [dec.extra_tokens(s, cap=K) for s in seqs] == [0] * 8
+    proposals = dec.propose(seqs, ctx)
+    assert all(not p.tokens and p.positions is None and p.mask is None for p in proposals)
+    logits = [torch.randn(1, engine.hf_config.vocab_size) for _ in seqs]
+    ours = dec.commit(seqs, proposals, logits, ctx)
+    theirs = Autoregressive().commit(twins, [Proposal()] * 8, logits, ctx)
+    assert [(c.tokens, c.logprobs, c.kv_keep) for c in ours] == [
+        (c.tokens, c.logprobs, c.kv_keep) for c in theirs
+    ]
+    # A request with a fixed K is not the policy's to silence: it drafts in a quiet step too.
+    fixed = Sequence("fixed", repeats, greedy(8), "speculative")
+    fixed.decoder_options = dec.validate(fixed.params, spec("ngram", ngram_max=2))
+    assert dec._quiet and dec.extra_tokens(fixed, cap=K) == K
 
 
 def test_adaptive_backs_off_when_drafts_fail(tiny_dir, reference):
