@@ -41,7 +41,8 @@ G(K) = E(K)·T0/T(K); the policy picks the K ≤ K_max with the largest G, and K
 decoding, no drafter work) unless the best G beats 1 by 5 %. a is measured too: per sequence,
 decayed counts of accepted and rejected drafts (a geometric model: a rejection ends a step's
 run) on top of a prior taken from the drafter's acceptance over all sequences. A sequence held
-at K = 0 by low acceptance probes with K = 1 every 16 steps if good drafts would pay at the
+at K = 0 by low acceptance probes with K = 1 every 16 steps (counted from its start, so that
+sequences that started together probe in the same step) if good drafts would pay at the
 measured costs, so its estimate can recover.
 
 Then the step as a whole must pay. Whatever G(K) says per sequence, a step that scores any draft
@@ -50,12 +51,21 @@ forward), so `propose` drops every adaptive draft of the step unless the step's 
 B + Σ(E(K_i) − 1) over its drafting sequences (a probe priced at a = 0.9), beat B plain tokens
 by 5 % at the step's cost (`StepCosts.step_gain`). A few probes in a large batch do not; at
 batch 1 the check is G(K) itself. After a step dropped its drafts, K is 0 at that batch size for
-16 steps (no drafter lookups, no reserved KV), then the check runs again. Step costs are
+16 steps (no drafter lookups, no reserved KV), then the check runs again; from batch 8 on, each
+check that fails again doubles the wait (up to 256 steps). Step costs are
 measured per batch-size bucket (1, 2, 3-4, …, 33-64, …: `_bucket`), since a draft-scoring step
 of 64 rows and one of 1 row relate differently to their plain steps and the token-count model
 misjudges how much room a 64-row step has. A bucket prices from sizes until a drafting step
 there has been timed; after a drafting step at such a bucket, steps run unoverlapped until one
 is (`may_launch_ahead`).
+
+Where speculation does not pay, a speculative request must cost what an `ar` request costs. A
+step is quiet (`_quiet_at`) when the policy's answer is K = 0 for every adaptive sequence
+without asking it per sequence: while plain decoding is being timed at the batch size, during
+a hold, and after a step whose plans were all K = 0, until the next probe (estimates change
+only when drafts are scored). Then `extra_tokens` is one check per sequence, `propose`
+returns the shared empty proposal, `commit` is `ar`'s batched draw, nothing per sequence is
+updated, and the core launches the next step ahead (nothing is timed against a quiet step).
 """
 
 from __future__ import annotations
