@@ -428,9 +428,10 @@ class Speculative(Decoder):
             state.reserved = 0  # the O(1) path of a quiet step (see _quiet_at)
             return 0
         state = self._state(seq)
-        k = min(self._plan(seq, state, self._last_batch), cap)
+        k = self._plan(seq, state, self._last_batch)
         if k and seq.decoder_options["adaptive"]:
             self._planned = True
+        k = min(k, cap)
         state.reserved = state.drafter.available(seq, k) if k else 0
         self._reserved = self._reserved or state.reserved > 0
         return state.reserved
@@ -467,7 +468,6 @@ class Speculative(Decoder):
         elif any(ks):  # estimates change with drafts; a passed check ends the backoff
             self._idle, self._hold_steps = None, self.PROBE_EVERY
         self._next_probe = None  # (the plans above are this step's, not the next one's)
-        self._drafted = any(ks)
         by_drafter: dict[int, list[int]] = {}
         for i, st in enumerate(states):
             by_drafter.setdefault(id(st.drafter), []).append(i)
