@@ -394,14 +394,22 @@ def test_a_step_drafts_only_if_its_drafts_pay_for_it_at_this_batch_size(tiny_dir
     ctx = StepContext(eos_ids=set(), device=torch.device("cpu"))
     repeats, plain = [5, 6, 7, 8] * 4, list(range(20, 36))  # a prompt-lookup hit; none
 
-    def step(batch: int, spec_cost: float, hits: int, alpha_good: bool, probe: bool = False):
+    def step(
+        batch: int,
+        spec_cost: float,
+        hits: int,
+        alpha_good: bool,
+        probe: bool = False,
+        keep_hold: bool = False,
+    ):
         """Draft tokens per sequence of one step at `batch` whose drafting step measured
         `spec_cost` × a plain one; `hits` sequences find an n-gram to draft."""
         timings = _Timings(plain_s=1.0, spec=spec_cost, plain_steps=dec.PLAIN_WARMUP)
         dec._timings[_bucket(batch)] = timings
         dec._choices.clear()
         dec._last_batch = batch
-        dec._hold = dec._idle = None
+        dec._hold = dec._hold if keep_hold else None
+        dec._idle = None
         dec._quiet = False
         seqs = []
         for i in range(batch):
@@ -432,6 +440,14 @@ def test_a_step_drafts_only_if_its_drafts_pay_for_it_at_this_batch_size(tiny_dir
     seq.decoder_options = dec.validate(seq.params, {"draft": "ngram"})
     dec._state(seq).accepted = 10.0
     assert dec.extra_tokens(seq, cap=K) == 0
+    # When the hold ends, the check runs again; failing again, it holds twice as long.
+    bucket, until = dec._hold
+    assert until == dec._steps + dec.PROBE_EVERY
+    dec._steps = until
+    reserved, drafted = step(64, 1.3, hits=4, alpha_good=True, keep_hold=True)
+    assert sum(reserved) > 0 and sum(drafted) == 0
+    assert dec._hold == (bucket, until + 2 * dec.PROBE_EVERY)
+    dec._steps = 0
     # Batch 64, probes of 4 sequences (the module's failure on the GPU): none even at 1.0x.
     reserved, drafted = step(64, 1.0, hits=4, alpha_good=False, probe=True)
     assert reserved[:4] == [1] * 4 and sum(drafted) == 0
