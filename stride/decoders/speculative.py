@@ -324,7 +324,11 @@ class Speculative(Decoder):
         return (state.accepted + w * prior) / (state.accepted + state.rejected + w)
 
     def _timings_at(self, batch: int) -> _Timings:
-        return self._timings.setdefault(_bucket(batch), _Timings())
+        bucket = _bucket(batch)
+        timings = self._timings.get(bucket)  # (setdefault would build a record every step)
+        if timings is None:
+            timings = self._timings[bucket] = _Timings()
+        return timings
 
     def _stale(self, timings: _Timings) -> bool:
         """No drafting step measured at this batch size, or none lately: price from sizes."""
