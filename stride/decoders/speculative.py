@@ -56,8 +56,8 @@ check that fails again doubles the wait (up to 256 steps). Step costs are
 measured per batch-size bucket (1, 2, 3-4, …, 33-64, …: `_bucket`), since a draft-scoring step
 of 64 rows and one of 1 row relate differently to their plain steps and the token-count model
 misjudges how much room a 64-row step has. A bucket prices from sizes until a drafting step
-there has been timed; after a drafting step at such a bucket, steps run unoverlapped until one
-is (`may_launch_ahead`).
+there has been timed; steps that may draft there run unoverlapped, so that the first drafting
+step is timed (`may_launch_ahead`).
 
 Where speculation does not pay, a speculative request must cost what an `ar` request costs. A
 step is quiet (`_quiet_at`) when the policy's answer is K = 0 for every adaptive sequence
@@ -410,8 +410,9 @@ class Speculative(Decoder):
         its wall time is not its cost. Steps run unoverlapped until plain decoding has been
         timed, and then one in SYNC_EVERY, so the measurements stay fresh; the others are not
         timed. Quiet steps (`_quiet_at`) all launch ahead: nothing is priced against them.
-        After a drafting step at a batch size whose drafting cost is not measured (or stale),
-        steps run unoverlapped, so that the next drafting step gets timed.
+        At a batch size whose drafting cost is not measured (or stale), other steps run
+        unoverlapped, so that the first drafting step there is timed (an untimed one would
+        have to be repeated).
         """
         timings = self._timings_at(self._last_batch)
         if not self.measure_costs:
@@ -421,8 +422,8 @@ class Speculative(Decoder):
         elif self._quiet:
             ahead = True  # K = 0 for a while: nothing is priced against this step's time
         else:
-            ahead = self._steps % self.SYNC_EVERY != 0
-            ahead = ahead and not (self._drafted and self._stale(timings))
+            # Where drafting is not measured (or stale), the next step may draft: time it.
+            ahead = self._steps % self.SYNC_EVERY != 0 and not self._stale(timings)
         self._launched_ahead = ahead
         return ahead
 
