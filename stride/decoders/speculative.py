@@ -239,7 +239,7 @@ class Speculative(Decoder):
         self._drafted = False  # the last proposed step drafted
         self._hold: tuple[int, int] | None = None  # (bucket, step): no drafts there until then
         self._hold_steps = self.PROBE_EVERY  # the next hold's length (doubles while checks fail)
-        self._idle: tuple[int, int] | None = None  # (batch, step): every plan is K = 0 until then
+        self._idle: tuple[int, int] | None = None  # (bucket, step): every plan K = 0 until then
         self._quiet = measure_costs  # this step: K = 0 for every adaptive sequence, unplanned
         self._planned = False  # this step: some adaptive sequence's plan had K > 0
         self._next_probe: int | None = None  # this step's plans: the earliest step to probe in
@@ -365,17 +365,18 @@ class Speculative(Decoder):
         """Is the next step's K = 0 for every adaptive sequence, without asking the policy?
 
         While plain decoding is being timed at this batch size, while a hold is on (a step
-        found its drafts would not pay), and while the last plan at exactly this batch gave
-        every sequence K = 0 (until the next probe step: an estimate changes only when its
-        sequence drafts, and a sequence new to the decoder is planned anyway). Such a step
+        found its drafts would not pay), and while the last plan at this batch size gave every
+        sequence K = 0 (until the next probe step: an estimate changes only when its sequence
+        drafts, and a sequence new to the decoder is planned anyway). Such a step
         costs what an `ar` step does: no per-sequence policy, lookups or bookkeeping.
         """
         if self.measure_costs and self._timings_at(batch).plain_steps < self.PLAIN_WARMUP:
             return True
-        hold, idle = self._hold, self._idle
-        if hold and hold[0] == _bucket(batch) and self._steps < hold[1]:
-            return True
-        return idle is not None and idle[0] == batch and self._steps < idle[1]
+        bucket = _bucket(batch)
+        for until in (self._hold, self._idle):
+            if until is not None and until[0] == bucket and self._steps < until[1]:
+                return True
+        return False
 
     def _step_pays(self, seqs: list[Sequence], states: list[_State], ks: list[int]) -> bool:
         """Do the adaptive drafts of this step, together, pay for a draft-scoring step?"""
@@ -410,8 +411,8 @@ class Speculative(Decoder):
         its wall time is not its cost. Steps run unoverlapped until plain decoding has been
         timed, and then one in SYNC_EVERY, so the measurements stay fresh; the others are not
         timed. Quiet steps (`_quiet_at`) all launch ahead: nothing is priced against them.
-        At a batch size whose drafting cost is not measured (or stale), other steps run
-        unoverlapped, so that the first drafting step there is timed (an untimed one would
+        At a batch size whose drafting cost is not measured (or stale), a step that may draft
+        there runs unoverlapped, so that the first drafting step is timed (an untimed one would
         have to be repeated).
         """
         timings = self._timings_at(self._last_batch)
@@ -422,8 +423,13 @@ class Speculative(Decoder):
         elif self._quiet:
             ahead = True  # K = 0 for a while: nothing is priced against this step's time
         else:
-            # Where drafting is not measured (or stale), the next step may draft: time it.
-            ahead = self._steps % self.SYNC_EVERY != 0 and not self._stale(timings)
+            # Where drafting is not measured (or stale), time the next step if it may draft: the
+            # first plan at this batch size, or the next one after a drafting step. A re-check
+            # after a hold or an idle period is launched ahead: it most likely drafts nothing.
+            bucket = _bucket(self._last_batch)
+            recheck = any(u is not None and u[0] == bucket for u in (self._hold, self._idle))
+            explore = self._stale(timings) and (self._drafted or not recheck)
+            ahead = self._steps % self.SYNC_EVERY != 0 and not explore
         self._launched_ahead = ahead
         return ahead
 
@@ -449,7 +455,8 @@ class Speculative(Decoder):
         self._reserved = self._planned = False
         if not planned and not self._quiet:  # the policy said K = 0 to every adaptive sequence
             until = self._steps + self.PROBE_EVERY  # re-planned at least this often
-            self._idle = (planned_at, until if next_probe is None else min(until, next_probe))
+            until = until if next_probe is None else min(until, next_probe)
+            self._idle = (_bucket(planned_at), until)
         if not reserved:  # nothing to draft: a plain step, as `ar` makes it
             self._next_probe = None
             self._drafted = False
