@@ -13,7 +13,9 @@ the host overhead alone.
 With several decoders, each runs in turn on a fresh engine and a table compares their host µs
 per step. Speculative runs use the adaptive policy with a GPU's saturation (256 tokens) unless
 told otherwise, so that it weighs drafting as it would on the GPU; with the replay removed,
-whatever a speculative step costs beyond an `ar` step is the decoder's own host work.
+whatever a speculative step costs beyond an `ar` step is the decoder's own host work. "launched
+ahead" counts the steps whose forward the core started before decoding the previous step's
+text: on a GPU the others leave the device idle while the host works.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import tempfile
 import time
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -70,7 +73,7 @@ class _NoGraph:
         pass
 
 
-def run(args: argparse.Namespace, decoder: str) -> dict[str, float]:
+def run(args: argparse.Namespace, decoder: str) -> dict[str, Any]:
     """Prefill `concurrency` requests decoded by `decoder`, then time every decode step."""
     model_dir = make_model_dir(Path(tempfile.mkdtemp()) / "tiny")
     engine = Engine(EngineConfig(model=str(model_dir), device="cpu", max_model_len=1024))
