@@ -373,8 +373,8 @@ class Speculative(Decoder):
         if self.measure_costs and self._timings_at(batch).plain_steps < self.PLAIN_WARMUP:
             return True
         bucket = _bucket(batch)
-        for until in (self._hold, self._idle):
-            if until is not None and until[0] == bucket and self._steps < until[1]:
+        for period in (self._hold, self._idle):  # (bucket, the step it ends at)
+            if period is not None and period[0] == bucket and self._steps < period[1]:
                 return True
         return False
 
