@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from stride.engine import attention
+from stride.engine import attention, fused
 from stride.engine.engine import Engine, EngineConfig
-from stride.engine.sequence import SamplingParams
+from stride.engine.runner import Chunk
+from stride.engine.sequence import SamplingParams, Sequence
 from stride.scheduler.core import EngineCore
 from stride.scheduler.outputs import GenerateRequest
 
@@ -125,3 +126,55 @@ def test_multi_token_chunks_replay_as_graph_rows(tiny_dir, decoder, options, mon
     assert outs["cuda"] == outs["cpu"]
     # Only the prompt's chunk (with the first proposal riding along) ran eagerly.
     assert len(eager_tokens) == 1 and eager_tokens[0] >= len(prompt)
+
+
+def _chunks(engine: Engine, lengths: list[int]) -> list[Chunk]:
+    """Random prompts with KV reserved; fresh engines reserve the same blocks in the same order."""
+    g = torch.Generator().manual_seed(0)
+    chunks = []
+    for n in lengths:
+        seq = Sequence("r", torch.randint(3, 384, (n,), generator=g).tolist(), SamplingParams())
+        engine.cache.reserve(seq, n)
+        chunks.append(Chunk(seq, seq.token_ids, 1))
+    return chunks
+
+
+def _hidden(engine: Engine, forward, chunks: list[Chunk]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Final hidden states of one pass over the chunks, and the keys it wrote."""
+    meta, tokens, positions, _ = engine.runner._prepare(chunks)
+    k, v = engine.cache.k.clone(), engine.cache.v.clone()
+    with torch.inference_mode():
+        hidden = forward(tokens, positions, (k, v), meta)
+    return hidden.float(), k.float()
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm()).item()
+
+
+@needs_triton
+@needs_cuda
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("lengths", [[1], [5, 3], [30, 9]], ids=["one-row", "rows", "prefill"])
+def test_fused_forward_matches_module_forward(tiny_dirs, arch, lengths):
+    """Both fused layer shapes (for one row, a Triton GEMV with norm, SiLU and residual folded
+    in; for more, cuBLAS GEMMs beside fused elementwise kernels) against the module forward:
+    equal in fp32, and in bf16 as close to the fp32 result as the module forward itself is."""
+    engines = {}  # caches of as many blocks, so that both dtypes write the same slots
+    for dtype, megabytes in (("float32", 16), ("bfloat16", 8)):
+        config = EngineConfig(model=str(tiny_dirs[arch]), device="cuda", dtype=dtype,
+                              kv_cache_memory=megabytes << 20)  # fmt: skip
+        engines[dtype] = Engine(config)
+    for engine in engines.values():
+        assert isinstance(engine.runner.forward_fn, fused.FusedForward)
+    exact = engines["float32"]
+    chunks = _chunks(exact, lengths)
+    ref, ref_k = _hidden(exact, exact.model, chunks)
+    out, out_k = _hidden(exact, exact.runner.forward_fn, chunks)
+    assert _rel(out, ref) < 1e-5 and _rel(out_k, ref_k) < 1e-5
+    bf16 = engines["bfloat16"]
+    chunks = _chunks(bf16, lengths)
+    module, module_k = _hidden(bf16, bf16.model, chunks)
+    fused_, fused_k = _hidden(bf16, bf16.runner.forward_fn, chunks)
+    assert _rel(fused_, ref) < 1.5 * _rel(module, ref) + 1e-3
+    assert _rel(fused_k, ref_k) < 1.5 * _rel(module_k, ref_k) + 1e-3

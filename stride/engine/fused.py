@@ -2,12 +2,22 @@
 
 The module-by-module forward (`model.CausalLM`) launches about forty small kernels per layer
 (RMSNorm alone is eight elementwise ops, rotary another eight). For a small model at batch 1
-those launches, not the weights, set the step time, even inside a CUDA graph. Here each layer is:
-add+RMSNorm, one QKV GEMM, rotary+KV-cache write, attention, O GEMM, add+RMSNorm, one gate/up
-GEMM, SiLU*up, down GEMM. The Q/K/V and gate/up weights are concatenated once, and the model's
-own parameters become views of the concatenation, so nothing is stored twice and the module
-forward still works. Each kernel rounds where the module forward rounds (bf16 after every op), so
-both forwards agree to the last bit up to reduction order.
+those launches, not the weights, set the step time, even inside a CUDA graph. The Q/K/V and
+gate/up weights are concatenated once, and the model's own parameters become views of the
+concatenation, so nothing is stored twice and the module forward still works.
+
+Two layer shapes, by the number of rows:
+  - one row (a single stream's decode step, where the weights' bandwidth is the whole cost): six
+    kernels per layer. A Triton GEMV folds the work around each product into it: RMSNorm before
+    the QKV and gate/up products, SiLU*up after gate/up, the residual add after the O and down
+    products. Then rotary+KV write and attention. On an H200 it streams the weights at or above
+    cuBLAS's rate (bench/bench_gpu.py measures the whole step).
+  - more rows: cuBLAS GEMMs with add+RMSNorm, rotary+KV write and SiLU*up as Triton kernels.
+    (A tensor-core variant of the fused GEMV for up to 16 rows lost to this path when measured:
+    its in-loop norm work cost more than the launches it saved.)
+Rotary angles come from a table built once for every position, not from a dozen kernels per
+step. Apart from the one-row GEMV's norm (see `gemv`), each kernel rounds where the module forward
+rounds (bf16 after every op).
 """
 
 from __future__ import annotations
@@ -56,6 +66,7 @@ class FusedForward:
             self.gate_up.append(
                 _concat_params([layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight])
             )
+        self.rope_table = _rope_table(model)
 
     def __call__(
         self,
@@ -68,15 +79,24 @@ class FusedForward:
         model = self.model
         layers = model.model.layers[:num_layers]
         residual = model.model.embed_tokens(token_ids)
-        cos, sin = model.rotary(residual, positions[None])
-        cos, sin = cos[0].to(residual.dtype), sin[0].to(residual.dtype)  # [T, D]
+        if self.rope_table is not None:
+            cos, sin = self.rope_table
+        else:  # rope types whose angles depend on the sequence, not on the position alone
+            cos, sin = model.rotary(residual, positions[None])
+            cos, sin = cos[0].to(residual.dtype), sin[0].to(residual.dtype)
+            positions = torch.arange(len(positions), device=positions.device)
+        rope = (cos, sin, positions)
+        if residual.shape[0] == 1:
+            for i, layer in enumerate(layers):
+                self._one_row_layer(i, layer, residual, rope, kv, meta)
+            return rms_norm(residual, model.model.norm, None)
         h = rms_norm(residual, layers[0].input_layernorm, None)
         for i, layer in enumerate(layers):
             a = layer.self_attn
-            weight, bias = self.qkv[i]
-            qkv = F.linear(h, weight, bias)
-            q = rope_and_cache(qkv, cos, sin, kv[0][a.layer], kv[1][a.layer], meta.slot_mapping, a)
-            o = attend(q, kv[0][a.layer], kv[1][a.layer], meta)
+            k_cache, v_cache = kv[0][a.layer], kv[1][a.layer]
+            qkv = F.linear(h, *self.qkv[i])
+            q = rope_and_cache(qkv, *rope, k_cache, v_cache, meta.slot_mapping, a)
+            o = attend(q, k_cache, v_cache, meta)
             o = F.linear(o.view(o.shape[0], -1), a.o_proj.weight)
             h = rms_norm(o, layer.post_attention_layernorm, residual)
             up = silu_and_mul(F.linear(h, self.gate_up[i]))
@@ -84,6 +104,92 @@ class FusedForward:
             after = layers[i + 1].input_layernorm if i + 1 < len(layers) else model.model.norm
             h = rms_norm(d, after, residual)
         return h
+
+    def _one_row_layer(
+        self, i: int, layer: torch.nn.Module, residual: torch.Tensor, rope, kv, meta
+    ):
+        """One row's layer in six kernels; `residual` is updated in place."""
+        a = layer.self_attn
+        k_cache, v_cache = kv[0][a.layer], kv[1][a.layer]
+        qkv = gemv(residual, *self.qkv[i], norm=layer.input_layernorm)
+        q = rope_and_cache(qkv, *rope, k_cache, v_cache, meta.slot_mapping, a)
+        o = attend(q, k_cache, v_cache, meta)
+        gemv(o.view(o.shape[0], -1), a.o_proj.weight, add_to=residual)
+        act = gemv(residual, self.gate_up[i], norm=layer.post_attention_layernorm, silu_mul=True)
+        gemv(act, layer.mlp.down_proj.weight, add_to=residual)
+
+
+def _rope_table(model: CausalLM) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """cos and sin [positions, head_dim] for every position the model takes, in its dtype.
+
+    The rotary module's angles are an elementwise product of position and frequency, so a row of
+    the table is bit for bit what the module computes for that position on its own.
+    """
+    rotary = model.rotary
+    size = getattr(model.config, "max_position_embeddings", None)
+    if size is None or "dynamic" in rotary.rope_type or rotary.rope_type == "longrope":
+        return None
+    weight = model.lm_head.weight
+    positions = torch.arange(size, device=weight.device)[None]
+    cos, sin = rotary(weight[:1], positions)
+    return cos[0].to(weight.dtype).contiguous(), sin[0].to(weight.dtype).contiguous()
+
+
+def gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    norm: torch.nn.Module | None = None,
+    silu_mul: bool = False,
+    add_to: torch.Tensor | None = None,
+    tile: dict[str, int] | None = None,
+) -> torch.Tensor:
+    """x [1, K] @ weight[N, K]^T, with what surrounds it fused in.
+
+    `norm`: RMSNorm x first. `silu_mul`: weight is gate and up stacked; return SiLU(gate) * up.
+    `add_to`: add the product into this tensor in place (the residual stream) and return it.
+    The norm is folded in as gain on the input and 1/rms on the output, so in bf16 the result
+    differs from the module forward's (which rounds the normalised input) by rounding.
+    `tile` overrides the tile shape (bench/bench_kernels.py sweeps it).
+    """
+    m, k = x.shape
+    assert m == 1, "more rows take cuBLAS"
+    n = weight.shape[0] // 2 if silu_mul else weight.shape[0]
+    out = add_to if add_to is not None else torch.empty(m, n, dtype=x.dtype, device=x.device)
+    dummy = weight  # a pointer for the unused operands; never read
+    tile = tile or _gemv_tile(n, k, silu_mul)
+    _gemv_row_kernel[(triton.cdiv(n, tile["BN"]),)](
+        x,
+        weight,
+        bias if bias is not None else dummy,
+        norm.weight if norm is not None else dummy,
+        out,
+        n,
+        k,
+        norm.eps if norm is not None else 0.0,
+        NORM=norm is not None,
+        BIAS=bias is not None,
+        SILU_MUL=silu_mul,
+        ADD=add_to is not None,
+        **tile,
+    )
+    return out
+
+
+def _gemv_tile(n: int, k: int, silu_mul: bool) -> dict[str, int]:
+    """Tile shape of the one-row GEMV, from bench/bench_kernels.py on an H200.
+
+    Many narrow column blocks keep every SM streaming: 4 columns when N is small, one pass over
+    K when K fits. Wider blocks for the widest products, with K tiles cut so that the fp32
+    accumulators (BN x BK, twice with SiLU) stay in registers.
+    """
+    if k <= 1024:
+        return dict(BN=4, BK=1024, num_warps=8, num_stages=2)
+    if n <= 4096:
+        return dict(BN=4, BK=512, num_warps=4, num_stages=3)
+    if silu_mul:
+        return dict(BN=32, BK=128, num_warps=4, num_stages=3)
+    return dict(BN=8, BK=256, num_warps=4, num_stages=3)
 
 
 def rms_norm(x: torch.Tensor, norm: torch.nn.Module, residual: torch.Tensor | None) -> torch.Tensor:
@@ -108,12 +214,16 @@ def rope_and_cache(
     qkv: torch.Tensor,
     cos: torch.Tensor,
     sin: torch.Tensor,
+    positions: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slots: torch.Tensor,
     attn: torch.nn.Module,
 ) -> torch.Tensor:
-    """Rotate q and k of a fused QKV row; write k and v to their cache slots; return q [T, H, D]."""
+    """Rotate q and k of a fused QKV row; write k and v to their cache slots; return q [T, H, D].
+
+    Row t's angles are row `positions[t]` of cos and sin.
+    """
     t = qkv.shape[0]
     h, kv, d = attn.num_heads, attn.num_kv_heads, attn.head_dim
     q = torch.empty(t, h, d, dtype=qkv.dtype, device=qkv.device)
@@ -121,12 +231,14 @@ def rope_and_cache(
         qkv,
         cos,
         sin,
+        positions,
         q,
         k_cache,
         v_cache,
         slots,
         qkv.stride(0),
         cos.stride(0),
+        positions.stride(0),  # a column of the CUDA graphs' packed inputs
         k_cache.stride(0),
         H=h,
         KV=kv,
@@ -182,12 +294,14 @@ if triton is not None:
         qkv_ptr,
         cos_ptr,
         sin_ptr,
+        pos_ptr,
         q_ptr,
         k_cache_ptr,
         v_cache_ptr,
         slot_ptr,
         stride_qkv,
         stride_cs,
+        stride_pos,
         stride_slot,
         H: tl.constexpr,
         KV: tl.constexpr,
@@ -198,8 +312,9 @@ if triton is not None:
         t = tl.program_id(0).to(tl.int64)
         d = tl.arange(0, D)
         rot = (d + D // 2) % D
-        cos = tl.load(cos_ptr + t * stride_cs + d)
-        sin = tl.load(sin_ptr + t * stride_cs + d)
+        pos = tl.load(pos_ptr + t * stride_pos).to(tl.int64)
+        cos = tl.load(cos_ptr + pos * stride_cs + d)
+        sin = tl.load(sin_ptr + pos * stride_cs + d)
         row = qkv_ptr + t * stride_qkv
         heads = tl.arange(0, H_P2)
         q, ok = _rotate(row, heads, H, cos, sin, d, rot, D)
@@ -222,3 +337,60 @@ if triton is not None:
         g = gate.to(tl.float32)
         act = (g / (1.0 + tl.exp(-g))).to(gate.dtype)
         tl.store(out_ptr + row * half + cols, (act * up).to(gate.dtype), mask=ok)
+
+    @triton.jit
+    def _gemv_row_kernel(
+        x_ptr,
+        w_ptr,
+        bias_ptr,
+        norm_ptr,
+        out_ptr,
+        N,
+        K,
+        eps,
+        NORM: tl.constexpr,
+        BIAS: tl.constexpr,
+        SILU_MUL: tl.constexpr,
+        ADD: tl.constexpr,
+        BN: tl.constexpr,
+        BK: tl.constexpr,
+    ):
+        """Output columns [BN * pid, BN * (pid + 1)) of one row. Products are summed in registers
+        across the K loop and reduced once at the end. RMSNorm, when asked, is split in two: its
+        gain multiplies x as it is loaded, and 1/rms (from the sum of squares of the same loads)
+        scales the output."""
+        dtype = out_ptr.dtype.element_ty
+        cols = tl.program_id(0) * BN + tl.arange(0, BN)
+        col_ok = cols < N
+        ks = tl.arange(0, BK)
+        w_rows = w_ptr + cols[:, None].to(tl.int64) * K
+        acc = tl.zeros([BN, BK], dtype=tl.float32)
+        up = tl.zeros([BN, BK], dtype=tl.float32)
+        squares = tl.zeros([BK], dtype=tl.float32)
+        for k0 in range(0, K, BK):
+            k = k0 + ks
+            k_ok = k < K
+            x = tl.load(x_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
+            if NORM:
+                squares += x * x
+                x = x * tl.load(norm_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
+            w_ok = col_ok[:, None] & k_ok[None, :]
+            acc += tl.load(w_rows + k[None, :], mask=w_ok, other=0.0).to(tl.float32) * x[None, :]
+            if SILU_MUL:  # the up rows follow the gate rows
+                w = tl.load(w_rows + N * K + k[None, :], mask=w_ok, other=0.0)
+                up += w.to(tl.float32) * x[None, :]
+        y = tl.sum(acc, axis=1)
+        u = tl.sum(up, axis=1)
+        if NORM:
+            scale = tl.math.rsqrt(tl.sum(squares, axis=0) / K + eps)
+            y *= scale
+            u *= scale
+        if BIAS:
+            y += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+        if SILU_MUL:
+            gate = y.to(dtype).to(tl.float32)
+            y = (gate / (1.0 + tl.exp(-gate))).to(dtype) * u.to(dtype)
+        y = y.to(dtype)
+        if ADD:
+            y = (y + tl.load(out_ptr + cols, mask=col_ok, other=0.0)).to(dtype)
+        tl.store(out_ptr + cols, y, mask=col_ok)

@@ -1,0 +1,152 @@
+"""The decode step's own kernels on one GPU, each timed inside a CUDA graph as the engine runs them.
+
+For the real shapes of the default model (SmolLM2-135M) and an 8B Llama:
+  - the one-row GEMV of `stride.engine.fused` (RMSNorm / SiLU*up / residual add folded in) with
+    the tile shape the engine picks, against a sweep of tile shapes and against cuBLAS plus the
+    separate norm and SiLU kernels it replaces; bandwidth = weight bytes / time;
+  - paged decode attention with the engine's launch shape against a sweep of (splits, tokens per
+    tile, warps), at batch 1 / 16 / 64 and contexts 256 / 1024 / 4096.
+Each number is the mean of 20 back-to-back launches captured in one graph, replayed 10 times.
+
+    python bench/bench_kernels.py [--json kernels.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from stride.engine import attention, fused  # noqa: E402
+from stride.engine.model import RMSNorm  # noqa: E402
+
+DEV = torch.device("cuda")
+# (name, N, K, silu): the four products of a layer, per model
+GEMVS = {
+    "smollm2-135m": [("qkv", 960, 576, False), ("o", 576, 576, False),
+                     ("gate_up", 1536, 576, True), ("down", 576, 1536, False)],
+    "llama-8b": [("qkv", 6144, 4096, False), ("o", 4096, 4096, False),
+                 ("gate_up", 14336, 4096, True), ("down", 4096, 14336, False)],
+}  # fmt: skip
+HEADS = {"smollm2-135m": (9, 3, 64), "llama-8b": (32, 8, 128)}
+TILES = [(4, 512, 4, 3), (4, 1024, 8, 2), (8, 256, 4, 3), (8, 512, 4, 3), (16, 256, 4, 3),
+         (32, 128, 4, 3), (64, 64, 4, 4)]  # fmt: skip
+
+
+def graph_us(fn, reps: int = 20) -> float:
+    """Mean µs of one call among `reps` back-to-back calls captured in a CUDA graph."""
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1000 / 10 / reps
+
+
+def bench_gemv(name: str, n: int, k: int, silu: bool) -> dict:
+    torch.manual_seed(0)
+    x = torch.randn(1, k, device=DEV, dtype=torch.bfloat16)
+    w = torch.randn(n * (2 if silu else 1), k, device=DEV, dtype=torch.bfloat16) * 0.02
+    norm = RMSNorm(k, 1e-5).to(DEV, torch.bfloat16)
+    residual = torch.zeros(1, n, device=DEV, dtype=torch.bfloat16)
+    takes_norm = name in ("qkv", "gate_up")  # o and down add into the residual instead
+    if takes_norm:
+        kwargs = dict(norm=norm, silu_mul=silu)
+
+        def cublas():
+            y = F.linear(fused.rms_norm(x, norm, None), w)
+            return fused.silu_and_mul(y) if silu else y
+    else:
+        kwargs = dict(add_to=residual)
+
+        def cublas():
+            return residual.add_(F.linear(x, w))
+
+    gigabytes = w.numel() * w.element_size() / 1e9
+    result = {"shipped_us": graph_us(lambda: fused.gemv(x, w, **kwargs))}
+    result["cublas_and_separate_kernels_us"] = graph_us(cublas)
+    sweep = {}
+    for bn, bk, warps, stages in TILES:
+        tile = dict(BN=bn, BK=bk, num_warps=warps, num_stages=stages)
+        key = f"BN{bn}/BK{bk}/w{warps}/s{stages}"
+        sweep[key] = round(graph_us(lambda tile=tile: fused.gemv(x, w, **kwargs, tile=tile)), 2)
+    best = min(sweep, key=sweep.get)
+    result.update(best_tile=best, best_us=sweep[best], sweep_us=sweep)
+    result["shipped_TB_s"] = gigabytes / result["shipped_us"] * 1e3
+    return {k: round(v, 2) if isinstance(v, float) else v for k, v in result.items()}
+
+
+def bench_attention(heads: int, kv_heads: int, dim: int, context: int, batch: int) -> dict:
+    torch.manual_seed(0)
+    block = 16
+    per_seq = -(-context // block)
+    k_cache = torch.randn(batch * per_seq * block + block, kv_heads, dim, device=DEV,
+                          dtype=torch.bfloat16)  # fmt: skip
+    v_cache = torch.randn_like(k_cache)
+    tables = (torch.arange(batch * per_seq, device=DEV, dtype=torch.int32) + 1).view(batch, -1)
+    meta = attention.DecodeMetadata(
+        slot_mapping=torch.zeros(batch, dtype=torch.long, device=DEV),
+        block_tables=tables,
+        context_lens=torch.full((batch,), context, device=DEV, dtype=torch.int32),
+        block_size=block,
+    )
+    q = torch.randn(batch, heads, dim, device=DEV, dtype=torch.bfloat16)
+    result = {"shipped_us": graph_us(lambda: attention.decode_attention(q, k_cache, v_cache, meta))}
+    sweep = {}
+    for splits, tile, warps in itertools.product((1, 4, 16, 32, 64), (16, 32, 64), (2, 4, 8)):
+        launch = (splits, tile, warps)
+        us = graph_us(lambda x=launch: attention.decode_attention(q, k_cache, v_cache, meta, x))
+        sweep[f"splits{splits}/tile{tile}/w{warps}"] = round(us, 2)
+    best = min(sweep, key=sweep.get)
+    # The launch shape before this benchmark existed: up to 16 splits, 64/32-token tiles, 8 warps.
+    splits = max(1, min(16, 2 * attention._num_sms(DEV) // (batch * kv_heads)))
+    old = (splits, 64 if dim <= 64 else 32, 8)
+    result.update(best_launch=best, best_us=sweep[best],
+                  previous_launch_us=graph_us(lambda: attention.decode_attention(
+                      q, k_cache, v_cache, meta, old)))  # fmt: skip
+    return {k: round(v, 2) if isinstance(v, float) else v for k, v in result.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--json", help="write the results here")
+    args = parser.parse_args()
+    results: dict = {"device": torch.cuda.get_device_name()}
+    for model, products in GEMVS.items():
+        for name, n, k, silu in products:
+            r = bench_gemv(name, n, k, silu)
+            results[f"{model}/gemv/{name}"] = r
+            separate = r["cublas_and_separate_kernels_us"]
+            print(f"{model} gemv {name} [{n}x{k}]: shipped {r['shipped_us']} us "
+                  f"({r['shipped_TB_s']} TB/s), best {r['best_us']} ({r['best_tile']}), cuBLAS "
+                  f"+ separate kernels {separate}", flush=True)  # fmt: skip
+    for model, (heads, kv_heads, dim) in HEADS.items():
+        for batch, context in ((1, 256), (1, 1024), (1, 4096), (16, 256), (64, 256), (64, 1024)):
+            r = bench_attention(heads, kv_heads, dim, context, batch)
+            results[f"{model}/attention/batch{batch}_context{context}"] = r
+            print(f"{model} attention batch {batch} context {context}: shipped {r['shipped_us']} "
+                  f"us, best {r['best_us']} ({r['best_launch']}), previous launch "
+                  f"{r['previous_launch_us']}", flush=True)  # fmt: skip
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
