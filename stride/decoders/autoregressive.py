@@ -26,6 +26,20 @@ class Autoregressive(Decoder):
     ) -> list[Commit]:
         return sample_one_each(seqs, logits, ctx)
 
+    @staticmethod
+    def fusable(seq: Sequence) -> bool:
+        """May this sequence's next tokens come from fused decode steps (`device_sample`)?
+
+        Greedy, with nothing that needs the host between two tokens: no logit bias, penalties,
+        pending min_tokens or logprobs.
+        """
+        return seq.params.logprobs is None and sampling.plain_greedy(sampling.Row(seq))
+
+    @staticmethod
+    def device_sample(logits: torch.Tensor) -> torch.Tensor:
+        """The token of each `fusable` row, left on the device: the argmax."""
+        return logits.argmax(-1)
+
 
 def sample_one_each(
     seqs: list[Sequence], logits: list[torch.Tensor], ctx: StepContext

@@ -41,7 +41,8 @@ class Proposal:
 class Commit:
     tokens: list[int]
     logprobs: list[TokenLogprob | None]
-    kv_keep: int = 0  # how many proposed tokens (a prefix) keep their KV
+    kv_keep: int = 0  # how many tokens scored after the tail (a prefix) keep their KV
+    forward_passes: int = 1  # target passes that made these tokens (fused decode steps: several)
 
 
 @dataclass

@@ -127,7 +127,7 @@ def draw(probs: torch.Tensor, rows: list[Row]) -> list[int]:
     return out.tolist()
 
 
-def _plain_greedy(row: Row) -> bool:
+def plain_greedy(row: Row) -> bool:
     """Greedy with nothing for `adjust` to do: the argmax of the raw logits."""
     p = row.params
     return (
@@ -139,7 +139,7 @@ def _plain_greedy(row: Row) -> bool:
 
 
 def sample(logits: torch.Tensor, rows: list[Row], eos_ids: set[int]) -> list[int]:
-    if all(map(_plain_greedy, rows)):  # the common serving case: one argmax, one sync
+    if all(map(plain_greedy, rows)):  # the common serving case: one argmax, one sync
         return logits.argmax(-1).tolist()
     logits = adjust(logits, rows, eos_ids)
     if all(r.params.greedy for r in rows):  # skip the distribution

@@ -53,8 +53,10 @@ class DecodeGraphs:
         self._host_np = self._host.numpy()
         self._inputs = torch.zeros(max_batch, width, dtype=torch.int32, device=device)
         self._copied = torch.cuda.Event()
-        self._pad_rows(0, max_batch)
+        self._host_np[:, _LENGTH] = 1  # padding rows: see `_pack`
         self._inputs.copy_(self._host)
+        self._steps_host: torch.Tensor | None = None  # `run_steps`' inputs, one array per step
+        self._steps_inputs: torch.Tensor | None = None
         vocab = model.lm_head.weight.shape[0]
         self._logits = torch.empty(max_batch, vocab, dtype=torch.float32, device=device)
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -63,11 +65,6 @@ class DecodeGraphs:
     @property
     def max_batch(self) -> int:
         return self.buckets[-1]
-
-    def _pad_rows(self, start: int, end: int) -> None:
-        h = self._host_np
-        h[start:end, :_TABLE] = 0
-        h[start:end, _LENGTH] = 1  # one slot of block 0: something to attend to, harmlessly
 
     def _step(self, batch: int) -> None:
         x = self._inputs[:batch]
@@ -108,9 +105,62 @@ class DecodeGraphs:
         slot of position `lengths - 1` in its block table.
         """
         n = len(tokens)
-        bucket = next(b for b in self.buckets if b >= n)
+        bucket = self._bucket(n)
         self._copied.synchronize()  # the previous step's copy has left the pinned buffer
-        h = self._host_np
+        self._pack(self._host_np, tokens, positions, lengths, tables, bucket)
+        self._inputs[:bucket].copy_(self._host[:bucket], non_blocking=True)
+        self._copied.record()
+        self._graphs[bucket].replay()
+        # A copy: the next replay overwrites the buffer while a caller may still hold these rows.
+        return self._logits[:n].clone()
+
+    def run_steps(
+        self,
+        tokens: list[int],
+        positions: list[int],
+        lengths: list[int],
+        tables: list[list[int]],
+        steps: int,
+        sample: Callable[[torch.Tensor], torch.Tensor],
+    ) -> torch.Tensor:
+        """`steps` decode steps in a row with no host sync: step s+1's input tokens are step s's
+        `sample(logits)`, copied on the device. Returns the sampled tokens [steps, B] (device).
+
+        Every sequence must have KV slots reserved for `steps` new tokens; step s writes the K/V
+        of position `lengths - 1 + s`.
+        """
+        n = len(tokens)
+        bucket = self._bucket(n)
+        if self._steps_host is None or len(self._steps_host) < steps:
+            shape = (steps, *self._host.shape)
+            self._steps_host = torch.zeros(shape, dtype=torch.int32, pin_memory=True)
+            self._steps_inputs = torch.zeros(shape, dtype=torch.int32, device=self._inputs.device)
+        host = self._steps_host.numpy()
+        self._copied.synchronize()
+        self._pack(host[0], tokens, positions, lengths, tables, bucket)
+        for s in range(1, steps):
+            host[s, :bucket] = host[0, :bucket]
+            host[s, :n, _POSITION] += s
+            host[s, :n, _LENGTH] += s
+            self._slots(host[s], n)
+        self._steps_inputs[:steps, :bucket].copy_(self._steps_host[:steps, :bucket], True)
+        self._copied.record()
+        sampled = torch.empty(steps, n, dtype=torch.long, device=self._inputs.device)
+        graph = self._graphs[bucket]
+        for s in range(steps):
+            self._inputs[:bucket].copy_(self._steps_inputs[s, :bucket])
+            if s:
+                self._inputs[:n, _TOKEN].copy_(sampled[s - 1])
+            graph.replay()
+            sampled[s] = sample(self._logits[:n])
+        return sampled
+
+    def _bucket(self, n: int) -> int:
+        return next(b for b in self.buckets if b >= n)
+
+    def _pack(self, h: np.ndarray, tokens, positions, lengths, tables, bucket: int) -> None:
+        """Write one step's rows into the packed array `h` and pad it up to `bucket` rows."""
+        n = len(tokens)
         h[:n, _TOKEN] = tokens
         h[:n, _POSITION] = positions
         h[:n, _LENGTH] = lengths
@@ -120,12 +170,12 @@ class DecodeGraphs:
         rows = np.repeat(np.arange(n), widths)
         cols = np.arange(len(flat)) - np.repeat(np.cumsum(widths) - widths, widths)
         h[rows, _TABLE + cols] = flat
+        self._slots(h, n)
+        h[n:bucket, :_TABLE] = 0
+        h[n:bucket, _LENGTH] = 1  # one slot of block 0: something to attend to, harmlessly
+
+    def _slots(self, h: np.ndarray, n: int) -> None:
+        """Each row's new K/V slot: position `length - 1` through its block table."""
         last = h[:n, _LENGTH] - 1
         bs = self.cache.block_size
         h[:n, _SLOT] = h[np.arange(n), _TABLE + last // bs] * bs + last % bs
-        self._pad_rows(n, bucket)
-        self._inputs[:bucket].copy_(self._host[:bucket], non_blocking=True)
-        self._copied.record()
-        self._graphs[bucket].replay()
-        # A copy: the next replay overwrites the buffer while a caller may still hold these rows.
-        return self._logits[:n].clone()

@@ -16,6 +16,7 @@ invisible to callers.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -37,6 +38,7 @@ class Chunk:
     num_logits: int  # logits for the last `num_logits` tokens (0 = none, mid-prefill)
     positions: list[int] | None = None  # default: num_cached, num_cached + 1, ...
     mask: torch.Tensor | None = None  # [n, n] bool among this chunk's tokens; default causal
+    offset: int = 0  # the tokens start this far past num_cached (a later step of decode_steps)
 
 
 class ModelRunner:
@@ -89,6 +91,32 @@ class ModelRunner:
                 out[i] = logits
         return out  # type: ignore[return-value]
 
+    @torch.inference_mode()
+    def decode_steps(
+        self, chunks: list[Chunk], steps: int, sample: Callable[[torch.Tensor], torch.Tensor]
+    ) -> torch.Tensor:
+        """`steps` decode steps of one-token chunks, each step's input the last one's sample.
+
+        `sample` maps [B, vocab] logits to [B] token ids on the device. Every sequence needs KV
+        slots for `steps` new tokens. Returns the sampled tokens [steps, B]. With CUDA graphs the
+        steps are queued with no host sync in between, so the host's per-step work (commit,
+        schedule, pack) is paid once per `steps` tokens; elsewhere each step is an eager pass.
+        """
+        graphs = self.graphs
+        if graphs is not None and all(map(self._graphable, chunks)):
+            tables = [c.seq.block_table for c in chunks]
+            starts = [c.seq.num_cached for c in chunks]
+            tokens = [c.token_ids[0] for c in chunks]
+            lengths = [s + 1 for s in starts]
+            return graphs.run_steps(tokens, starts, lengths, tables, steps, sample)
+        sampled = []
+        for s in range(steps):
+            logits = self._forward_eager(chunks, None)
+            sampled.append(sample(torch.cat(logits)))
+            new = sampled[-1].tolist()
+            chunks = [Chunk(c.seq, [t], 1, offset=s + 1) for c, t in zip(chunks, new, strict=True)]
+        return torch.stack(sampled)
+
     def _graphable(self, c: Chunk) -> bool:
         """Short causal chunks replay as graph rows: a decode token, K drafts, a Jacobi window."""
         return (
@@ -118,7 +146,7 @@ class ModelRunner:
         tables: list[list[int]] = []
         for i in group:
             c = chunks[i]
-            start, n = c.seq.num_cached, len(c.token_ids)
+            start, n = c.seq.num_cached + c.offset, len(c.token_ids)
             tokens += c.token_ids
             positions += c.positions or range(start, start + n)
             lengths += range(start + 1, start + n + 1)
@@ -133,7 +161,7 @@ class ModelRunner:
     def _prepare(self, chunks: list[Chunk]):
         bs = self.cache.block_size
         n_q = [len(c.token_ids) for c in chunks]
-        starts = [c.seq.num_cached for c in chunks]
+        starts = [c.seq.num_cached + c.offset for c in chunks]
         n_ctx = [s + n for s, n in zip(starts, n_q, strict=True)]
         b, q_max, l_max = len(chunks), max(n_q), max(n_ctx)
 

@@ -18,6 +18,7 @@ from stride.decoders.autoregressive import Autoregressive
 from stride.decoders.base import Commit, Decoder, DecoderError, ModelGroup, Proposal, StepContext
 from stride.decoders.registry import build_decoders
 from stride.engine.engine import Engine
+from stride.engine.kv_cache import OutOfBlocks
 from stride.engine.runner import Chunk
 from stride.engine.sequence import Sequence, Status
 from stride.scheduler.detokenizer import Detokenizer
@@ -31,6 +32,8 @@ from stride.scheduler.outputs import (
 )
 from stride.scheduler.policy import Scheduled, Scheduler, SchedulerConfig
 
+FUSE_MAX_BATCH = 8  # fused decode steps only for batches up to this size
+
 
 @dataclass
 class _Launched:
@@ -40,6 +43,7 @@ class _Launched:
     by_decoder: dict[str, list[int]]  # plan indices that complete their tail, by decoder
     proposals: list[Proposal | None]
     logits: list[torch.Tensor]
+    tokens: torch.Tensor | None = None  # fused decode steps: [steps, plan] tokens, no logits
 
 
 class EngineCore:
@@ -64,6 +68,8 @@ class EngineCore:
         # On a GPU, the next step's forward is launched before this step's text is decoded.
         self.launch_ahead = engine.runner.graphs is not None
         self._launched: _Launched | None = None
+        steps = self.config.fused_decode_steps
+        self.fused_decode_steps = steps if steps is not None else 8 if self.launch_ahead else 1
         self.last_batch_size = 0
         self.last_num_tokens = 0
         # Everything alive now (model, tokenizer, graphs, imported modules) lives as long as the
@@ -215,9 +221,47 @@ class EngineCore:
                 proposals[i] = prop
 
         chunks = [self._chunk(item, prop) for item, prop in zip(plan, proposals, strict=True)]
+        steps = self._fused_steps(plan)
+        if steps > 1:
+            self.last_num_tokens = len(chunks) * steps
+            tokens = self.engine.runner.decode_steps(chunks, steps, Autoregressive.device_sample)
+            return _Launched(plan, by_decoder, proposals, [], tokens)
         self.last_num_tokens = sum(len(c.token_ids) for c in chunks)
         logits = self.engine.runner.forward(chunks)
         return _Launched(plan, by_decoder, proposals, logits)
+
+    def _fused_steps(self, plan: list[Scheduled]) -> int:
+        """How many decode steps this engine step runs back to back (1: just its own).
+
+        Fused steps queue several forwards on the GPU with the tokens fed from one to the next
+        on the device, so the host's per-step work (sync, commit, schedule, pack, launch) is
+        paid once for several tokens. That work is a large share of a step only at a small
+        batch, so fusing is kept to small batches (`FUSE_MAX_BATCH`) of plain greedy decoding
+        with nobody waiting to join: a request arriving meanwhile waits at most `steps - 1`
+        steps, and a sequence that stops early wastes the rest of its steps.
+        """
+        steps = self.fused_decode_steps
+        if steps <= 1 or len(plan) > FUSE_MAX_BATCH or self.scheduler.waiting or self._grouped:
+            return 1
+        for item in plan:
+            seq = item.seq
+            if not (
+                item.completes_tail
+                and item.num_tail == 1
+                and seq.decoder in self._plain
+                and Autoregressive.fusable(seq)
+            ):
+                return 1
+            left = seq.params.max_tokens - seq.num_output_tokens
+            steps = min(steps, left, self.engine.max_model_len - len(seq.token_ids))
+        if steps <= 1:
+            return 1
+        try:
+            for item in plan:
+                self.engine.cache.reserve(item.seq, item.seq.num_cached + steps)
+        except OutOfBlocks:
+            return 1  # what was reserved goes back when the step commits (`_apply` trims)
+        return steps
 
     def _commit(
         self,
@@ -226,6 +270,15 @@ class EngineCore:
         untexted: list[tuple[RequestOutput, Detokenizer]],
     ) -> None:
         plan, proposals, logits = launched.plan, launched.proposals, launched.logits
+        if launched.tokens is not None:
+            steps = len(launched.tokens)
+            for item, tokens in zip(plan, launched.tokens.T.tolist(), strict=True):
+                if item.seq.status is not Status.FINISHED:
+                    commit = Commit(tokens, [None] * steps, steps - 1, forward_passes=steps)
+                    out = self._apply(item.seq, commit, untexted)
+                    if out is not None:
+                        outputs.append(out)
+            return
         for item in plan:
             if not item.completes_tail and item.seq.status is not Status.FINISHED:
                 item.seq.num_cached += item.num_tail
@@ -293,7 +346,7 @@ class EngineCore:
         token_ids = seq.token_ids
         seq.num_cached = len(token_ids) + commit.kv_keep  # the whole tail was scored
         self.engine.cache.trim(seq)
-        seq.stats.forward_passes += 1
+        seq.stats.forward_passes += commit.forward_passes
         if seq.first_token_time is None:
             seq.first_token_time = time.monotonic()
 
@@ -319,7 +372,10 @@ class EngineCore:
                 reason = "length"
             if reason is not None:
                 break
-        seq.stats.committed_per_pass.append(n)
+        if commit.forward_passes == 1:
+            seq.stats.committed_per_pass.append(n)
+        else:  # fused decode steps: one token per pass
+            seq.stats.committed_per_pass += [1] * n
         out = RequestOutput(seq.request_id, commit.tokens[:n], logprobs=commit.logprobs[:n])
         if reason is not None:
             return self._finish(seq, reason, out, stop_reason)

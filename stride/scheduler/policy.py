@@ -22,6 +22,9 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     max_waiting: int = 1024
+    # Decode steps one engine step may run back to back for a small all-greedy batch (see
+    # `EngineCore._fused_steps`); None: 8 with CUDA graphs, else 1 (off).
+    fused_decode_steps: int | None = None
 
 
 @dataclass(slots=True)
