@@ -243,6 +243,10 @@ def bench_stride(core: EngineCore, vocab: int, shape: str, bytes_read: int, bw: 
     run_core(core, prompts(4, vocab, seed=2), new=16)  # warm-up
     b1 = run_core(core, prompts(1, vocab))
     record(f"{shape}/stride/batch1_tok_s", round(b1["decode_tok_s"], 1))
+    fused, core.fused_decode_steps = core.fused_decode_steps, 1  # ablation: a sync every token
+    single = run_core(core, prompts(1, vocab))["decode_tok_s"]
+    record(f"{shape}/stride_no_fused_steps/batch1_tok_s", round(single, 1))
+    core.fused_decode_steps = fused
     for name, rate in bw.items():
         record(
             f"{shape}/stride/batch1_roofline_{name}",
