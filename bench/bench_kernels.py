@@ -6,7 +6,8 @@ For the real shapes of the default model (SmolLM2-135M) and an 8B Llama:
     separate norm and SiLU kernels it replaces; bandwidth = weight bytes / time;
   - paged decode attention with the engine's launch shape against a sweep of (splits, tokens per
     tile, warps), at batch 1 / 16 / 64 and contexts 256 / 1024 / 4096.
-Each number is the mean of 20 back-to-back launches captured in one graph, replayed 10 times.
+Each number is the mean of 20 back-to-back launches captured in one graph, replayed 10 times;
+GEMVs cycle through copies of their weights 4x the L2 size, so that each reads HBM.
 
     python bench/bench_kernels.py [--json kernels.json]
 """
@@ -36,20 +37,26 @@ GEMVS = {
                  ("gate_up", 14336, 4096, True), ("down", 4096, 14336, False)],
 }  # fmt: skip
 HEADS = {"smollm2-135m": (9, 3, 64), "llama-8b": (32, 8, 128)}
-TILES = [(4, 512, 4, 3), (4, 1024, 8, 2), (8, 256, 4, 3), (8, 512, 4, 3), (16, 256, 4, 3),
-         (32, 128, 4, 3), (64, 64, 4, 4)]  # fmt: skip
+TILES = [(2, 1024, 4, 3), (4, 256, 4, 4), (4, 512, 4, 3), (4, 1024, 8, 2), (8, 128, 4, 4),
+         (8, 256, 4, 3), (8, 512, 8, 3), (16, 128, 4, 3), (16, 256, 4, 3),
+         (32, 128, 4, 3)]  # fmt: skip
+L2_BYTES = 50 << 20  # H100 and H200
 
 
 def graph_us(fn, reps: int = 20) -> float:
-    """Mean µs of one call among `reps` back-to-back calls captured in a CUDA graph."""
+    """Mean µs of one call among `reps` back-to-back calls captured in a CUDA graph.
+
+    `fn(i)` is call i: a benchmark cycles it through copies of its operands larger than L2
+    together, so that every call reads from HBM as a decode step does.
+    """
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
-        fn()
+        fn(0)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for _ in range(reps):
-            fn()
+        for i in range(reps):
+            fn(i)
     graph.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
@@ -63,30 +70,33 @@ def graph_us(fn, reps: int = 20) -> float:
 def bench_gemv(name: str, n: int, k: int, silu: bool) -> dict:
     torch.manual_seed(0)
     x = torch.randn(1, k, device=DEV, dtype=torch.bfloat16)
-    w = torch.randn(n * (2 if silu else 1), k, device=DEV, dtype=torch.bfloat16) * 0.02
+    shape = (n * (2 if silu else 1), k)
+    copies = -(-L2_BYTES * 4 // (shape[0] * k * 2))
+    ws = [torch.randn(shape, device=DEV, dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
     norm = RMSNorm(k, 1e-5).to(DEV, torch.bfloat16)
     residual = torch.zeros(1, n, device=DEV, dtype=torch.bfloat16)
     takes_norm = name in ("qkv", "gate_up")  # o and down add into the residual instead
     if takes_norm:
         kwargs = dict(norm=norm, silu_mul=silu)
 
-        def cublas():
-            y = F.linear(fused.rms_norm(x, norm, None), w)
+        def cublas(i):
+            y = F.linear(fused.rms_norm(x, norm, None), ws[i % copies])
             return fused.silu_and_mul(y) if silu else y
     else:
         kwargs = dict(add_to=residual)
 
-        def cublas():
-            return residual.add_(F.linear(x, w))
+        def cublas(i):
+            return residual.add_(F.linear(x, ws[i % copies]))
 
-    gigabytes = w.numel() * w.element_size() / 1e9
-    result = {"shipped_us": graph_us(lambda: fused.gemv(x, w, **kwargs))}
+    gigabytes = ws[0].numel() * ws[0].element_size() / 1e9
+    result = {"shipped_us": graph_us(lambda i: fused.gemv(x, ws[i % copies], **kwargs))}
     result["cublas_and_separate_kernels_us"] = graph_us(cublas)
     sweep = {}
     for bn, bk, warps, stages in TILES:
         tile = dict(BN=bn, BK=bk, num_warps=warps, num_stages=stages)
         key = f"BN{bn}/BK{bk}/w{warps}/s{stages}"
-        sweep[key] = round(graph_us(lambda tile=tile: fused.gemv(x, w, **kwargs, tile=tile)), 2)
+        us = graph_us(lambda i, tile=tile: fused.gemv(x, ws[i % copies], **kwargs, tile=tile))
+        sweep[key] = round(us, 2)
     best = min(sweep, key=sweep.get)
     result.update(best_tile=best, best_us=sweep[best], sweep_us=sweep)
     result["shipped_TB_s"] = gigabytes / result["shipped_us"] * 1e3
@@ -108,18 +118,21 @@ def bench_attention(heads: int, kv_heads: int, dim: int, context: int, batch: in
         block_size=block,
     )
     q = torch.randn(batch, heads, dim, device=DEV, dtype=torch.bfloat16)
-    result = {"shipped_us": graph_us(lambda: attention.decode_attention(q, k_cache, v_cache, meta))}
+    result = {
+        "shipped_us": graph_us(lambda i: attention.decode_attention(q, k_cache, v_cache, meta))
+    }
     sweep = {}
     for splits, tile, warps in itertools.product((1, 4, 16, 32, 64), (16, 32, 64), (2, 4, 8)):
         launch = (splits, tile, warps)
-        us = graph_us(lambda x=launch: attention.decode_attention(q, k_cache, v_cache, meta, x))
+        us = graph_us(lambda i, x=launch: attention.decode_attention(q, k_cache, v_cache, meta, x))
         sweep[f"splits{splits}/tile{tile}/w{warps}"] = round(us, 2)
     best = min(sweep, key=sweep.get)
     # The launch shape before this benchmark existed: up to 16 splits, 64/32-token tiles, 8 warps.
-    splits = max(1, min(16, 2 * attention._num_sms(DEV) // (batch * kv_heads)))
+    sms = torch.cuda.get_device_properties(DEV).multi_processor_count
+    splits = max(1, min(16, 2 * sms // (batch * kv_heads)))
     old = (splits, 64 if dim <= 64 else 32, 8)
-    result.update(best_launch=best, best_us=sweep[best],
-                  previous_launch_us=graph_us(lambda: attention.decode_attention(
+    result.update(best_launch=best, best_us=sweep[best], sweep_us=sweep,
+                  previous_launch_us=graph_us(lambda i: attention.decode_attention(
                       q, k_cache, v_cache, meta, old)))  # fmt: skip
     return {k: round(v, 2) if isinstance(v, float) else v for k, v in result.items()}
 

@@ -148,8 +148,9 @@ def gemv(
 
     `norm`: RMSNorm x first. `silu_mul`: weight is gate and up stacked; return SiLU(gate) * up.
     `add_to`: add the product into this tensor in place (the residual stream) and return it.
-    The norm is folded in as gain on the input and 1/rms on the output, so in bf16 the result
-    differs from the module forward's (which rounds the normalised input) by rounding.
+    Where K is wider than one tile (an 8B model), the norm is folded in as gain on the input
+    and 1/rms on the output, so in bf16 the result differs from the module forward's (which
+    rounds the normalised input) by rounding.
     `tile` overrides the tile shape (bench/bench_kernels.py sweeps it).
     """
     m, k = x.shape
@@ -171,25 +172,31 @@ def gemv(
         BIAS=bias is not None,
         SILU_MUL=silu_mul,
         ADD=add_to is not None,
+        ONE_TILE=k <= tile["BK"],
         **tile,
     )
     return out
 
 
 def _gemv_tile(n: int, k: int, silu_mul: bool) -> dict[str, int]:
-    """Tile shape of the one-row GEMV, from bench/bench_kernels.py on an H200.
+    """Tile shape of the one-row GEMV: the fastest of bench/bench_kernels.py's sweep on an H200
+    for each product of SmolLM2-135M and Llama-8B, as one rule.
 
-    Many narrow column blocks keep every SM streaming: 4 columns when N is small, one pass over
-    K when K fits. Wider blocks for the widest products, with K tiles cut so that the fp32
-    accumulators (BN x BK, twice with SiLU) stay in registers.
+    Narrow column blocks keep every SM streaming; x is read in one tile when it fits (then the
+    norm is exact, see `_gemv_row_kernel`); the fp32 accumulators (BN x BK, twice with SiLU) must
+    stay in registers.
     """
     if k <= 1024:
-        return dict(BN=4, BK=1024, num_warps=8, num_stages=2)
-    if n <= 4096:
-        return dict(BN=4, BK=512, num_warps=4, num_stages=3)
-    if silu_mul:
-        return dict(BN=32, BK=128, num_warps=4, num_stages=3)
-    return dict(BN=8, BK=256, num_warps=4, num_stages=3)
+        bn, bk = 2, 1024
+    elif silu_mul:
+        bn, bk = 32, 128
+    elif n > k:  # wide (QKV)
+        bn, bk = 8, 256
+    elif k > n:  # deep (down)
+        bn, bk = 2, 1024
+    else:
+        bn, bk = 4, 512
+    return dict(BN=bn, BK=bk, num_warps=4, num_stages=3)
 
 
 def rms_norm(x: torch.Tensor, norm: torch.nn.Module, residual: torch.Tensor | None) -> torch.Tensor:
@@ -352,13 +359,14 @@ if triton is not None:
         BIAS: tl.constexpr,
         SILU_MUL: tl.constexpr,
         ADD: tl.constexpr,
+        ONE_TILE: tl.constexpr,
         BN: tl.constexpr,
         BK: tl.constexpr,
     ):
         """Output columns [BN * pid, BN * (pid + 1)) of one row. Products are summed in registers
-        across the K loop and reduced once at the end. RMSNorm, when asked, is split in two: its
-        gain multiplies x as it is loaded, and 1/rms (from the sum of squares of the same loads)
-        scales the output."""
+        across the K loop and reduced once at the end. RMSNorm, when asked: if x fits one K tile,
+        it is applied to x as the module applies it; else it is split in two, its gain on x as it
+        is loaded and 1/rms (from the sum of squares of the same loads) on the output."""
         dtype = out_ptr.dtype.element_ty
         cols = tl.program_id(0) * BN + tl.arange(0, BN)
         col_ok = cols < N
@@ -372,8 +380,13 @@ if triton is not None:
             k_ok = k < K
             x = tl.load(x_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
             if NORM:
-                squares += x * x
-                x = x * tl.load(norm_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
+                gain = tl.load(norm_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
+                if ONE_TILE:  # all of x at hand: normalise and round as the module does
+                    rstd = tl.math.rsqrt(tl.sum(x * x, axis=0) / K + eps)
+                    x = (gain * (x * rstd).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+                else:
+                    squares += x * x
+                    x = x * gain
             w_ok = col_ok[:, None] & k_ok[None, :]
             acc += tl.load(w_rows + k[None, :], mask=w_ok, other=0.0).to(tl.float32) * x[None, :]
             if SILU_MUL:  # the up rows follow the gate rows
@@ -381,7 +394,7 @@ if triton is not None:
                 up += w.to(tl.float32) * x[None, :]
         y = tl.sum(acc, axis=1)
         u = tl.sum(up, axis=1)
-        if NORM:
+        if NORM and not ONE_TILE:
             scale = tl.math.rsqrt(tl.sum(squares, axis=0) / K + eps)
             y *= scale
             u *= scale
