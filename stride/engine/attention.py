@@ -118,12 +118,14 @@ def decode_attention(
     kv = k_cache.shape[1]
     group = h // kv
     lengths = meta.context_lens.contiguous()  # a column of the graphs' packed input array
-    # Launch shape from bench/bench_kernels.py on an H200 (batch 1-64, contexts 256-4096): 32
-    # splits of 16-token tiles on two warps are within ~20 % of the best shape measured at each
-    # size, and up to 2.3x faster than the 64-token tiles on eight warps used before. The split
-    # count does not depend on the batch, so neither does a row's result: a sequence decodes
-    # the same bf16 tokens alone or in a crowd, plainly or as a speculative verification row.
-    splits, block_n, warps = launch or (32, 16, 2)
+    # Splits: enough programs for every SM at a small batch. The count depends on the batch only
+    # through b * kv (16 up to an eighth of the SMs, 1 from two per SM on), so a sequence's bf16
+    # result is the same in most batches: alone and as 5 speculative rows, or in any batch past
+    # 90 rows. Tiles of 16 tokens on 2 warps (bench/bench_kernels.py, H200): 1.4-2.5x faster
+    # than 64-token tiles on 8 warps at contexts up to 256 and at batch 16-64 up to 1,024; a
+    # lone sequence past ~1,000 tokens is slower than with long tiles.
+    splits = max(1, min(16, 2 * _num_sms(q.device) // (b * kv)))
+    splits, block_n, warps = launch or (splits, 16, 2)
     out = torch.empty_like(q)
     partial = torch.empty(b, h, splits, d + 2, dtype=torch.float32, device=q.device)
     _decode_kernel[(b, kv, splits)](
@@ -162,6 +164,16 @@ def decode_attention(
             SPLITS_P2=max(triton.next_power_of_2(splits), 2),
         )
     return out
+
+
+_SMS: dict[int, int] = {}
+
+
+def _num_sms(device: torch.device) -> int:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SMS:
+        _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SMS[index]
 
 
 def decode_attention_reference(

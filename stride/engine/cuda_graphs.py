@@ -131,24 +131,28 @@ class DecodeGraphs:
         """
         n = len(tokens)
         bucket = self._bucket(n)
-        if self._steps_host is None or len(self._steps_host) < steps:
-            shape = (steps, *self._host.shape)
+        width = self._host.shape[1]
+        if self._steps_host is None or len(self._steps_host) < steps * bucket:
+            shape = (steps * self.max_batch, width)  # steps x bucket rows, back to back
             self._steps_host = torch.zeros(shape, dtype=torch.int32, pin_memory=True)
             self._steps_inputs = torch.zeros(shape, dtype=torch.int32, device=self._inputs.device)
-        host = self._steps_host.numpy()
+        rows = steps * bucket  # a contiguous prefix: one asynchronous copy
+        host = self._steps_host[:rows].numpy().reshape(steps, bucket, width)
         self._copied.synchronize()
         self._pack(host[0], tokens, positions, lengths, tables, bucket)
         for s in range(1, steps):
-            host[s, :bucket] = host[0, :bucket]
+            host[s] = host[0]
             host[s, :n, _POSITION] += s
             host[s, :n, _LENGTH] += s
             self._slots(host[s], n)
-        self._steps_inputs[:steps, :bucket].copy_(self._steps_host[:steps, :bucket], True)
+        inputs = self._steps_inputs[:rows]
+        inputs.copy_(self._steps_host[:rows], non_blocking=True)
         self._copied.record()
+        inputs = inputs.view(steps, bucket, width)
         sampled = torch.empty(steps, n, dtype=torch.long, device=self._inputs.device)
         graph = self._graphs[bucket]
         for s in range(steps):
-            self._inputs[:bucket].copy_(self._steps_inputs[s, :bucket])
+            self._inputs[:bucket].copy_(inputs[s])
             if s:
                 self._inputs[:n, _TOKEN].copy_(sampled[s - 1])
             graph.replay()
