@@ -8,6 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from stride.decoders.registry import build_decoders
+from stride.decoders.speculative import Speculative
 from stride.engine.engine import Engine, EngineConfig
 from stride.engine.sequence import SamplingParams
 from stride.scheduler.core import EngineCore
@@ -81,3 +83,53 @@ def test_fused_decode_steps_change_no_output(tiny_dir, device):
     assert fused == single
     assert all(r[2] is not None and r[3] for r in fused.values())  # finished; passes counted
     assert {r[2] for r in fused.values()} >= {"length", "stop"}
+
+
+def _speculative_run(tiny_dir, steps: int, decoder: str) -> tuple[list[int], list, list, int]:
+    """Greedy decoding of a prompt that holds every token id (a probe's n-gram lookup always
+    finds a draft): its tokens, the speculative decoder's step count at each fused call and at
+    each probe's plan, and how many tokens were drafted."""
+    config = EngineConfig(model=str(tiny_dir), device="cpu", dtype="float32",
+                          kv_cache_memory=16 << 20)  # fmt: skip
+    engine = Engine(config)
+    decoders = build_decoders(engine)
+    # Costs from sizes, not clocks. At a saturation of half a token a scored draft costs about
+    # a step: drafts at the prior's acceptance (0.6) do not pay, a probe's (0.9) would.
+    spec = decoders["speculative"] = Speculative(engine, saturation_tokens=0.5,
+                                                 measure_costs=False)  # fmt: skip
+    core = EngineCore(engine, SchedulerConfig(fused_decode_steps=steps), decoders)
+    fused_at, probes_at = [], []
+    decode_steps, plan = engine.runner.decode_steps, spec._plan
+
+    def counting(chunks, n, sample):
+        fused_at.append(spec._steps)
+        return decode_steps(chunks, n, sample)
+
+    def planned(seq, state, batch):
+        k = plan(seq, state, batch)
+        if state.probing and spec._steps not in probes_at:  # (planned again in propose)
+            probes_at.append(spec._steps)
+        return k
+
+    engine.runner.decode_steps, spec._plan = counting, planned
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    options = {"draft": "ngram", "adaptive": True} if decoder == "speculative" else {}
+    core.add(GenerateRequest("r", list(range(384)), params, decoder, options))
+    tokens, drafted = [], 0
+    while core.has_work:
+        for out in core.step():
+            tokens += out.token_ids
+            drafted += (out.decoder_stats or {}).get("draft_tokens", 0)
+    return tokens, fused_at, probes_at, drafted
+
+
+def test_quiet_speculative_steps_are_fused_and_probes_stay_on_schedule(tiny_dir):
+    """A speculative request whose drafts do not pay (adaptive K = 0 between probes) runs its
+    quiet steps fused, as `ar` does, with `ar`'s tokens; its probes draft in the same steps."""
+    ar = _speculative_run(tiny_dir, 1, "ar")[0]
+    single, unfused, probes, drafted = _speculative_run(tiny_dir, 1, "speculative")
+    fused, fused_at, fused_probes, fused_drafted = _speculative_run(tiny_dir, 4, "speculative")
+    assert single == fused == ar
+    assert not unfused and len(fused_at) >= 8  # 40 tokens: 4 at a time, a probe every 16 steps
+    assert len(probes) >= 2 and fused_probes == probes and fused_drafted == drafted == len(probes)
+    assert fused_at[0] < probes[0] < fused_at[-1]  # fused before a probe and after it

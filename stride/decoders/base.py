@@ -11,6 +11,12 @@ A step of the scheduler, for every running sequence whose uncached tail fits in 
 4. `commit(seqs, proposals, logits)` returns, per sequence, the tokens it accepts and how many
    proposed tokens keep their KV (`kv_keep`, a prefix); the rest is rolled back.
 
+Fused decode steps: a small batch of greedy rows that propose nothing may run several decode
+steps back to back, each step's argmax fed to the next on the device. A decoder other than `ar`
+joins them through `plain_steps(seqs)` (asked after `propose`: for how many steps, this one
+first, it would run its sequences exactly as plain decoding); for the steps fused, the core
+calls `fused(seqs, steps)` instead of `commit`.
+
 Adding a strategy is one new module implementing `Decoder` plus one line in the registry.
 """
 
@@ -94,6 +100,20 @@ class Decoder:
         ctx: StepContext,
     ) -> list[Commit]:
         raise NotImplementedError
+
+    def plain_steps(self, seqs: list[Sequence]) -> int:
+        """For how many steps, this one first, `seqs` decode exactly as `ar` decodes them.
+
+        Asked after `propose`, when the core may fuse decode steps. An answer above 1 promises
+        that this step proposed nothing for `seqs` and that the next `answer - 1` steps would
+        propose nothing either and commit one sampled token each; the core may then run up to
+        that many steps back to back without asking the decoder in between. 0: not even this.
+        """
+        return 0
+
+    def fused(self, seqs: list[Sequence], steps: int) -> None:
+        """`steps` fused decode steps (this one first) committed `seqs`' tokens without `commit`:
+        advance whatever the decoder counts per step as if it had run them one by one."""
 
     def release(self, seq: Sequence, ctx: StepContext) -> None:
         """The sequence finished or was preempted: drop whatever state the decoder kept for it."""

@@ -66,6 +66,9 @@ a hold, and after a step whose plans were all K = 0, until the next probe (estim
 only when drafts are scored). Then `extra_tokens` is one check per sequence, `propose`
 returns the shared empty proposal, `commit` is `ar`'s batched draw, nothing per sequence is
 updated, and the core launches the next step ahead (nothing is timed against a quiet step).
+Since a quiet period's end is known in advance, a small greedy batch runs its quiet steps as
+fused decode steps, as `ar` does (`plain_steps`): a fused run ends before the period does, so
+that the probe or re-check there happens in the step it would have happened in anyway.
 """
 
 from __future__ import annotations
@@ -378,6 +381,15 @@ class Speculative(Decoder):
                 return True
         return False
 
+    def _quiet_steps(self, batch: int) -> int:
+        """How many steps from this one on are quiet at `batch`: until its hold or idle period
+        ends. 1 while plain decoding is being timed there: those steps run one by one."""
+        if self.measure_costs and self._timings_at(batch).plain_steps < self.PLAIN_WARMUP:
+            return 1
+        bucket = _bucket(batch)
+        ends = [p[1] for p in (self._hold, self._idle) if p is not None and p[0] == bucket]
+        return max([1] + [end - self._steps for end in ends])
+
     def _step_pays(self, seqs: list[Sequence], states: list[_State], ks: list[int]) -> bool:
         """Do the adaptive drafts of this step, together, pay for a draft-scoring step?"""
         if any(k and not s.decoder_options["adaptive"] for s, k in zip(seqs, ks, strict=True)):
@@ -504,6 +516,28 @@ class Speculative(Decoder):
         self._drafted = any(d.tokens for d in drafts)
         self._start_timing(seqs, len(seqs) + sum(len(d.tokens) for d in drafts), self._drafted)
         return [Proposal(list(d.tokens)) if d.tokens else _NOTHING for d in drafts]
+
+    def plain_steps(self, seqs: list[Sequence]) -> int:
+        """For how many steps, this one first, `seqs` decode exactly as `ar` (see
+        `Decoder.plain_steps`): none if this step drafted; sequences without drafts (K = 0)
+        any number; adaptive ones until their quiet period ends (`_quiet_steps`: the next
+        plan may probe or re-check); fixed K > 0 only this step (the next one may draft)."""
+        if self._drafted:
+            return 0
+        adaptive = False
+        for seq in seqs:
+            options = seq.decoder_options
+            if options["num_speculative_tokens"]:
+                if not options["adaptive"]:
+                    return 1
+                adaptive = True
+        return self._quiet_steps(len(seqs)) if adaptive else 1 << 30
+
+    def fused(self, seqs: list[Sequence], steps: int) -> None:
+        """`steps` quiet steps ran fused: count them; their wall time is no plain step's cost."""
+        self._steps += steps
+        self._timing = None
+        self._quiet = self._quiet_at(self._last_batch)
 
     def _start_timing(self, seqs: list[Sequence], tokens: int, drafted: bool) -> None:
         """Time the verification forward of decode-only steps (a prefill would skew it), unless

@@ -221,7 +221,7 @@ class EngineCore:
                 proposals[i] = prop
 
         chunks = [self._chunk(item, prop) for item, prop in zip(plan, proposals, strict=True)]
-        steps = self._fused_steps(plan)
+        steps = self._fused_steps(plan, by_decoder)
         if steps > 1:
             self.last_num_tokens = len(chunks) * steps
             tokens = self.engine.runner.decode_steps(chunks, steps, Autoregressive.device_sample)
@@ -230,7 +230,7 @@ class EngineCore:
         logits = self.engine.runner.forward(chunks)
         return _Launched(plan, by_decoder, proposals, logits)
 
-    def _fused_steps(self, plan: list[Scheduled]) -> int:
+    def _fused_steps(self, plan: list[Scheduled], by_decoder: dict[str, list[int]]) -> int:
         """How many decode steps this engine step runs back to back (1: just its own).
 
         Fused steps queue several forwards on the GPU with the tokens fed from one to the next
@@ -238,22 +238,21 @@ class EngineCore:
         paid once for several tokens. That work is a large share of a step only at a small
         batch, so fusing is kept to small batches (`FUSE_MAX_BATCH`) of plain greedy decoding
         with nobody waiting to join: a request arriving meanwhile waits at most `steps - 1`
-        steps, and a sequence that stops early wastes the rest of its steps.
+        steps, and a sequence that stops early wastes the rest of its steps. Another decoder's
+        rows join for as many steps as it would decode them as `ar` (`Decoder.plain_steps`).
         """
         steps = self.fused_decode_steps
         if steps <= 1 or len(plan) > FUSE_MAX_BATCH or self.scheduler.waiting or self._grouped:
             return 1
         for item in plan:
             seq = item.seq
-            if not (
-                item.completes_tail
-                and item.num_tail == 1
-                and seq.decoder in self._plain
-                and Autoregressive.fusable(seq)
-            ):
+            if not (item.completes_tail and item.num_tail == 1 and Autoregressive.fusable(seq)):
                 return 1
             left = seq.params.max_tokens - seq.num_output_tokens
             steps = min(steps, left, self.engine.max_model_len - len(seq.token_ids))
+        for name, idx in by_decoder.items():
+            if name not in self._plain:
+                steps = min(steps, self.decoders[name].plain_steps([plan[i].seq for i in idx]))
         if steps <= 1:
             return 1
         try:
@@ -272,6 +271,11 @@ class EngineCore:
         plan, proposals, logits = launched.plan, launched.proposals, launched.logits
         if launched.tokens is not None:
             steps = len(launched.tokens)
+            for name, idx in launched.by_decoder.items():  # propose ran, commit does not
+                if name not in self._plain:
+                    seqs = [plan[i].seq for i in idx if plan[i].seq.status is not Status.FINISHED]
+                    if seqs:
+                        self.decoders[name].fused(seqs, steps)
             for item, tokens in zip(plan, launched.tokens.T.tolist(), strict=True):
                 if item.seq.status is not Status.FINISHED:
                     commit = Commit(tokens, [None] * steps, steps - 1, forward_passes=steps)
