@@ -504,6 +504,36 @@ def test_a_quiet_step_proposes_nothing_and_commits_like_ar(tiny_dir):
     assert dec._quiet and dec.extra_tokens(fixed, cap=K) == K
 
 
+def test_fused_steps_cover_quiet_steps_up_to_the_next_plan(tiny_dir):
+    """`plain_steps` lets the core fuse a quiet period up to its end, never a drafting step,
+    steps that time plain decoding, or a fixed-K request's next step; `fused` counts them."""
+    engine = Engine(EngineConfig(model=str(tiny_dir), device="cpu", kv_cache_memory=8 << 20))
+    dec = Speculative(engine, saturation_tokens=256)
+    ctx = StepContext(eos_ids=set(), device=torch.device("cpu"))
+
+    def request(**options) -> Sequence:
+        seq = Sequence("s", [5, 6, 7, 8] * 4, greedy(64), "speculative")
+        seq.decoder_options = dec.validate(seq.params, {"draft": "ngram", **options})
+        return seq
+
+    seq = request()
+    dec.extra_tokens(seq, cap=K)
+    assert not dec.propose([seq], ctx)[0].tokens
+    assert dec.plain_steps([seq]) == 1  # plain decoding is being timed: one step at a time
+    dec._timings[_bucket(1)] = _Timings(plain_s=1.0, spec=1.0, plain_steps=dec.PLAIN_WARMUP)
+    dec._hold = (_bucket(1), dec._steps + 10)
+    assert dec.plain_steps([seq]) == 10 and dec.plain_steps([seq, request()]) == 1
+    dec.fused([seq], 4)
+    assert dec._steps == 4 and dec._quiet and dec.plain_steps([seq]) == 6
+    dec.fused([seq], 6)
+    assert not dec._quiet  # the re-check is due: the next step plans
+    assert dec.plain_steps([seq, request(num_speculative_tokens=0)]) == 1
+    assert dec.plain_steps([request(num_speculative_tokens=0)]) > 8  # never drafts
+    assert dec.plain_steps([request(adaptive=False)]) == 1  # its next step drafts
+    dec._drafted = True
+    assert dec.plain_steps([seq]) == 0
+
+
 def test_adaptive_backs_off_when_drafts_fail(tiny_dir, reference):
     """Early exit after one of two layers is cheap but poor here: K falls to 0, with probes."""
     engine = Engine(EngineConfig(model=str(tiny_dir), device="cpu", kv_cache_memory=8 << 20))
