@@ -38,10 +38,13 @@ from stride.decoders.registry import build_decoders  # noqa: E402
 from stride.decoders.speculative import Speculative  # noqa: E402
 from stride.engine.cuda_graphs import _TABLE, DecodeGraphs  # noqa: E402
 from stride.engine.engine import Engine, EngineConfig  # noqa: E402
+from stride.engine.runner import MAX_GRAPH_QUERY  # noqa: E402
 from stride.engine.sequence import SamplingParams  # noqa: E402
 from stride.scheduler.core import EngineCore  # noqa: E402
 from stride.scheduler.outputs import GenerateRequest  # noqa: E402
 from tests.tiny import make_model_dir  # noqa: E402
+
+MAX_FUSED_STEPS = 16
 
 
 class HostGraphs(DecodeGraphs):
@@ -56,6 +59,10 @@ class HostGraphs(DecodeGraphs):
         self._host_np = self._host.numpy()
         self._inputs = torch.zeros(max_batch, width, dtype=torch.int32)
         self._logits = torch.randn(max_batch, vocab, generator=torch.Generator().manual_seed(0))
+        # `run_steps`' per-step input arrays, allocated up front (unpinned: no device here);
+        # each fused step's tokens are the argmax of the fixed logits.
+        steps = torch.zeros(MAX_FUSED_STEPS * max_batch, width, dtype=torch.int32)
+        self._steps_host, self._steps_inputs = steps, steps.clone()
         self._copied = _NoEvent()
         self._graphs = {b: _NoGraph() for b in self.buckets}
 
@@ -78,7 +85,9 @@ def run(args: argparse.Namespace, decoder: str) -> dict[str, Any]:
     model_dir = make_model_dir(Path(tempfile.mkdtemp()) / "tiny")
     engine = Engine(EngineConfig(model=str(model_dir), device="cpu", max_model_len=1024))
     vocab = engine.hf_config.vocab_size
-    engine.runner.graphs = HostGraphs(engine.cache, vocab, args.concurrency)
+    # Rows for a draft-scoring step too (a graph row per scored token), as on the GPU.
+    rows = max(args.concurrency, MAX_GRAPH_QUERY)
+    engine.runner.graphs = HostGraphs(engine.cache, vocab, rows)
     decoders = build_decoders(engine)
     decoders["speculative"] = Speculative(engine, saturation_tokens=args.saturation)
     core = EngineCore(engine, decoders=decoders)
