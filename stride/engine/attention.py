@@ -110,9 +110,9 @@ def decode_attention(
     """Paged decode attention: q [B, H, D] against each sequence's blocks. Returns [B, H, D].
 
     One program per (sequence, KV head) would leave most of the GPU idle at a small batch while
-    each walks its whole context; the context is split among several programs, and the last of
-    them to finish merges their partial softmax sums (flash-decoding in one launch, not two).
-    `launch` overrides (splits, tokens per tile, warps); bench/bench_kernels.py sweeps it.
+    each walks its whole context; the context is split among several programs whose partial
+    softmax sums a second kernel merges (flash-decoding). `launch` overrides
+    (splits, tokens per tile, warps); bench/bench_kernels.py sweeps it.
     """
     b, h, d = q.shape
     kv = k_cache.shape[1]
@@ -124,9 +124,8 @@ def decode_attention(
     # 90 rows. Tiles of 16 tokens on 2 warps (bench/bench_kernels.py, H200): 1.4-2.5x faster
     # than 64-token tiles on 8 warps at contexts up to 256 and at batch 16-64 up to 1,024; a
     # lone sequence past ~1,000 tokens is slower than with long tiles.
-    if launch is None:
-        launch = (max(1, min(16, 2 * _num_sms(q.device) // (b * kv))), 16, 2)
-    splits, block_n, warps = launch
+    splits = max(1, min(16, 2 * _num_sms(q.device) // (b * kv)))
+    splits, block_n, warps = launch or (splits, 16, 2)
     out = torch.empty_like(q)
     partial = torch.empty(b, h, splits, d + 2, dtype=torch.float32, device=q.device)
     _decode_kernel[(b, kv, splits)](
@@ -135,7 +134,6 @@ def decode_attention(
         v_cache,
         out,
         partial,
-        _arrivals(q.device, b * kv),
         meta.block_tables,
         lengths,
         q.stride(0),
@@ -152,23 +150,20 @@ def decode_attention(
         HEAD_DIM=d,
         BLOCK_SIZE=meta.block_size,
         BLOCK_N=block_n,
-        SPLITS_P2=max(triton.next_power_of_2(splits), 2),
+        SPLIT=splits > 1,
         num_warps=warps,
     )
+    if splits > 1:
+        _merge_kernel[(b, h)](
+            partial,
+            out,
+            out.stride(0),
+            out.stride(1),
+            splits,
+            HEAD_DIM=d,
+            SPLITS_P2=max(triton.next_power_of_2(splits), 2),
+        )
     return out
-
-
-_ARRIVALS: dict[torch.device, list[torch.Tensor]] = {}
-
-
-def _arrivals(device: torch.device, n: int) -> torch.Tensor:
-    """Zeroed int32 counters, one per (sequence, KV head): how many splits have finished. The
-    last split resets its counter, so they are zero again after every launch. Buffers are never
-    freed, because captured CUDA graphs keep their addresses."""
-    buffers = _ARRIVALS.setdefault(device, [])
-    if not buffers or buffers[-1].numel() < n:
-        buffers.append(torch.zeros(max(n, 1 << 14), dtype=torch.int32, device=device))
-    return buffers[-1]
 
 
 _SMS: dict[int, int] = {}
@@ -210,7 +205,6 @@ if triton is not None:
         v_ptr,
         out_ptr,
         part_ptr,
-        arrivals_ptr,
         tables_ptr,
         lens_ptr,
         stride_qt,
@@ -227,12 +221,11 @@ if triton is not None:
         HEAD_DIM: tl.constexpr,
         BLOCK_SIZE: tl.constexpr,
         BLOCK_N: tl.constexpr,
-        SPLITS_P2: tl.constexpr,
+        SPLIT: tl.constexpr,
     ):
         """One program per (sequence, KV head, context split): all query heads of the group share
-        each key load; online softmax in fp32, BLOCK_N tokens at a time. With several splits,
-        each stores its unnormalised sums, running max and denominator, then counts itself in;
-        the last to arrive merges them all (`_merge`)."""
+        each key load; online softmax in fp32, BLOCK_N tokens at a time. Split programs store
+        their unnormalised sums, running max and denominator for `_merge_kernel`."""
         seq = tl.program_id(0)
         kv_head = tl.program_id(1)
         split = tl.program_id(2)
@@ -270,7 +263,7 @@ if triton is not None:
             denom = denom * alpha + tl.sum(p, axis=1)
             acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
             m = m_new
-        if num_splits > 1:
+        if SPLIT:
             # partial[seq, head, split] = (acc[0:D], max, denominator); an empty split leaves
             # max -inf and denominator 0, which the merge weighs as nothing.
             row = part_ptr + ((seq * GROUP * tl.num_programs(1) + heads) * num_splits + split) * (
@@ -279,16 +272,6 @@ if triton is not None:
             tl.store(row[:, None] + d[None, :], acc, mask=g_ok[:, None])
             tl.store(row + HEAD_DIM, m, mask=g_ok)
             tl.store(row + HEAD_DIM + 1, denom, mask=g_ok)
-            # The barrier and the counter's acq_rel order every thread's stores above before the
-            # count; the last to count sees all splits' stores (and reads them from L2, `_merge`).
-            tl.debug_barrier()
-            counter = arrivals_ptr + seq * tl.num_programs(1) + kv_head
-            if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
-                tl.store(counter, 0)
-                for g_i in tl.static_range(GROUP):
-                    head = kv_head * GROUP + g_i
-                    _merge(part_ptr, out_ptr, seq, head, stride_ot, stride_oh, num_splits,
-                           tl.num_programs(1) * GROUP, HEAD_DIM, SPLITS_P2)  # fmt: skip
         else:
             out = tl.where(denom[:, None] > 0, acc / denom[:, None], 0.0)  # empty context: 0
             tl.store(
@@ -298,18 +281,25 @@ if triton is not None:
             )
 
     @triton.jit
-    def _merge(part_ptr, out_ptr, seq, head, stride_ot, stride_oh, num_splits, num_heads,
-               HEAD_DIM: tl.constexpr, SPLITS_P2: tl.constexpr):  # fmt: skip
+    def _merge_kernel(
+        part_ptr,
+        out_ptr,
+        stride_ot,
+        stride_oh,
+        num_splits,
+        HEAD_DIM: tl.constexpr,
+        SPLITS_P2: tl.constexpr,
+    ):
         """Combine one (sequence, head)'s split partial softmax sums into its output row."""
+        seq = tl.program_id(0)
+        head = tl.program_id(1)
         sp = tl.arange(0, SPLITS_P2)
         d = tl.arange(0, HEAD_DIM)
         sp_ok = sp < num_splits
-        rows = part_ptr + ((seq * num_heads + head) * num_splits + sp) * (HEAD_DIM + 2)
-        # .cg: read past this SM's L1, which may hold nothing of the other splits' stores anyway
-        m = tl.load(rows + HEAD_DIM, mask=sp_ok, other=float("-inf"), cache_modifier=".cg")
-        denom = tl.load(rows + HEAD_DIM + 1, mask=sp_ok, other=0.0, cache_modifier=".cg")
-        acc = tl.load(rows[:, None] + d[None, :], mask=sp_ok[:, None], other=0.0,
-                      cache_modifier=".cg")  # fmt: skip
+        rows = part_ptr + ((seq * tl.num_programs(1) + head) * num_splits + sp) * (HEAD_DIM + 2)
+        m = tl.load(rows + HEAD_DIM, mask=sp_ok, other=float("-inf"))
+        denom = tl.load(rows + HEAD_DIM + 1, mask=sp_ok, other=0.0)
+        acc = tl.load(rows[:, None] + d[None, :], mask=sp_ok[:, None], other=0.0)
         m_max = tl.max(m, axis=0)
         w = tl.where(sp_ok & (denom > 0), tl.exp(m - m_max), 0.0)
         total = tl.sum(denom * w, axis=0)
