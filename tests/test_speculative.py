@@ -530,6 +530,9 @@ def test_fused_steps_cover_quiet_steps_up_to_the_next_plan(tiny_dir):
     assert dec.plain_steps([seq, request(num_speculative_tokens=0)]) == 1
     assert dec.plain_steps([request(num_speculative_tokens=0)]) > 8  # never drafts
     assert dec.plain_steps([request(adaptive=False)]) == 1  # its next step drafts
+    dec._hold = (_bucket(1), dec._steps + 10)
+    dec._timing = (0.0, 1, False, dec._timings_at(1))
+    assert dec.plain_steps([seq]) == 1  # a step timed as a plain one runs alone
     dec._drafted = True
     assert dec.plain_steps([seq]) == 0
 

@@ -519,11 +519,14 @@ class Speculative(Decoder):
 
     def plain_steps(self, seqs: list[Sequence]) -> int:
         """For how many steps, this one first, `seqs` decode exactly as `ar` (see
-        `Decoder.plain_steps`): none if this step drafted; sequences without drafts (K = 0)
-        any number; adaptive ones until their quiet period ends (`_quiet_steps`: the next
-        plan may probe or re-check); fixed K > 0 only this step (the next one may draft)."""
+        `Decoder.plain_steps`): none if this step drafted; only this one if it is timed (a
+        fused run's wall time is no plain step's cost) or a sequence drafts a fixed K > 0 (its
+        next step may draft); else any number for sequences at a fixed K = 0, and for adaptive
+        ones until their quiet period ends (`_quiet_steps`: the next plan may probe)."""
         if self._drafted:
             return 0
+        if self._timing is not None:
+            return 1
         adaptive = False
         for seq in seqs:
             options = seq.decoder_options
@@ -534,9 +537,8 @@ class Speculative(Decoder):
         return self._quiet_steps(len(seqs)) if adaptive else 1 << 30
 
     def fused(self, seqs: list[Sequence], steps: int) -> None:
-        """`steps` quiet steps ran fused: count them; their wall time is no plain step's cost."""
+        """`steps` quiet steps ran fused: count them, and see whether the next one is quiet."""
         self._steps += steps
-        self._timing = None
         self._quiet = self._quiet_at(self._last_batch)
 
     def _start_timing(self, seqs: list[Sequence], tokens: int, drafted: bool) -> None:
