@@ -129,13 +129,16 @@ def test_multi_token_chunks_replay_as_graph_rows(tiny_dir, decoder, options, mon
 
 
 def _chunks(engine: Engine, lengths: list[int]) -> list[Chunk]:
-    """Random prompts with KV reserved; fresh engines reserve the same blocks in the same order."""
+    """Random prompts with KV reserved; fresh engines reserve the same blocks in the same order.
+    A negative length -n is a decode step: n tokens of which the first n - 1 count as cached."""
     g = torch.Generator().manual_seed(0)
     chunks = []
     for n in lengths:
-        seq = Sequence("r", torch.randint(3, 384, (n,), generator=g).tolist(), SamplingParams())
-        engine.cache.reserve(seq, n)
-        chunks.append(Chunk(seq, seq.token_ids, 1))
+        ids = torch.randint(3, 384, (abs(n),), generator=g).tolist()
+        seq = Sequence("r", ids, SamplingParams())
+        engine.cache.reserve(seq, abs(n))
+        seq.num_cached = -n - 1 if n < 0 else 0
+        chunks.append(Chunk(seq, seq.tail, 1))
     return chunks
 
 
@@ -155,11 +158,14 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 @needs_triton
 @needs_cuda
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-@pytest.mark.parametrize("lengths", [[1], [5, 3], [30, 9]], ids=["one-row", "rows", "prefill"])
+@pytest.mark.parametrize(
+    "lengths", [[1], [-9], [5, 3], [30, 9]], ids=["one-row", "decode-row", "rows", "prefill"]
+)
 def test_fused_forward_matches_module_forward(tiny_dirs, arch, lengths):
-    """Both fused layer shapes (for one row, a Triton GEMV with norm, SiLU and residual folded
-    in; for more, cuBLAS GEMMs beside fused elementwise kernels) against the module forward:
-    equal in fp32, and in bf16 as close to the fp32 result as the module forward itself is."""
+    """Both fused layer shapes (for one row, Triton GEMVs with norm, rotary + KV write, SiLU and
+    residual folded in; for more, cuBLAS GEMMs beside fused elementwise kernels) against the
+    module forward: equal in fp32, and in bf16 as close to the fp32 result as the module forward
+    itself is. The decode row sits at position 8, so rotary is not the identity."""
     engines = {}  # caches of as many blocks, so that both dtypes write the same slots
     for dtype, megabytes in (("float32", 16), ("bfloat16", 8)):
         config = EngineConfig(model=str(tiny_dirs[arch]), device="cuda", dtype=dtype,

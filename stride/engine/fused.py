@@ -7,11 +7,12 @@ gate/up weights are concatenated once, and the model's own parameters become vie
 concatenation, so nothing is stored twice and the module forward still works.
 
 Two layer shapes, by the number of rows:
-  - one row (a single stream's decode step, where the weights' bandwidth is the whole cost): six
-    kernels per layer. A Triton GEMV folds the work around each product into it: RMSNorm before
-    the QKV and gate/up products, SiLU*up after gate/up, the residual add after the O and down
-    products. Then rotary+KV write and attention. On an H200 it streams the weights at or above
-    cuBLAS's rate (bench/bench_gpu.py measures the whole step).
+  - one row (a single stream's decode step, where the weights' bandwidth is the whole cost): a
+    Triton GEMV folds the work around each product into it: RMSNorm before the QKV and gate/up
+    products, rotary and the KV-cache write after QKV, SiLU*up after gate/up, the residual add
+    after the O and down products. With attention (and its split merge) that is six kernels per
+    layer. On an H200 the GEMV streams weights at or above cuBLAS's rate
+    (bench/bench_kernels.py; bench/bench_gpu.py measures the whole step).
   - more rows: cuBLAS GEMMs with add+RMSNorm, rotary+KV write and SiLU*up as Triton kernels.
     (A tensor-core variant of the fused GEMV for up to 16 rows lost to this path when measured:
     its in-loop norm work cost more than the launches it saved.)
@@ -111,8 +112,9 @@ class FusedForward:
         """One row's layer in six kernels; `residual` is updated in place."""
         a = layer.self_attn
         k_cache, v_cache = kv[0][a.layer], kv[1][a.layer]
-        qkv = gemv(residual, *self.qkv[i], norm=layer.input_layernorm)
-        q = rope_and_cache(qkv, *rope, k_cache, v_cache, meta.slot_mapping, a)
+        weight, bias = self.qkv[i]
+        q = qkv_rope_cache(residual, weight, bias, layer.input_layernorm, rope, k_cache, v_cache,
+                           meta.slot_mapping, a)  # fmt: skip
         o = attend(q, k_cache, v_cache, meta)
         gemv(o.view(o.shape[0], -1), a.o_proj.weight, add_to=residual)
         act = gemv(residual, self.gate_up[i], norm=layer.post_attention_layernorm, silu_mul=True)
@@ -168,14 +170,68 @@ def gemv(
         n,
         k,
         norm.eps if norm is not None else 0.0,
+        *[dummy] * 6,  # rotary operands
         NORM=norm is not None,
         BIAS=bias is not None,
         SILU_MUL=silu_mul,
         ADD=add_to is not None,
         ONE_TILE=k <= tile["BK"],
+        ROPE=False,
+        HEADS=0,
+        KV_HEADS=0,
+        HEAD_DIM=0,
         **tile,
     )
     return out
+
+
+def qkv_rope_cache(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    norm: torch.nn.Module,
+    rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+    attn: torch.nn.Module,
+) -> torch.Tensor:
+    """One row's RMSNorm, QKV product, rotary and KV-cache write in one kernel; returns q
+    [1, H, D]. Each program computes output columns in rotary pairs (d, d + D/2) of a head, so it
+    holds both halves that rotating needs; the rounding is `rope_and_cache`'s."""
+    h, kv, d = attn.num_heads, attn.num_kv_heads, attn.head_dim
+    n, k = weight.shape
+    q = torch.empty(1, h, d, dtype=x.dtype, device=x.device)
+    tile = _gemv_tile(n, k, False)
+    tile["BN"] = max(1, tile["BN"] // 2)  # pairs of columns
+    cos, sin, positions = rope
+    _gemv_row_kernel[(triton.cdiv(n // 2, tile["BN"]),)](
+        x,
+        weight,
+        bias if bias is not None else weight,
+        norm.weight,
+        q,
+        n,
+        k,
+        norm.eps,
+        cos,
+        sin,
+        positions,
+        slots,
+        k_cache,
+        v_cache,
+        NORM=True,
+        BIAS=bias is not None,
+        SILU_MUL=False,
+        ADD=False,
+        ONE_TILE=k <= tile["BK"],
+        ROPE=True,
+        HEADS=h,
+        KV_HEADS=kv,
+        HEAD_DIM=d,
+        **tile,
+    )
+    return q
 
 
 def _gemv_tile(n: int, k: int, silu_mul: bool) -> dict[str, int]:
@@ -355,21 +411,41 @@ if triton is not None:
         N,
         K,
         eps,
+        cos_ptr,
+        sin_ptr,
+        pos_ptr,
+        slot_ptr,
+        k_cache_ptr,
+        v_cache_ptr,
         NORM: tl.constexpr,
         BIAS: tl.constexpr,
         SILU_MUL: tl.constexpr,
         ADD: tl.constexpr,
         ONE_TILE: tl.constexpr,
+        ROPE: tl.constexpr,
+        HEADS: tl.constexpr,
+        KV_HEADS: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
         BN: tl.constexpr,
         BK: tl.constexpr,
     ):
         """Output columns [BN * pid, BN * (pid + 1)) of one row. Products are summed in registers
         across the K loop and reduced once at the end. RMSNorm, when asked: if x fits one K tile,
         it is applied to x as the module applies it; else it is split in two, its gain on x as it
-        is loaded and 1/rms (from the sum of squares of the same loads) on the output."""
+        is loaded and 1/rms (from the sum of squares of the same loads) on the output.
+        With SILU_MUL or ROPE each column comes with a second one (its up row; the other half of
+        its rotary pair), whose product is summed beside it in `up`."""
         dtype = out_ptr.dtype.element_ty
-        cols = tl.program_id(0) * BN + tl.arange(0, BN)
-        col_ok = cols < N
+        if ROPE:
+            pairs = tl.program_id(0) * BN + tl.arange(0, BN)
+            col_ok = pairs < N // 2
+            head = pairs // (HEAD_DIM // 2)
+            cols = head * HEAD_DIM + pairs % (HEAD_DIM // 2)
+            second = HEAD_DIM // 2 * K
+        else:
+            cols = tl.program_id(0) * BN + tl.arange(0, BN)
+            col_ok = cols < N
+            second = N * K  # SILU_MUL: the up rows follow the gate rows
         ks = tl.arange(0, BK)
         w_rows = w_ptr + cols[:, None].to(tl.int64) * K
         acc = tl.zeros([BN, BK], dtype=tl.float32)
@@ -389,8 +465,8 @@ if triton is not None:
                     x = x * gain
             w_ok = col_ok[:, None] & k_ok[None, :]
             acc += tl.load(w_rows + k[None, :], mask=w_ok, other=0.0).to(tl.float32) * x[None, :]
-            if SILU_MUL:  # the up rows follow the gate rows
-                w = tl.load(w_rows + N * K + k[None, :], mask=w_ok, other=0.0)
+            if SILU_MUL or ROPE:
+                w = tl.load(w_rows + second + k[None, :], mask=w_ok, other=0.0)
                 up += w.to(tl.float32) * x[None, :]
         y = tl.sum(acc, axis=1)
         u = tl.sum(up, axis=1)
@@ -400,10 +476,45 @@ if triton is not None:
             u *= scale
         if BIAS:
             y += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
-        if SILU_MUL:
-            gate = y.to(dtype).to(tl.float32)
-            y = (gate / (1.0 + tl.exp(-gate))).to(dtype) * u.to(dtype)
-        y = y.to(dtype)
-        if ADD:
-            y = (y + tl.load(out_ptr + cols, mask=col_ok, other=0.0)).to(dtype)
-        tl.store(out_ptr + cols, y, mask=col_ok)
+            if ROPE:
+                u += tl.load(bias_ptr + cols + HEAD_DIM // 2, mask=col_ok, other=0.0).to(tl.float32)
+        if ROPE:
+            _rope_store(y.to(dtype), u.to(dtype), head, cols - head * HEAD_DIM, col_ok, cos_ptr,
+                        sin_ptr, pos_ptr, slot_ptr, out_ptr, k_cache_ptr, v_cache_ptr, HEADS,
+                        KV_HEADS, HEAD_DIM)  # fmt: skip
+        else:
+            if SILU_MUL:
+                gate = y.to(dtype).to(tl.float32)
+                y = (gate / (1.0 + tl.exp(-gate))).to(dtype) * u.to(dtype)
+            y = y.to(dtype)
+            if ADD:
+                y = (y + tl.load(out_ptr + cols, mask=col_ok, other=0.0)).to(dtype)
+            tl.store(out_ptr + cols, y, mask=col_ok)
+
+    @triton.jit
+    def _rope_store(a, b, head, j, ok, cos_ptr, sin_ptr, pos_ptr, slot_ptr, q_ptr,
+                    k_cache_ptr, v_cache_ptr, HEADS: tl.constexpr, KV_HEADS: tl.constexpr,
+                    HEAD_DIM: tl.constexpr):  # fmt: skip
+        """Columns j and j + D/2 of heads `head` (a, b: the projection, rounded): rotate q and k
+        heads as `_rotate` does, then store q to q_ptr and k, v to the row's cache slot."""
+        half: tl.constexpr = HEAD_DIM // 2
+        pos = tl.load(pos_ptr).to(tl.int64) * HEAD_DIM
+        c1 = tl.load(cos_ptr + pos + j)
+        c2 = tl.load(cos_ptr + pos + j + half)
+        s1 = tl.load(sin_ptr + pos + j)
+        s2 = tl.load(sin_ptr + pos + j + half)
+        rotated = head < HEADS + KV_HEADS
+        first = tl.where(rotated, ((a * c1).to(a.dtype) + (-b * s1).to(a.dtype)).to(a.dtype), a)
+        second = tl.where(rotated, ((b * c2).to(a.dtype) + (a * s2).to(a.dtype)).to(a.dtype), b)
+        is_q = ok & (head < HEADS)
+        tl.store(q_ptr + head * HEAD_DIM + j, first, mask=is_q)
+        tl.store(q_ptr + head * HEAD_DIM + j + half, second, mask=is_q)
+        slot = tl.load(slot_ptr).to(tl.int64) * (KV_HEADS * HEAD_DIM)
+        is_k = ok & rotated & (head >= HEADS)
+        k_at = k_cache_ptr + slot + (head - HEADS) * HEAD_DIM + j
+        tl.store(k_at, first, mask=is_k)
+        tl.store(k_at + half, second, mask=is_k)
+        is_v = ok & (head >= HEADS + KV_HEADS)
+        v_at = v_cache_ptr + slot + (head - HEADS - KV_HEADS) * HEAD_DIM + j
+        tl.store(v_at, first, mask=is_v)
+        tl.store(v_at + half, second, mask=is_v)
