@@ -12,6 +12,7 @@ from scipy.stats import chisquare
 
 from stride.decoders.autoregressive import Autoregressive
 from stride.decoders.base import Proposal, StepContext
+from stride.decoders.drafters import Draft, Drafter
 from stride.decoders.registry import DecodersConfig, build_decoders
 from stride.decoders.speculative import (
     Speculative,
@@ -416,7 +417,8 @@ def test_a_step_drafts_only_if_its_drafts_pay_for_it_at_this_batch_size(tiny_dir
             seq = Sequence(f"s{i}", repeats if i < hits else plain, greedy(8), "speculative")
             seq.decoder_options = dec.validate(seq.params, {"draft": "ngram"})
             state = dec._state(seq)
-            state.accepted, state.rejected = (10.0, 0.0) if alpha_good else (0.0, 10.0)
+            state.runs.reached = [10.0] * K
+            state.runs.passed = [10.0 if alpha_good else 0.0] * K
             state.born = dec._steps + 1 - dec.PROBE_EVERY if probe else dec._steps  # probe phase
             dec.extra_tokens(seq, cap=K)
             seqs.append(seq)
@@ -426,7 +428,7 @@ def test_a_step_drafts_only_if_its_drafts_pay_for_it_at_this_batch_size(tiny_dir
     # Batch 1: a drafting step 1.3x a plain one pays for good drafts, and for a probe.
     reserved, drafted = step(1, 1.3, hits=1, alpha_good=True)
     assert drafted[0] > 0
-    assert step(1, 1.3, hits=1, alpha_good=False, probe=True)[1] == [1]
+    assert step(1, 1.3, hits=1, alpha_good=False, probe=True)[1] == [K]  # all K: cheap here
     # ... but not at 5x, even for drafts accepted 93 % of the time: K = 0.
     assert step(1, 5.0, hits=1, alpha_good=True)[1] == [0]
     # Batch 64, all sequences drafting good drafts, scoring steps as dear as plain ones: K > 0.
@@ -438,7 +440,7 @@ def test_a_step_drafts_only_if_its_drafts_pay_for_it_at_this_batch_size(tiny_dir
     # ... and the next steps at this batch size do not even reserve (or look up) drafts.
     seq = Sequence("again", repeats, greedy(8), "speculative")
     seq.decoder_options = dec.validate(seq.params, {"draft": "ngram"})
-    dec._state(seq).accepted = 10.0
+    dec._state(seq).runs.reached = dec._state(seq).runs.passed = [10.0] * K
     assert dec.extra_tokens(seq, cap=K) == 0
     # When the hold ends, the check runs again; failing again, it holds twice as long.
     bucket, until = dec._hold
@@ -477,7 +479,7 @@ def test_a_quiet_step_proposes_nothing_and_commits_like_ar(tiny_dir):
 
     seqs, twins = batch(), batch()
     for seq in seqs:
-        dec._state(seq).accepted = 10.0  # drafts accepted so far: the policy would draft
+        dec._state(seq).runs.reached = dec._state(seq).runs.passed = [10.0] * K  # would draft
     dec._timings[_bucket(8)] = _Timings(plain_s=1.0, spec=1.0, plain_steps=dec.PLAIN_WARMUP)
     dec._hold = (_bucket(8), dec._steps + 100)  # an earlier step found drafts would not pay
     dec._last_batch = 8
@@ -551,3 +553,71 @@ def test_adaptive_backs_off_when_drafts_fail(tiny_dir, reference):
     assert tokens["s"] == reference[1]
     drafted = stats["s"]["draft_tokens"]
     assert 0 < drafted < stats["s"]["forward_passes"] // 2
+
+
+class BurstyDrafter(Drafter):
+    """All or nothing: every `every`-th pass of a sequence drafts the target's own next tokens,
+    the others token 0, which the target never picks (0 every time: `every` = 0)."""
+
+    name = "bursty"
+
+    def __init__(self, truth: list[int], every: int) -> None:
+        self.truth, self.every, self.passes = truth, every, {}
+
+    def draft(self, seqs, ks, eos_ids):
+        drafts = []
+        for seq, k in zip(seqs, ks, strict=True):
+            n = self.passes[seq.request_id] = self.passes.get(seq.request_id, 0) + 1
+            good = self.every and n % self.every == 0
+            at = seq.num_tokens
+            drafts.append(Draft(self.truth[at : at + k] if good else [0] * k))
+        return drafts
+
+
+def _bursty_run(tiny_dir, truth, every: int, batch: int, spec_cost: float, n: int):
+    """`batch` adaptive requests drafted by a BurstyDrafter, at step costs fixed by hand (a
+    draft-scoring step `spec_cost` × a plain one, GPU saturation); tokens and summed stats."""
+    engine = Engine(EngineConfig(model=str(tiny_dir), device="cpu", kv_cache_memory=32 << 20))
+    decoders = build_decoders(engine)
+    dec = Speculative(engine, saturation_tokens=256, measure_costs=False)
+    dec._costs = lambda drafter, b: StepCosts(256, spec=spec_cost)
+    dec._drafters[("ngram", 3)] = BurstyDrafter(truth, every)
+    decoders["speculative"] = dec
+    core = EngineCore(engine, SchedulerConfig(), decoders)
+    options = spec("ngram", adaptive=True)
+    requests = [
+        GenerateRequest(f"r{i}", PROMPTS[1], greedy(n), "speculative", options)
+        for i in range(batch)
+    ]
+    tokens, stats = run(core, requests)
+    totals = {
+        key: sum(s.get(key, 0) for s in stats.values()) for key in ("drafts", "forward_passes")
+    }
+    assert core.engine.cache.num_free_blocks == core.engine.cache.num_usable_blocks
+    return tokens, totals
+
+
+def test_adaptive_prices_bursty_drafts_by_their_measured_run_lengths(tiny_dir):
+    """A drafter right on one pass in three, then for all K = 4 drafts: 1/3 of its drafts pass,
+    yet a pass commits 1 + 4/3 ≈ 2.3 tokens, which pays for a scoring step 1.75x a plain one.
+    A geometric model fitted to what K = 1 probes see (a ≈ 1/3: E(4) ≈ 1.5) would stop
+    drafting; priced per position (the first draft passes 1/3 of the time, the ones after it
+    always), the policy keeps drafting. A drafter that is always wrong settles at K = 0, and so
+    does one that commits ~1.07 tokens per pass in a batch of 64 whose scoring steps cost 1.7x
+    (the GPU's numbers): there drafting does not pay."""
+    n = 48
+    plain, _ = run(make(tiny_dir), [GenerateRequest("r", PROMPTS[1], greedy(n))])
+    truth = PROMPTS[1] + plain["r"]
+    assert 0 not in plain["r"]
+
+    tokens, bursty = _bursty_run(tiny_dir, truth, every=3, batch=1, spec_cost=1.75, n=n)
+    assert tokens["r0"] == plain["r"]
+    assert bursty["drafts"] >= 10 and bursty["forward_passes"] <= 0.7 * n  # it drafted
+
+    tokens, wrong = _bursty_run(tiny_dir, truth, every=0, batch=1, spec_cost=1.75, n=n)
+    assert tokens["r0"] == plain["r"]
+    assert 0 < wrong["drafts"] <= n // 8  # a first try and rare probes: K = 0
+
+    tokens, large = _bursty_run(tiny_dir, truth, every=57, batch=64, spec_cost=1.7, n=24)
+    assert all(t == plain["r"][:24] for t in tokens.values())
+    assert large["drafts"] == 0  # (its probes, one draft each, do not pay for a scoring step)

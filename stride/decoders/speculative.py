@@ -20,8 +20,9 @@ requests have one-hot p, so this reduces to "accept while the draft equals the t
 deterministic drafters (n-gram) have one-hot q. The output distribution is the target's, token by
 token. Accepted drafts keep their target KV (`kv_keep`), the drafter rolls its own state back.
 
-Adaptive K (the policy, per sequence and step). With a per-position acceptance probability a,
-K drafts yield E(K) = 1 + a + … + a^K tokens per target pass. A step with K drafts costs
+Adaptive K (the policy, per sequence and step). With a_i the chance that draft i passes once
+drafts 0..i-1 have, K drafts yield E(K) = 1 + a_0 + a_0·a_1 + … + a_0·…·a_(K-1) tokens per target
+pass. A step with K drafts costs
 T(K) = spec·(1 + B(1+K)/S) + K·draft·(1 + B/S) and a plain one T0 = plain·(1 + B/S): a forward
 grows with the tokens it scores once past S "saturation" tokens (where the device turns from
 memory- to compute-bound: 16 on CPU, 256 on GPU), and each draft position is one batched drafter
@@ -38,12 +39,18 @@ measurement cannot pin K at 0), the costs come from sizes: scoring drafts costs 
 decoding does, drafting what the drafter's size says (0 for n-gram, L/layers for early exit,
 the parameter ratio for a draft model). Goodput relative to plain decoding is
 G(K) = E(K)·T0/T(K); the policy picks the K ≤ K_max with the largest G, and K = 0 (plain
-decoding, no drafter work) unless the best G beats 1 by 5 %. a is measured too: per sequence,
-decayed counts of accepted and rejected drafts (a geometric model: a rejection ends a step's
-run) on top of a prior taken from the drafter's acceptance over all sequences. A sequence held
-at K = 0 by low acceptance probes with K = 1 every 16 steps (counted from its start, so that
-sequences that started together probe in the same step) if good drafts would pay at the
-measured costs, so its estimate can recover.
+decoding, no drafter work) unless the best G beats 1 by 5 %. The a_i are measured, per position,
+not one a for all (`_Runs`): per sequence, decayed counts of the drafts scored at position i
+(their predecessors passed) and of those accepted there, shrunk towards a prior: the drafter's
+slow average over all sequences per position (0.6 before any). Acceptance is bursty, prompt
+lookup above all: its first draft often fails, but once it matches it matches long (SmolLM2
+copying code: a_0 ≈ a_1 ≈ 0.5, then ≈ 1, E(4) ≈ 2.3). One a for all positions, learned from a
+failed first draft or from probes of one draft, says E(4) ≈ 1.6 there and K stays 0. A
+sequence held at K = 0 by low acceptance probes every 16 steps (counted from its start, so that
+sequences that started together probe in the same step) if good drafts (a = 0.9) would pay at
+the measured costs, so its estimate can recover. A probe drafts what good drafts would, so that
+it measures how far runs go, where scoring them costs at most 10 % more than scoring one draft
+(a small batch on a GPU); else one draft.
 
 Then the step as a whole must pay. Whatever G(K) says per sequence, a step that scores any draft
 is a draft-scoring forward for all B rows (eager rather than a CUDA graph replay, a drafter
@@ -134,9 +141,19 @@ def verify(
     return accepted, residual
 
 
-def expected_tokens(alpha: float, k: int) -> float:
-    """1 + alpha + … + alpha^k, in closed form (the policy evaluates it per step and K)."""
-    return k + 1.0 if alpha == 1.0 else (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+Rates = float | tuple[float, ...]  # acceptance per draft position; a float: the same at each
+
+
+def expected_tokens(alpha: Rates, k: int) -> float:
+    """Tokens per target pass with k drafts: 1 + a0 + a0·a1 + … + a0·…·a(k-1), where a_i is the
+    chance that draft i passes once drafts 0..i-1 have (1 + alpha + … + alpha^k for a float)."""
+    if isinstance(alpha, float | int):
+        return k + 1.0 if alpha == 1.0 else (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+    total = reach = 1.0
+    for a in alpha[:k]:
+        reach *= a
+        total += reach
+    return total
 
 
 @dataclass
@@ -148,13 +165,13 @@ class StepCosts:
     spec: float = 1.0  # a verification forward that scores drafts
     draft: float = 0.0  # one batched drafter forward (one draft position)
 
-    def gain(self, alpha: float, batch: int, k: int) -> float:
+    def gain(self, alpha: Rates, batch: int, k: int) -> float:
         """Goodput with k drafts relative to plain decoding."""
         unit = 1 + batch / self.saturation
         step = self.spec * (1 + batch * (1 + k) / self.saturation) + k * self.draft * unit
         return expected_tokens(alpha, k) * self.plain * unit / step
 
-    def step_gain(self, batch: int, drafts: list[tuple[float, int]]) -> float:
+    def step_gain(self, batch: int, drafts: list[tuple[Rates, int]]) -> float:
         """Goodput of a whole step relative to a plain one, for (alpha, k) per drafting sequence.
 
         `gain` prices a sequence's drafts as if every sequence drafted as many; a step pays one
@@ -168,7 +185,7 @@ class StepCosts:
         return (batch + extra) / batch * self.plain * unit / step
 
 
-def choose_k(alpha: float, batch: int, k_max: int, costs: StepCosts) -> int:
+def choose_k(alpha: Rates, batch: int, k_max: int, costs: StepCosts) -> int:
     """The goodput-maximising number of drafts (see the module docstring); 0 when none pays."""
     best_k, best_gain = 0, 1.0
     for k in range(1, k_max + 1):
@@ -198,14 +215,40 @@ def _ema(old: float | None, new: float, weight: float = 0.2) -> float:
 
 
 @dataclass
+class _Runs:
+    """How far runs of accepted drafts go: decayed counts, per draft position, of drafts scored
+    there (those whose predecessors all passed) and of those accepted there."""
+
+    reached: list[float] = field(default_factory=list)
+    passed: list[float] = field(default_factory=list)
+
+    def add(self, drafted: int, accepted: int, decay: float) -> None:
+        """One verification: drafts up to the first rejected one were scored."""
+        reached, passed = self.reached, self.passed
+        for i in range(min(accepted + 1, drafted)):
+            if i == len(reached):
+                reached.append(0.0)
+                passed.append(0.0)
+            reached[i] = decay * reached[i] + 1.0
+            passed[i] = decay * passed[i] + (i < accepted)
+
+    def rates(self, prior: tuple[float, ...], weight: float) -> tuple[float, ...]:
+        """Acceptance per position (as many as `prior` has), shrunk towards `prior`."""
+        reached, passed, n = self.reached, self.passed, len(self.reached)
+        return tuple(
+            (passed[i] + weight * a) / (reached[i] + weight) if i < n else a
+            for i, a in enumerate(prior)
+        )
+
+
+@dataclass
 class _State:
     """Per-sequence speculation state (kept in `seq.decoder_state`)."""
 
     drafter: Drafter
-    accepted: float = 0.0  # decayed counts of accepted and rejected drafts
-    rejected: float = 0.0
+    runs: _Runs = field(default_factory=_Runs)  # how far this sequence's drafts go
     reserved: int = 0  # K that extra_tokens reserved for this step
-    probing: bool = False  # this step's K = 1 is a probe (see _plan)
+    probing: bool = False  # this step's K is a probe (see _plan)
     born: int = 0  # the decoder's step count when this state was made: the probe phase
     drafts: dict[str, Any] = field(default_factory=dict)
 
@@ -213,9 +256,10 @@ class _State:
 class Speculative(Decoder):
     name = "speculative"
     DECAY = 0.8
-    PRIOR_WEIGHT = 2.0
+    PRIOR_WEIGHT = 3.0
     PROBE_EVERY = 16
     PLAIN_WARMUP = 4  # plain steps timed at a batch size before anything is priced against them
+    PRIOR_ALPHA = 0.6  # a drafter's acceptance per position before any draft of it was scored
     PROBE_ALPHA = 0.9  # the acceptance a probe is priced at: it asks "would good drafts pay?"
     REMEASURE_EVERY = 256
     SYNC_EVERY = 32  # with launch-ahead, one step in this many runs unoverlapped to be timed
@@ -235,7 +279,7 @@ class Speculative(Decoder):
         self.draft_model = DraftModelDrafter(engine, draft_model) if draft_model else None
         self.measure_costs = measure_costs
         self._drafters: dict[tuple, Drafter] = {}
-        self._prior: dict[str, float] = {}  # drafter name → acceptance over all sequences
+        self._prior: dict[str, list[float]] = {}  # drafter name → rates over all sequences
         self._last_batch = 1
         self._timings: dict[int, _Timings] = {}  # _bucket(batch) → its measured step costs
         self._draft_ratio: dict[int, float] = {}  # id(drafter) → StepCosts.draft measured
@@ -321,10 +365,11 @@ class Speculative(Decoder):
 
     # ---- the adaptive policy --------------------------------------------------------------
 
-    def _alpha(self, state: _State) -> float:
-        prior = self._prior.get(state.drafter.name, 0.6)
-        w = self.PRIOR_WEIGHT
-        return (state.accepted + w * prior) / (state.accepted + state.rejected + w)
+    def _alpha(self, state: _State, k_max: int) -> tuple[float, ...]:
+        """The sequence's acceptance per draft position, on top of the drafter's (see above)."""
+        prior = self._prior.get(state.drafter.name)
+        prior = (self.PRIOR_ALPHA,) * k_max if prior is None else tuple(prior[:k_max])
+        return state.runs.rates(prior, self.PRIOR_WEIGHT)
 
     def _timings_at(self, batch: int) -> _Timings:
         bucket = _bucket(batch)
@@ -353,16 +398,23 @@ class Speculative(Decoder):
             return 0  # measure plain decoding first: it is what speculation must beat
         if self._hold and self._hold[0] == _bucket(batch) and self._steps < self._hold[1]:
             return 0  # a step at this batch size just found its drafts would not pay
-        k = self._choose(self._alpha(state), batch, k_max, state.drafter)
-        if k == 0 and self._choose(self.PROBE_ALPHA, batch, k_max, state.drafter) > 0:
+        k = self._choose(self._alpha(state, k_max), batch, k_max, state.drafter)
+        good_k = self._choose(self.PROBE_ALPHA, batch, k_max, state.drafter) if k == 0 else 0
+        if good_k:
             # Speculation would pay at this batch size if drafts were good: probe now and then,
             # all such sequences in the same step (one draft-scoring step, not many).
             wait = -(self._steps - state.born + 1) % self.PROBE_EVERY
             if wait == 0:
-                k, state.probing = 1, True
+                k, state.probing = self._probe_k(batch, good_k), True
             elif self._next_probe is None or self._steps + wait < self._next_probe:
                 self._next_probe = self._steps + wait
         return k
+
+    def _probe_k(self, batch: int, good_k: int) -> int:
+        """A probe drafts what good drafts would (it measures how far runs go, not only the
+        first position) where scoring them costs at most 10 % more than scoring one; else 1."""
+        s = self.saturation
+        return good_k if 1 + batch * (1 + good_k) / s <= 1.1 * (1 + 2 * batch / s) else 1
 
     def _quiet_at(self, batch: int) -> bool:
         """Is the next step's K = 0 for every adaptive sequence, without asking the policy?
@@ -394,10 +446,10 @@ class Speculative(Decoder):
         """Do the adaptive drafts of this step, together, pay for a draft-scoring step?"""
         if any(k and not s.decoder_options["adaptive"] for s, k in zip(seqs, ks, strict=True)):
             return True  # fixed K drafts anyway: the step scores drafts whatever we decide
-        drafts: dict[int, list[tuple[float, int]]] = {}  # by drafter: each prices its forwards
+        drafts: dict[int, list[tuple[Rates, int]]] = {}  # by drafter: each prices its forwards
         for st, k in zip(states, ks, strict=True):
             if k:
-                alpha = self.PROBE_ALPHA if st.probing else self._alpha(st)
+                alpha = self.PROBE_ALPHA if st.probing else self._alpha(st, k)
                 drafts.setdefault(id(st.drafter), []).append((alpha, k))
         by_id = {id(st.drafter): st.drafter for st in states}
         batch = len(seqs)
@@ -405,7 +457,7 @@ class Speculative(Decoder):
             self._costs(by_id[d], batch).step_gain(batch, ds) >= 1.05 for d, ds in drafts.items()
         )
 
-    def _choose(self, alpha: float, batch: int, k_max: int, drafter: Drafter) -> int:
+    def _choose(self, alpha: Rates, batch: int, k_max: int, drafter: Drafter) -> int:
         """choose_k, remembered until the costs change: in a large batch most sequences share
         alpha (the drafter's prior, at K = 0), so a step evaluates the policy a few times, not
         once per sequence."""
@@ -674,12 +726,10 @@ class Speculative(Decoder):
             stats.accepted_per_position[i] += 1
         if drafted == 0:
             return
-        rejected = 1 if accepted < drafted else 0
-        state.accepted = self.DECAY * state.accepted + accepted
-        state.rejected = self.DECAY * state.rejected + rejected
-        rate = accepted / (accepted + rejected)
-        name = state.drafter.name
-        self._prior[name] = 0.95 * self._prior.get(name, 0.6) + 0.05 * rate
+        state.runs.add(drafted, accepted, self.DECAY)
+        prior = self._prior.setdefault(state.drafter.name, [self.PRIOR_ALPHA] * MAX_K)
+        for i in range(min(accepted + 1, drafted)):  # a slow average over all sequences
+            prior[i] += 0.05 * ((i < accepted) - prior[i])
 
     def release(self, seq: Sequence, ctx: StepContext) -> None:
         if seq.decoder_state is not None:
