@@ -448,9 +448,9 @@ class Speculative(Decoder):
             return True  # fixed K drafts anyway: the step scores drafts whatever we decide
         drafts: dict[int, list[tuple[Rates, int]]] = {}  # by drafter: each prices its forwards
         for st, k in zip(states, ks, strict=True):
-            if k:
-                alpha = self.PROBE_ALPHA if st.probing else self._alpha(st, k)
-                drafts.setdefault(id(st.drafter), []).append((alpha, k))
+            if k:  # a probe is priced as one draft: its others cost next to nothing (_probe_k)
+                priced = (self.PROBE_ALPHA, 1) if st.probing else (self._alpha(st, k), k)
+                drafts.setdefault(id(st.drafter), []).append(priced)
         by_id = {id(st.drafter): st.drafter for st in states}
         batch = len(seqs)
         return all(
