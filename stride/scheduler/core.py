@@ -268,21 +268,10 @@ class EngineCore:
         outputs: list[RequestOutput],
         untexted: list[tuple[RequestOutput, Detokenizer]],
     ) -> None:
-        plan, proposals, logits = launched.plan, launched.proposals, launched.logits
         if launched.tokens is not None:
-            steps = len(launched.tokens)
-            for name, idx in launched.by_decoder.items():  # propose ran, commit does not
-                if name not in self._plain:
-                    seqs = [plan[i].seq for i in idx if plan[i].seq.status is not Status.FINISHED]
-                    if seqs:
-                        self.decoders[name].fused(seqs, steps)
-            for item, tokens in zip(plan, launched.tokens.T.tolist(), strict=True):
-                if item.seq.status is not Status.FINISHED:
-                    commit = Commit(tokens, [None] * steps, steps - 1, forward_passes=steps)
-                    out = self._apply(item.seq, commit, untexted)
-                    if out is not None:
-                        outputs.append(out)
+            self._commit_fused(launched, outputs, untexted)
             return
+        plan, proposals, logits = launched.plan, launched.proposals, launched.logits
         for item in plan:
             if not item.completes_tail and item.seq.status is not Status.FINISHED:
                 item.seq.num_cached += item.num_tail
@@ -296,6 +285,26 @@ class EngineCore:
             commits = self.decoders[name].commit(seqs, props, [logits[i] for i in idx], self.ctx)
             for seq, commit in zip(seqs, commits, strict=True):
                 out = self._apply(seq, commit, untexted)
+                if out is not None:
+                    outputs.append(out)
+
+    def _commit_fused(
+        self,
+        launched: _Launched,
+        outputs: list[RequestOutput],
+        untexted: list[tuple[RequestOutput, Detokenizer]],
+    ) -> None:
+        """Fused decode steps: each sequence commits its `steps` tokens, all but the last cached."""
+        plan, steps = launched.plan, len(launched.tokens)
+        for name, idx in launched.by_decoder.items():  # propose ran, commit does not
+            if name not in self._plain:
+                seqs = [plan[i].seq for i in idx if plan[i].seq.status is not Status.FINISHED]
+                if seqs:
+                    self.decoders[name].fused(seqs, steps)
+        for item, tokens in zip(plan, launched.tokens.T.tolist(), strict=True):
+            if item.seq.status is not Status.FINISHED:
+                commit = Commit(tokens, [None] * steps, steps - 1, forward_passes=steps)
+                out = self._apply(item.seq, commit, untexted)
                 if out is not None:
                     outputs.append(out)
 
