@@ -108,7 +108,7 @@ class FusedForward:
 
     def _one_row_layer(
         self, i: int, layer: torch.nn.Module, residual: torch.Tensor, rope, kv, meta
-    ):
+    ) -> None:
         """One row's layer in six kernels; `residual` is updated in place."""
         a = layer.self_attn
         k_cache, v_cache = kv[0][a.layer], kv[1][a.layer]
