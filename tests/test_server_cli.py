@@ -37,13 +37,15 @@ def test_flags_and_environment(monkeypatch):
             '{"type": "ar"}',
             "--max-waiting",
             "3",
+            "--fused-decode-steps",
+            "1",
         ]
     )
     assert args.port == 9123 and args.api_key == "k"
     config = server_config(args)
     assert config.engine.kv_cache_memory == 512 << 20
     assert config.decoders.default == {"type": "ar"} and config.decoders.trust_remote_code
-    assert config.scheduler.max_waiting == 3
+    assert config.scheduler.max_waiting == 3 and config.scheduler.fused_decode_steps == 1
     assert parse_bytes("2GiB") == 2 << 30 and parse_bytes("1000") == 1000
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--decoder", "nope"])

@@ -87,6 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
     _flag(e, "max-num-seqs", "most sequences in one step", 256, int)
     _flag(e, "max-num-batched-tokens", "most tokens in one step", 2048, int)
     _flag(e, "max-waiting", "queue size; beyond it requests get 429", 1024, int)
+    _flag(e, "fused-decode-steps", "decode steps per host sync for <= 8 greedy streams "
+          "(default 8 with CUDA graphs, 1 = off)", None, int)  # fmt: skip
 
     env = os.environ.get("STRIDE_ENGINE_PROCESS")
     e.add_argument(
@@ -131,6 +133,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
             max_waiting=args.max_waiting,
+            fused_decode_steps=args.fused_decode_steps,
         ),
         decoders=DecodersConfig(
             default=args.decoder,
