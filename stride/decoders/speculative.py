@@ -425,22 +425,21 @@ class Speculative(Decoder):
         drafts, and a sequence new to the decoder is planned anyway). Such a step
         costs what an `ar` step does: no per-sequence policy, lookups or bookkeeping.
         """
-        if self.measure_costs and self._timings_at(batch).plain_steps < self.PLAIN_WARMUP:
-            return True
-        bucket = _bucket(batch)
-        for period in (self._hold, self._idle):  # (bucket, the step it ends at)
-            if period is not None and period[0] == bucket and self._steps < period[1]:
-                return True
-        return False
+        return self._quiet_until(batch) is not None
 
     def _quiet_steps(self, batch: int) -> int:
         """How many steps from this one on are quiet at `batch`: until its hold or idle period
         ends. 1 while plain decoding is being timed there: those steps run one by one."""
+        until = self._quiet_until(batch)
+        return 1 if until is None else until - self._steps
+
+    def _quiet_until(self, batch: int) -> int | None:
+        """The step at which the quiet run at `batch` (see `_quiet_at`) ends; None: not quiet."""
         if self.measure_costs and self._timings_at(batch).plain_steps < self.PLAIN_WARMUP:
-            return 1
+            return self._steps + 1
         bucket = _bucket(batch)
         ends = [p[1] for p in (self._hold, self._idle) if p is not None and p[0] == bucket]
-        return max([1] + [end - self._steps for end in ends])
+        return max((end for end in ends if end > self._steps), default=None)
 
     def _step_pays(self, seqs: list[Sequence], states: list[_State], ks: list[int]) -> bool:
         """Do the adaptive drafts of this step, together, pay for a draft-scoring step?"""
