@@ -159,29 +159,9 @@ def gemv(
     assert m == 1, "more rows take cuBLAS"
     n = weight.shape[0] // 2 if silu_mul else weight.shape[0]
     out = add_to if add_to is not None else torch.empty(m, n, dtype=x.dtype, device=x.device)
-    dummy = weight  # a pointer for the unused operands; never read
     tile = tile or _gemv_tile(n, k, silu_mul)
-    _gemv_row_kernel[(triton.cdiv(n, tile["BN"]),)](
-        x,
-        weight,
-        bias if bias is not None else dummy,
-        norm.weight if norm is not None else dummy,
-        out,
-        n,
-        k,
-        norm.eps if norm is not None else 0.0,
-        *[dummy] * 6,  # rotary operands
-        NORM=norm is not None,
-        BIAS=bias is not None,
-        SILU_MUL=silu_mul,
-        ADD=add_to is not None,
-        ONE_TILE=k <= tile["BK"],
-        ROPE=False,
-        HEADS=0,
-        KV_HEADS=0,
-        HEAD_DIM=0,
-        **tile,
-    )
+    _launch_gemv(x, weight, bias, norm, out, n, triton.cdiv(n, tile["BN"]), tile, silu_mul,
+            add=add_to is not None)  # fmt: skip
     return out
 
 
@@ -199,39 +179,53 @@ def qkv_rope_cache(
     """One row's RMSNorm, QKV product, rotary and KV-cache write in one kernel; returns q
     [1, H, D]. Each program computes output columns in rotary pairs (d, d + D/2) of a head, so it
     holds both halves that rotating needs; the rounding is `rope_and_cache`'s."""
-    h, kv, d = attn.num_heads, attn.num_kv_heads, attn.head_dim
     n, k = weight.shape
-    q = torch.empty(1, h, d, dtype=x.dtype, device=x.device)
+    q = torch.empty(1, attn.num_heads, attn.head_dim, dtype=x.dtype, device=x.device)
     tile = _gemv_tile(n, k, False)
     tile["BN"] = max(1, tile["BN"] // 2)  # pairs of columns
     cos, sin, positions = rope
-    _gemv_row_kernel[(triton.cdiv(n // 2, tile["BN"]),)](
+    _launch_gemv(x, weight, bias, norm, q, n, triton.cdiv(n // 2, tile["BN"]), tile,
+            rope=(cos, sin, positions, slots, k_cache, v_cache), attn=attn)  # fmt: skip
+    return q
+
+
+def _launch_gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    norm: torch.nn.Module | None,
+    out: torch.Tensor,
+    n: int,
+    programs: int,
+    tile: dict[str, int],
+    silu_mul: bool = False,
+    add: bool = False,
+    rope: tuple[torch.Tensor, ...] | None = None,
+    attn: torch.nn.Module | None = None,
+) -> None:
+    """Launch `_gemv_row_kernel`; operands a variant does not use get `weight` as a pointer."""
+    k = x.shape[1]
+    _gemv_row_kernel[(programs,)](
         x,
         weight,
         bias if bias is not None else weight,
-        norm.weight,
-        q,
+        norm.weight if norm is not None else weight,
+        out,
         n,
         k,
-        norm.eps,
-        cos,
-        sin,
-        positions,
-        slots,
-        k_cache,
-        v_cache,
-        NORM=True,
+        norm.eps if norm is not None else 0.0,
+        *(rope or [weight] * 6),  # cos, sin, positions, slots, k cache, v cache
+        NORM=norm is not None,
         BIAS=bias is not None,
-        SILU_MUL=False,
-        ADD=False,
+        SILU_MUL=silu_mul,
+        ADD=add,
         ONE_TILE=k <= tile["BK"],
-        ROPE=True,
-        HEADS=h,
-        KV_HEADS=kv,
-        HEAD_DIM=d,
+        ROPE=rope is not None,
+        HEADS=attn.num_heads if attn is not None else 0,
+        KV_HEADS=attn.num_kv_heads if attn is not None else 0,
+        HEAD_DIM=attn.head_dim if attn is not None else 0,
         **tile,
     )
-    return q
 
 
 def _gemv_tile(n: int, k: int, silu_mul: bool) -> dict[str, int]:
