@@ -20,7 +20,7 @@ from stride.engine.sequence import SamplingParams
 from stride.scheduler.core import EngineCore
 from stride.scheduler.outputs import GenerateRequest, RequestRejected
 from tests.test_refine import run
-from tests.tiny import VOCAB_SIZE, make_tokenizer
+from tests.tiny import VOCAB_SIZE, make_tokenizer, save_decisive
 
 MASK = VOCAB_SIZE  # the tiny tokenizer plus one added mask token
 PATTERN = [0.9, 0.5, 0.95, 0.6]  # the oracle's confidence at each offset of a 4-token block
@@ -41,14 +41,7 @@ def make_diffusion_dir(path: Path, seed: int = 0) -> Path:
         pad_token_id=tokenizer.pad_token_id,
     )
     torch.manual_seed(seed)
-    model = BertForMaskedLM(config)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.normal_(0, 0.3)
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
+    return save_decisive(BertForMaskedLM(config), tokenizer, path)
 
 
 class Oracle(nn.Module):

@@ -77,7 +77,12 @@ def make_model_dir(
     config = AutoConfig.for_model(model_type, **fields)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    # Random init gives near-uniform logits; a larger scale makes greedy choices decisive.
+    return save_decisive(model, tokenizer, path)
+
+
+def save_decisive(model, tokenizer, path: Path) -> Path:
+    """Rescale `model`'s matrices and write it with `tokenizer` to `path`. Random init gives
+    near-uniform logits; a larger scale makes greedy choices decisive."""
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() == 2:
