@@ -15,21 +15,19 @@ import json
 import math
 import re
 import shutil
-import socket
 import subprocess
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 import pytest
-import uvicorn
 import yaml
 
 from stride.engine.engine import EngineConfig
 from stride.scheduler.policy import SchedulerConfig
-from stride.server.app import ServerConfig, create_app
+from stride.server.app import ServerConfig
+from tests.server_harness import LiveServer, free_port
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
 DASHBOARD = DEPLOY / "grafana" / "dashboards" / "stride.json"
@@ -50,49 +48,6 @@ pytestmark = pytest.mark.skipif(
 # ---- the two servers --------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-class Stride:
-    """The real app under uvicorn on a free loopback port, in a thread of this process."""
-
-    def __init__(self, config: ServerConfig) -> None:
-        self.app = create_app(config)
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.port = self.sock.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning"))
-        self.thread = threading.Thread(
-            target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True
-        )
-        self.thread.start()
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
-                    return
-            time.sleep(0.05)
-        raise TimeoutError("stride did not become ready")
-
-    @property
-    def core(self):
-        return self.app.state.client.core
-
-    def wait_idle(self, timeout: float = 30.0) -> None:
-        deadline = time.monotonic() + timeout
-        while self.core.seqs and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not self.core.seqs, "requests still running after the traffic stopped"
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=30)
-
-
 @pytest.fixture(scope="module")
 def stride(tiny_dir):
     config = ServerConfig(
@@ -101,7 +56,7 @@ def stride(tiny_dir):
         api_key=KEY,
         metrics_users="alice,bob",
     )
-    server = Stride(config)
+    server = LiveServer(config)
     yield server
     server.stop()
 
@@ -286,7 +241,7 @@ def traffic(stride, prometheus) -> Traffic:
     ]
     t = Traffic(stride.url, decoders)
     t.run()
-    stride.wait_idle()
+    stride.wait_idle(timeout=30)
     wait_for_final_scrape(prometheus, after=time.time())
     return t
 
