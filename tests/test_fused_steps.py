@@ -44,9 +44,9 @@ def _run(core: EngineCore) -> tuple[dict[str, tuple], int]:
     calls = []
     decode_steps = core.engine.runner.decode_steps
 
-    def counting(chunks, steps, sample):
+    def counting(seqs, tokens, steps, *args, **kwargs):
         calls.append(steps)
-        return decode_steps(chunks, steps, sample)
+        return decode_steps(seqs, tokens, steps, *args, **kwargs)
 
     core.engine.runner.decode_steps = counting
     reqs = _requests()
@@ -85,10 +85,13 @@ def test_fused_decode_steps_change_no_output(tiny_dir, device):
     assert {r[2] for r in fused.values()} >= {"length", "stop"}
 
 
-def _speculative_run(tiny_dir, steps: int, decoder: str) -> tuple[list[int], list, list, int]:
+def _speculative_run(
+    tiny_dir, steps: int, decoder: str, chain: bool = False
+) -> tuple[list[int], list, list, int]:
     """Greedy decoding of a prompt that holds every token id (a probe's n-gram lookup always
     finds a draft): its tokens, the speculative decoder's step count at each fused call and at
-    each probe's plan, and how many tokens were drafted."""
+    each probe's plan, and how many tokens were drafted. `chain`: fused bursts are chained
+    (`EngineCore._chain`); a chained call is counted at the step its burst starts at."""
     config = EngineConfig(model=str(tiny_dir), device="cpu", dtype="float32",
                           kv_cache_memory=16 << 20)  # fmt: skip
     engine = Engine(config)
@@ -98,12 +101,13 @@ def _speculative_run(tiny_dir, steps: int, decoder: str) -> tuple[list[int], lis
     spec = decoders["speculative"] = Speculative(engine, saturation_tokens=0.5,
                                                  measure_costs=False)  # fmt: skip
     core = EngineCore(engine, SchedulerConfig(fused_decode_steps=steps), decoders)
+    core.chain_fused = chain
     fused_at, probes_at = [], []
     decode_steps, plan = engine.runner.decode_steps, spec._plan
 
-    def counting(chunks, n, sample):
-        fused_at.append(spec._steps)
-        return decode_steps(chunks, n, sample)
+    def counting(seqs, tokens, n, sample, offset=0):
+        fused_at.append(spec._steps + offset)  # a chained burst's predecessor is uncommitted
+        return decode_steps(seqs, tokens, n, sample, offset)
 
     def planned(seq, state, batch):
         k = plan(seq, state, batch)
@@ -123,12 +127,16 @@ def _speculative_run(tiny_dir, steps: int, decoder: str) -> tuple[list[int], lis
     return tokens, fused_at, probes_at, drafted
 
 
-def test_quiet_speculative_steps_are_fused_and_probes_stay_on_schedule(tiny_dir):
+@pytest.mark.parametrize("chain", [False, True])
+def test_quiet_speculative_steps_are_fused_and_probes_stay_on_schedule(tiny_dir, chain):
     """A speculative request whose drafts do not pay (adaptive K = 0 between probes) runs its
-    quiet steps fused, as `ar` does, with `ar`'s tokens; its probes draft in the same steps."""
+    quiet steps fused, as `ar` does, with `ar`'s tokens; its probes draft in the same steps,
+    also when fused bursts are chained (a chain ends before a probe is due)."""
     ar = _speculative_run(tiny_dir, 1, "ar")[0]
     single, unfused, probes, drafted = _speculative_run(tiny_dir, 1, "speculative")
-    fused, fused_at, fused_probes, fused_drafted = _speculative_run(tiny_dir, 4, "speculative")
+    fused, fused_at, fused_probes, fused_drafted = _speculative_run(
+        tiny_dir, 4, "speculative", chain
+    )
     assert single == fused == ar
     assert not unfused and len(fused_at) >= 8  # 40 tokens: 4 at a time, a probe every 16 steps
     assert len(probes) >= 2 and fused_probes == probes and fused_drafted == drafted == len(probes)

@@ -116,7 +116,7 @@ class DecodeGraphs:
 
     def run_steps(
         self,
-        tokens: list[int],
+        tokens: list[int] | torch.Tensor,
         positions: list[int],
         lengths: list[int],
         tables: list[list[int]],
@@ -126,10 +126,13 @@ class DecodeGraphs:
         """`steps` decode steps in a row with no host sync: step s+1's input tokens are step s's
         `sample(logits)`, copied on the device. Returns the sampled tokens [steps, B] (device).
 
+        Step 0's tokens are host ints, or a [B] device tensor (an earlier burst's last sample,
+        still on the device: copied like a later step's, so nothing waits for that burst).
         Every sequence must have KV slots reserved for `steps` new tokens; step s writes the K/V
         of position `lengths - 1 + s`.
         """
         n = len(tokens)
+        fed = tokens if isinstance(tokens, torch.Tensor) else None  # fed on the device
         bucket = self._bucket(n)
         width = self._host.shape[1]
         if self._steps_host is None or len(self._steps_host) < steps * bucket:
@@ -139,7 +142,7 @@ class DecodeGraphs:
         rows = steps * bucket  # a contiguous prefix: one asynchronous copy
         host = self._steps_host[:rows].numpy().reshape(steps, bucket, width)
         self._copied.synchronize()
-        self._pack(host[0], tokens, positions, lengths, tables, bucket)
+        self._pack(host[0], tokens if fed is None else 0, positions, lengths, tables, bucket)
         for s in range(1, steps):
             host[s] = host[0]
             host[s, :n, _POSITION] += s
@@ -153,18 +156,21 @@ class DecodeGraphs:
         graph = self._graphs[bucket]
         for s in range(steps):
             self._inputs[:bucket].copy_(inputs[s])
-            if s:
-                self._inputs[:n, _TOKEN].copy_(sampled[s - 1])
+            if fed is not None:
+                self._inputs[:n, _TOKEN].copy_(fed)
             graph.replay()
             sampled[s] = sample(self._logits[:n])
+            fed = sampled[s]
         return sampled
 
     def _bucket(self, n: int) -> int:
         return next(b for b in self.buckets if b >= n)
 
     def _pack(self, h: np.ndarray, tokens, positions, lengths, tables, bucket: int) -> None:
-        """Write one step's rows into the packed array `h` and pad it up to `bucket` rows."""
-        n = len(tokens)
+        """Write one step's rows into the packed array `h` and pad it up to `bucket` rows.
+
+        `tokens`: a list, or one int for all rows (placeholders for tokens fed on the device)."""
+        n = len(lengths)
         h[:n, _TOKEN] = tokens
         h[:n, _POSITION] = positions
         h[:n, _LENGTH] = lengths

@@ -41,6 +41,28 @@ class Chunk:
     offset: int = 0  # the tokens start this far past num_cached (a later step of decode_steps)
 
 
+class SampledTokens:
+    """Tokens [steps, B] sampled on the device by `decode_steps`, their copy to the host queued
+    right behind them: reading them waits for their own burst only, not for a burst queued after
+    it (a chained burst, see `EngineCore._chain`), which a plain `.tolist()` would wait for."""
+
+    def __init__(self, device: torch.Tensor) -> None:
+        self.device = device
+        self.steps = len(device)
+        self._copied: torch.cuda.Event | None = None
+        self._host = device
+        if device.is_cuda:
+            self._host = device.to("cpu", non_blocking=True)  # into pinned memory
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+
+    def per_sequence(self) -> list[list[int]]:
+        """Each sequence's tokens, in step order (synchronises with this burst)."""
+        if self._copied is not None:
+            self._copied.synchronize()
+        return self._host.T.tolist()
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -93,29 +115,38 @@ class ModelRunner:
 
     @torch.inference_mode()
     def decode_steps(
-        self, chunks: list[Chunk], steps: int, sample: Callable[[torch.Tensor], torch.Tensor]
-    ) -> torch.Tensor:
-        """`steps` decode steps of one-token chunks, each step's input the last one's sample.
+        self,
+        seqs: list[Sequence],
+        tokens: list[int] | torch.Tensor,
+        steps: int,
+        sample: Callable[[torch.Tensor], torch.Tensor],
+        offset: int = 0,
+    ) -> SampledTokens:
+        """`steps` decode steps of one token per sequence, each step's input the last one's sample.
 
+        Step 0 feeds `tokens`: each sequence's tail as host ints, or a [B] device tensor (the
+        last sample of an earlier burst not yet committed, which this one continues: then
+        `offset` is that burst's length, and positions start that far past `num_cached`).
         `sample` maps [B, vocab] logits to [B] token ids on the device. Every sequence needs KV
-        slots for `steps` new tokens. Returns the sampled tokens [steps, B]. With CUDA graphs the
-        steps are queued with no host sync in between, so the host's per-step work (commit,
-        schedule, pack) is paid once per `steps` tokens; elsewhere each step is an eager pass.
+        slots for `offset + steps` new tokens. With CUDA graphs the steps are queued with no
+        host sync in between, so the host's per-step work (commit, schedule, pack) is paid once
+        per `steps` tokens; elsewhere each step is an eager pass.
         """
         graphs = self.graphs
-        if graphs is not None and all(map(self._graphable, chunks)):
-            tables = [c.seq.block_table for c in chunks]
-            starts = [c.seq.num_cached for c in chunks]
-            tokens = [c.token_ids[0] for c in chunks]
+        if graphs is not None and all(len(s.block_table) <= graphs.max_blocks for s in seqs):
+            tables = [s.block_table for s in seqs]
+            starts = [s.num_cached + offset for s in seqs]
             lengths = [s + 1 for s in starts]
-            return graphs.run_steps(tokens, starts, lengths, tables, steps, sample)
+            return SampledTokens(graphs.run_steps(tokens, starts, lengths, tables, steps, sample))
+        if not isinstance(tokens, torch.Tensor):
+            tokens = torch.tensor(tokens, dtype=torch.long, device=self.device)
         sampled = []
         for s in range(steps):
-            logits = self._forward_eager(chunks, None)
-            sampled.append(sample(torch.cat(logits)))
-            new = sampled[-1].tolist()
-            chunks = [Chunk(c.seq, [t], 1, offset=s + 1) for c, t in zip(chunks, new, strict=True)]
-        return torch.stack(sampled)
+            # One placeholder token per chunk: the ids themselves come from `tokens`.
+            chunks = [Chunk(seq, [0], 1, offset=offset + s) for seq in seqs]
+            tokens = sample(torch.cat(self._forward_eager(chunks, None, tokens)))
+            sampled.append(tokens)
+        return SampledTokens(torch.stack(sampled))
 
     def _graphable(self, c: Chunk) -> bool:
         """Short causal chunks replay as graph rows: a decode token, K drafts, a Jacobi window."""
@@ -125,8 +156,12 @@ class ModelRunner:
             and len(c.seq.block_table) <= self.graphs.max_blocks
         )
 
-    def _forward_eager(self, chunks: list[Chunk], num_layers: int | None) -> list[torch.Tensor]:
-        meta, tokens, positions, rows = self._prepare(chunks)
+    def _forward_eager(
+        self, chunks: list[Chunk], num_layers: int | None, tokens: torch.Tensor | None = None
+    ) -> list[torch.Tensor]:
+        """`tokens`, if given, replaces the chunks' token ids (already on the device)."""
+        meta, packed, positions, rows = self._prepare(chunks)
+        tokens = packed if tokens is None else tokens
         hidden = self.forward_fn(tokens, positions, (self.cache.k, self.cache.v), meta, num_layers)
         logits = self.model.logits(hidden[rows])
         return list(logits.split([c.num_logits for c in chunks]))

@@ -19,7 +19,7 @@ from stride.decoders.base import Commit, Decoder, DecoderError, ModelGroup, Prop
 from stride.decoders.registry import build_decoders
 from stride.engine.engine import Engine
 from stride.engine.kv_cache import OutOfBlocks
-from stride.engine.runner import Chunk
+from stride.engine.runner import Chunk, SampledTokens
 from stride.engine.sequence import Sequence, Status
 from stride.scheduler.detokenizer import Detokenizer
 from stride.scheduler.outputs import (
@@ -43,7 +43,7 @@ class _Launched:
     by_decoder: dict[str, list[int]]  # plan indices that complete their tail, by decoder
     proposals: list[Proposal | None]
     logits: list[torch.Tensor]
-    tokens: torch.Tensor | None = None  # fused decode steps: [steps, plan] tokens, no logits
+    tokens: SampledTokens | None = None  # fused decode steps: [steps, plan] tokens, no logits
 
 
 class EngineCore:
@@ -70,6 +70,9 @@ class EngineCore:
         self._launched: _Launched | None = None
         steps = self.config.fused_decode_steps
         self.fused_decode_steps = steps if steps is not None else 8 if self.launch_ahead else 1
+        # A fused burst's continuation is launched before the burst is committed (`_chain`):
+        # on the CPU everything is synchronous, and it would only make arrivals wait longer.
+        self.chain_fused = self.launch_ahead
         self.last_batch_size = 0
         self.last_num_tokens = 0
         # Everything alive now (model, tokenizer, graphs, imported modules) lives as long as the
@@ -177,8 +180,10 @@ class EngineCore:
             outputs += self._step_groups(untexted)
         launched, self._launched = self._launched or self._launch(), None
         if launched is not None:
-            self._commit(launched, outputs, untexted)
-            if self._may_launch_ahead():
+            # A fused burst whose plan goes on is followed on the device before it is committed.
+            self._launched = self._chain(launched)
+            self._commit(launched, outputs, untexted, chained=self._launched is not None)
+            if self._launched is None and self._may_launch_ahead():
                 self._launched = self._launch()
         # Decoding text last: with a forward launched ahead, this runs while the GPU computes.
         for out, detok in untexted:
@@ -224,7 +229,9 @@ class EngineCore:
         steps = self._fused_steps(plan, by_decoder)
         if steps > 1:
             self.last_num_tokens = len(chunks) * steps
-            tokens = self.engine.runner.decode_steps(chunks, steps, Autoregressive.device_sample)
+            seqs, tails = [c.seq for c in chunks], [c.token_ids[0] for c in chunks]
+            sample = Autoregressive.device_sample
+            tokens = self.engine.runner.decode_steps(seqs, tails, steps, sample)
             return _Launched(plan, by_decoder, proposals, [], tokens)
         self.last_num_tokens = sum(len(c.token_ids) for c in chunks)
         logits = self.engine.runner.forward(chunks)
@@ -262,14 +269,64 @@ class EngineCore:
             return 1  # what was reserved goes back when the step commits (`_apply` trims)
         return steps
 
+    def _chain(self, launched: _Launched) -> _Launched | None:
+        """Launch the fused burst that continues `launched`'s, before `launched` is committed.
+
+        Committing a burst waits for its tokens; with the next burst already queued, the GPU
+        runs it meanwhile instead of idling through the host's sync, commit, schedule and pack.
+        Its first tokens are `launched`'s last ones, still on the device; its steps are what
+        `_fused_steps` would allow once `launched` has committed, its plan the same (a sequence
+        that finishes in that commit loses its row; nothing new joins). It goes on only while
+        nobody waits and every sequence `launched` ran is still running; a request arriving
+        meanwhile waits at most one more burst. Another decoder's rows join for as long as its
+        `plain_steps`, asked before `launched` commits (for `launched`'s first step), allows.
+        """
+        done = launched.tokens.steps if launched.tokens is not None else 0
+        plan = launched.plan
+        if (
+            not done
+            or not self.chain_fused
+            or self.scheduler.waiting
+            or self._grouped
+            or len(plan) != len(self.scheduler.running)
+        ):
+            return None
+        steps = self.fused_decode_steps
+        for item in plan:
+            seq = item.seq
+            if seq.status is Status.FINISHED:  # aborted or expired since the launch
+                return None
+            length = len(seq.token_ids) + done  # once `launched` has committed
+            left = seq.params.max_tokens - (length - seq.num_prompt_tokens)
+            steps = min(steps, left, self.engine.max_model_len - length)
+        for name, idx in launched.by_decoder.items():
+            if name not in self._plain:
+                plain = self.decoders[name].plain_steps([plan[i].seq for i in idx])
+                steps = min(steps, plain - done)
+        if steps < 1:
+            return None
+        try:
+            for item in plan:  # the burst's first step writes the K/V of `launched`'s last token
+                self.engine.cache.reserve(item.seq, item.seq.num_cached + done + steps)
+        except OutOfBlocks:
+            return None  # what was reserved goes back when `launched` commits (`_apply` trims)
+        self.last_batch_size, self.last_num_tokens = len(plan), len(plan) * steps
+        seqs = [item.seq for item in plan]
+        first = launched.tokens.device[-1]
+        sample = Autoregressive.device_sample
+        tokens = self.engine.runner.decode_steps(seqs, first, steps, sample, offset=done)
+        return _Launched(plan, launched.by_decoder, launched.proposals, [], tokens)
+
     def _commit(
         self,
         launched: _Launched,
         outputs: list[RequestOutput],
         untexted: list[tuple[RequestOutput, Detokenizer]],
+        chained: bool = False,
     ) -> None:
+        """Commit a launched forward; `chained`: a burst continuing it is in flight already."""
         if launched.tokens is not None:
-            self._commit_fused(launched, outputs, untexted)
+            self._commit_fused(launched, outputs, untexted, chained)
             return
         plan, proposals, logits = launched.plan, launched.proposals, launched.logits
         for item in plan:
@@ -293,18 +350,22 @@ class EngineCore:
         launched: _Launched,
         outputs: list[RequestOutput],
         untexted: list[tuple[RequestOutput, Detokenizer]],
+        chained: bool,
     ) -> None:
-        """Fused decode steps: each sequence commits its `steps` tokens, all but the last cached."""
-        plan, steps = launched.plan, len(launched.tokens)
+        """Fused decode steps: each sequence commits its `steps` tokens, all but the last cached.
+
+        With a `chained` burst in flight, the blocks reserved for it stay (no trim in `_apply`).
+        """
+        plan, steps = launched.plan, launched.tokens.steps
         for name, idx in launched.by_decoder.items():  # propose ran, commit does not
             if name not in self._plain:
                 seqs = [plan[i].seq for i in idx if plan[i].seq.status is not Status.FINISHED]
                 if seqs:
                     self.decoders[name].fused(seqs, steps)
-        for item, tokens in zip(plan, launched.tokens.T.tolist(), strict=True):
+        for item, tokens in zip(plan, launched.tokens.per_sequence(), strict=True):
             if item.seq.status is not Status.FINISHED:
                 commit = Commit(tokens, [None] * steps, steps - 1, forward_passes=steps)
-                out = self._apply(item.seq, commit, untexted)
+                out = self._apply(item.seq, commit, untexted, trim=not chained)
                 if out is not None:
                     outputs.append(out)
 
@@ -351,14 +412,17 @@ class EngineCore:
         seq: Sequence,
         commit: Commit,
         untexted: list[tuple[RequestOutput, Detokenizer]],
+        trim: bool = True,
     ) -> RequestOutput | None:
         """Append a commit's tokens under the stop rules, roll back rejected KV, emit output.
 
-        An output that does not end its request gets its text later, from `untexted`.
+        An output that does not end its request gets its text later, from `untexted`. `trim`:
+        give back blocks past the cached tokens (not while a chained burst writes into them).
         """
         token_ids = seq.token_ids
         seq.num_cached = len(token_ids) + commit.kv_keep  # the whole tail was scored
-        self.engine.cache.trim(seq)
+        if trim:
+            self.engine.cache.trim(seq)
         seq.stats.forward_passes += commit.forward_passes
         if seq.first_token_time is None:
             seq.first_token_time = time.monotonic()
