@@ -17,9 +17,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from stride.engine import pdl
+
 try:
     import triton
     import triton.language as tl
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 except ImportError:  # CPU-only installs: the decode kernel is simply not offered
     triton = None
 
@@ -126,6 +129,7 @@ def decode_attention(
     # lone sequence past ~1,000 tokens is slower than with long tiles.
     splits = max(1, min(16, 2 * _num_sms(q.device) // (b * kv)))
     splits, block_n, warps = launch or (splits, 16, 2)
+    on = pdl.enabled(q.device)
     out = torch.empty_like(q)
     partial = torch.empty(b, h, splits, d + 2, dtype=torch.float32, device=q.device)
     _decode_kernel[(b, kv, splits)](
@@ -152,6 +156,8 @@ def decode_attention(
         BLOCK_N=block_n,
         SPLIT=splits > 1,
         num_warps=warps,
+        PDL=on,
+        launch_pdl=on,
     )
     if splits > 1:
         _merge_kernel[(b, h)](
@@ -162,6 +168,8 @@ def decode_attention(
             splits,
             HEAD_DIM=d,
             SPLITS_P2=max(triton.next_power_of_2(splits), 2),
+            PDL=on,
+            launch_pdl=on,
         )
     return out
 
@@ -222,10 +230,14 @@ if triton is not None:
         BLOCK_SIZE: tl.constexpr,
         BLOCK_N: tl.constexpr,
         SPLIT: tl.constexpr,
+        PDL: tl.constexpr,
     ):
         """One program per (sequence, KV head, context split): all query heads of the group share
         each key load; online softmax in fp32, BLOCK_N tokens at a time. Split programs store
         their unnormalised sums, running max and denominator for `_merge_kernel`."""
+        if PDL:  # see stride/engine/pdl.py
+            gdc_wait()
+            gdc_launch_dependents()
         seq = tl.program_id(0)
         kv_head = tl.program_id(1)
         split = tl.program_id(2)
@@ -289,8 +301,12 @@ if triton is not None:
         num_splits,
         HEAD_DIM: tl.constexpr,
         SPLITS_P2: tl.constexpr,
+        PDL: tl.constexpr,
     ):
         """Combine one (sequence, head)'s split partial softmax sums into its output row."""
+        if PDL:
+            gdc_wait()
+            gdc_launch_dependents()
         seq = tl.program_id(0)
         head = tl.program_id(1)
         sp = tl.arange(0, SPLITS_P2)

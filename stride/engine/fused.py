@@ -26,12 +26,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from stride.engine import pdl
 from stride.engine.attention import AttentionMetadata, DecodeMetadata, attend
 from stride.engine.model import CausalLM
 
 try:
     import triton
     import triton.language as tl
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 except ImportError:
     triton = None
 
@@ -225,6 +227,7 @@ def _launch_gemv(
         KV_HEADS=attn.num_kv_heads if attn is not None else 0,
         HEAD_DIM=attn.head_dim if attn is not None else 0,
         **tile,
+        **_pdl(x),
     )
 
 
@@ -249,6 +252,12 @@ def _gemv_tile(n: int, k: int, silu_mul: bool) -> dict[str, int]:
     return dict(BN=bn, BK=bk, num_warps=4, num_stages=3)
 
 
+def _pdl(x: torch.Tensor) -> dict[str, bool]:
+    """The launch option and the kernels' constexpr for programmatic dependent launch."""
+    on = pdl.enabled(x.device)
+    return dict(PDL=on, launch_pdl=on)
+
+
 def rms_norm(x: torch.Tensor, norm: torch.nn.Module, residual: torch.Tensor | None) -> torch.Tensor:
     """RMSNorm of x, or of residual += x (in place) when a residual is given."""
     rows, cols = x.shape
@@ -263,6 +272,7 @@ def rms_norm(x: torch.Tensor, norm: torch.nn.Module, residual: torch.Tensor | No
         HAS_RESIDUAL=residual is not None,
         BLOCK=triton.next_power_of_2(cols),
         num_warps=4 if cols <= 2048 else 8,
+        **_pdl(x),
     )
     return out
 
@@ -303,6 +313,7 @@ def rope_and_cache(
         H_P2=triton.next_power_of_2(h),
         KV_P2=triton.next_power_of_2(kv),
         num_warps=4,
+        **_pdl(qkv),
     )
     return q
 
@@ -312,7 +323,9 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     half = cols // 2
     out = torch.empty(rows, half, dtype=gate_up.dtype, device=gate_up.device)
     block = 1024
-    _silu_mul_kernel[(rows, triton.cdiv(half, block))](gate_up, out, half, BLOCK=block)
+    _silu_mul_kernel[(rows, triton.cdiv(half, block))](
+        gate_up, out, half, BLOCK=block, **_pdl(gate_up)
+    )
     return out
 
 
@@ -320,8 +333,19 @@ if triton is not None:
 
     @triton.jit
     def _rms_norm_kernel(
-        x_ptr, res_ptr, w_ptr, out_ptr, n_cols, eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr
+        x_ptr,
+        res_ptr,
+        w_ptr,
+        out_ptr,
+        n_cols,
+        eps,
+        HAS_RESIDUAL: tl.constexpr,
+        BLOCK: tl.constexpr,
+        PDL: tl.constexpr,
     ):
+        if PDL:
+            gdc_wait()
+            gdc_launch_dependents()
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         ok = cols < n_cols
@@ -365,7 +389,11 @@ if triton is not None:
         D: tl.constexpr,
         H_P2: tl.constexpr,
         KV_P2: tl.constexpr,
+        PDL: tl.constexpr,
     ):
+        if PDL:
+            gdc_wait()
+            gdc_launch_dependents()
         t = tl.program_id(0).to(tl.int64)
         d = tl.arange(0, D)
         rot = (d + D // 2) % D
@@ -385,7 +413,10 @@ if triton is not None:
         tl.store(v_cache_ptr + dst, v, mask=ok)
 
     @triton.jit
-    def _silu_mul_kernel(x_ptr, out_ptr, half, BLOCK: tl.constexpr):
+    def _silu_mul_kernel(x_ptr, out_ptr, half, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        if PDL:
+            gdc_wait()
+            gdc_launch_dependents()
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         ok = cols < half
@@ -422,6 +453,7 @@ if triton is not None:
         HEAD_DIM: tl.constexpr,
         BN: tl.constexpr,
         BK: tl.constexpr,
+        PDL: tl.constexpr,
     ):
         """Output columns [BN * pid, BN * (pid + 1)) of one row. Products are summed in registers
         across the K loop and reduced once at the end. RMSNorm, when asked: if x fits one K tile,
@@ -442,26 +474,23 @@ if triton is not None:
             second = N * K  # SILU_MUL: the up rows follow the gate rows
         ks = tl.arange(0, BK)
         w_rows = w_ptr + cols[:, None].to(tl.int64) * K
+        paired: tl.constexpr = SILU_MUL or ROPE
+        w, w2 = _weight_tile(w_rows, second, ks, K, col_ok, paired)
+        if PDL:  # the first weight tile is in flight; now wait for x (see stride/engine/pdl.py)
+            gdc_wait()
+            gdc_launch_dependents()
         acc = tl.zeros([BN, BK], dtype=tl.float32)
         up = tl.zeros([BN, BK], dtype=tl.float32)
         squares = tl.zeros([BK], dtype=tl.float32)
-        for k0 in range(0, K, BK):
-            k = k0 + ks
-            k_ok = k < K
-            x = tl.load(x_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
-            if NORM:
-                gain = tl.load(norm_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
-                if ONE_TILE:  # all of x at hand: normalise and round as the module does
-                    rstd = tl.math.rsqrt(tl.sum(x * x, axis=0) / K + eps)
-                    x = (gain * (x * rstd).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
-                else:
-                    squares += x * x
-                    x = x * gain
-            w_ok = col_ok[:, None] & k_ok[None, :]
-            acc += tl.load(w_rows + k[None, :], mask=w_ok, other=0.0).to(tl.float32) * x[None, :]
-            if SILU_MUL or ROPE:
-                w = tl.load(w_rows + second + k[None, :], mask=w_ok, other=0.0)
-                up += w.to(tl.float32) * x[None, :]
+        acc, up, squares = _gemv_tile_step(
+            x_ptr, norm_ptr, ks, K, eps, w, w2, acc, up, squares, NORM, ONE_TILE, paired, dtype
+        )
+        for k0 in range(BK, K, BK):
+            w, w2 = _weight_tile(w_rows, second, k0 + ks, K, col_ok, paired)
+            acc, up, squares = _gemv_tile_step(
+                x_ptr, norm_ptr, k0 + ks, K, eps, w, w2, acc, up, squares, NORM, ONE_TILE, paired,
+                dtype,
+            )  # fmt: skip
         y = tl.sum(acc, axis=1)
         u = tl.sum(up, axis=1)
         if NORM and not ONE_TILE:
@@ -484,6 +513,36 @@ if triton is not None:
             if ADD:
                 y = (y + tl.load(out_ptr + cols, mask=col_ok, other=0.0)).to(dtype)
             tl.store(out_ptr + cols, y, mask=col_ok)
+
+    @triton.jit
+    def _weight_tile(w_rows, second, k, K, col_ok, PAIRED: tl.constexpr):
+        """Columns k of the program's weight rows (and of their paired rows, if PAIRED)."""
+        w_ok = col_ok[:, None] & (k < K)[None, :]
+        w = tl.load(w_rows + k[None, :], mask=w_ok, other=0.0)
+        w2 = w
+        if PAIRED:
+            w2 = tl.load(w_rows + second + k[None, :], mask=w_ok, other=0.0)
+        return w, w2
+
+    @triton.jit
+    def _gemv_tile_step(x_ptr, norm_ptr, k, K, eps, w, w2, acc, up, squares, NORM: tl.constexpr,
+                        ONE_TILE: tl.constexpr, PAIRED: tl.constexpr,
+                        dtype: tl.constexpr):  # fmt: skip
+        """Multiply one K tile of x (normalised as `_gemv_row_kernel` says) into the sums."""
+        k_ok = k < K
+        x = tl.load(x_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
+        if NORM:
+            gain = tl.load(norm_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
+            if ONE_TILE:  # all of x at hand: normalise and round as the module does
+                rstd = tl.math.rsqrt(tl.sum(x * x, axis=0) / K + eps)
+                x = (gain * (x * rstd).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+            else:
+                squares += x * x
+                x = x * gain
+        acc += w.to(tl.float32) * x[None, :]
+        if PAIRED:
+            up += w2.to(tl.float32) * x[None, :]
+        return acc, up, squares
 
     @triton.jit
     def _rope_store(a, b, head, j, ok, cos_ptr, sin_ptr, pos_ptr, slot_ptr, q_ptr,
