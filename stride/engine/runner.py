@@ -46,13 +46,13 @@ class SampledTokens:
     right behind them: reading them waits for their own burst only, not for a burst queued after
     it (a chained burst, see `EngineCore._chain`), which a plain `.tolist()` would wait for."""
 
-    def __init__(self, device: torch.Tensor) -> None:
-        self.device = device
-        self.steps = len(device)
+    def __init__(self, on_device: torch.Tensor) -> None:
+        self.on_device = on_device
+        self.steps = len(on_device)
         self._copied: torch.cuda.Event | None = None
-        self._host = device
-        if device.is_cuda:
-            self._host = device.to("cpu", non_blocking=True)  # into pinned memory
+        self._host = on_device
+        if on_device.is_cuda:
+            self._host = on_device.to("cpu", non_blocking=True)  # into pinned memory
             self._copied = torch.cuda.Event()
             self._copied.record()
 

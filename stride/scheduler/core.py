@@ -312,7 +312,7 @@ class EngineCore:
             return None  # what was reserved goes back when `launched` commits (`_apply` trims)
         self.last_batch_size, self.last_num_tokens = len(plan), len(plan) * steps
         seqs = [item.seq for item in plan]
-        first = launched.tokens.device[-1]
+        first = launched.tokens.on_device[-1]
         sample = Autoregressive.device_sample
         tokens = self.engine.runner.decode_steps(seqs, first, steps, sample, offset=done)
         return _Launched(plan, launched.by_decoder, launched.proposals, [], tokens)
