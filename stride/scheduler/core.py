@@ -245,8 +245,9 @@ class EngineCore:
         paid once for several tokens. That work is a large share of a step only at a small
         batch, so fusing is kept to small batches (`FUSE_MAX_BATCH`) of plain greedy decoding
         with nobody waiting to join: a request arriving meanwhile waits at most `steps - 1`
-        steps, and a sequence that stops early wastes the rest of its steps. Another decoder's
-        rows join for as many steps as it would decode them as `ar` (`Decoder.plain_steps`).
+        steps (a burst more if the burst is chained, see `_chain`), and a sequence that stops
+        early wastes the rest of its steps. Another decoder's rows join for as many steps as it
+        would decode them as `ar` (`Decoder.plain_steps`).
         """
         steps = self.fused_decode_steps
         if steps <= 1 or len(plan) > FUSE_MAX_BATCH or self.scheduler.waiting or self._grouped:
