@@ -26,15 +26,15 @@ try:
 except ImportError:
     triton = None
 
-_ENABLED: dict[int, bool] = {}
+_HOPPER: dict[int, bool] = {}
 
 
 def enabled(device: torch.device) -> bool:
-    """Launch this device's decode kernels with PDL? (`STRIDE_PDL=0` turns it off, for A/B runs.)"""
+    """Launch this device's kernels with PDL now? `STRIDE_PDL=0` turns it off (A/B runs); it is
+    read at each launch, so a CUDA graph keeps what held when it was captured."""
     if device.type != "cuda" or triton is None or os.environ.get("TRITON_INTERPRET") == "1":
         return False
     index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _ENABLED:
-        hopper = torch.cuda.get_device_capability(index)[0] >= 9
-        _ENABLED[index] = hopper and os.environ.get("STRIDE_PDL", "1") != "0"
-    return _ENABLED[index]
+    if index not in _HOPPER:
+        _HOPPER[index] = torch.cuda.get_device_capability(index)[0] >= 9
+    return _HOPPER[index] and os.environ.get("STRIDE_PDL", "1") != "0"
