@@ -9,6 +9,12 @@ is the request's strategy (`strategy`: `ar`, `speculative/ngram`, `refine/jacobi
 engine-state gauges carry `model` only and exist (at 0) as soon as `Metrics` does: autoscalers and
 the Gateway API Inference Extension's endpoint picker read one series per pod, idle pods included.
 One `CollectorRegistry` per server, so tests can build many apps in a process.
+
+Several API processes (`stride serve --api-servers N`) share their numbers through
+prometheus_client's multiprocess mode (PROMETHEUS_MULTIPROC_DIR, set by their parent): a scrape
+answered by any of them sums every process's counters and histograms. The engine-state gauges
+and step metrics are recorded by one API process only; the others' gauges stay at 0, so `max`
+across processes reads the engine's value. Process metrics (CPU, memory) are not exported then.
 """
 
 from __future__ import annotations
@@ -29,11 +35,13 @@ from prometheus_client import (
     ProcessCollector,
     generate_latest,
 )
+from prometheus_client.multiprocess import MultiProcessCollector
 
 if TYPE_CHECKING:
     from stride.scheduler.outputs import RequestOutput, StepStats
 
 USERS_ENV = "STRIDE_METRICS_USERS"
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"  # read by prometheus_client when first imported
 OTHER_USER = "other"
 NO_USER = "none"
 REJECT_REASONS = ("queue_full", "deadline", "auth", "validation", "unavailable", "internal")
@@ -98,23 +106,27 @@ class Metrics:
         self.draft_model = draft_model
         self.users = parse_users(users)
         self.registry = registry if registry is not None else CollectorRegistry()
-        ProcessCollector(registry=self.registry)
+        self.multiprocess = bool(os.environ.get(MULTIPROC_ENV))
+        if not self.multiprocess:
+            ProcessCollector(registry=self.registry)
         r = self.registry
         m, md, mdu = ["model"], ["model", "decoder"], ["model", "decoder", "user"]
 
         # ---- engine state (step loop) ----
-        self.requests_running = Gauge(
-            "stride_requests_running", "Sequences in the running batch.", m, registry=r
+        def engine_gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, m, registry=r, multiprocess_mode="max")
+
+        self.requests_running = engine_gauge(
+            "stride_requests_running", "Sequences in the running batch."
         )
-        self.requests_waiting = Gauge(
-            "stride_requests_waiting", "Sequences waiting to be scheduled.", m, registry=r
+        self.requests_waiting = engine_gauge(
+            "stride_requests_waiting", "Sequences waiting to be scheduled."
         )
-        self.kv_cache_usage = Gauge(
-            "stride_kv_cache_usage_ratio", "Fraction of KV cache blocks in use (0-1).", m,
-            registry=r,
-        )  # fmt: skip
-        self.batch_size = Gauge(
-            "stride_batch_size", "Sequences scheduled in the last engine step.", m, registry=r
+        self.kv_cache_usage = engine_gauge(
+            "stride_kv_cache_usage_ratio", "Fraction of KV cache blocks in use (0-1)."
+        )
+        self.batch_size = engine_gauge(
+            "stride_batch_size", "Sequences scheduled in the last engine step."
         )
         self.step_duration = Histogram(
             "stride_engine_step_duration_seconds", "Wall time of one engine step.", m,
@@ -282,8 +294,12 @@ class Metrics:
         return RequestTracker(self, series)
 
     def render(self) -> tuple[bytes, str]:
-        """The exposition for `GET /metrics`: (body, content type)."""
-        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+        """The exposition for `GET /metrics`: (body, content type); every API process's."""
+        if not self.multiprocess:
+            return generate_latest(self.registry), CONTENT_TYPE_LATEST
+        merged = CollectorRegistry()
+        MultiProcessCollector(merged)
+        return generate_latest(merged), CONTENT_TYPE_LATEST
 
 
 class RequestSeries:

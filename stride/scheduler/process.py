@@ -4,12 +4,15 @@ The server process sends plain `GenerateRequest`s (and aborts) down a pipe; the 
 sends back, per step, the batch of `RequestOutput`s together with the step's numbers
 (`StepStats`), from which the server's metrics are kept as they are for a local core. The engine
 process ignores SIGINT/SIGTERM (the server drains, then stops it) and exits when the pipe closes.
-`STRIDE_ENGINE_SETUP=module:function` runs in the engine process before the model loads.
+Several API processes (`stride serve --api-servers N`) each have a pipe of their own; the engine
+waits on all of them and exits once every one is closed.
+`STRIDE_ENGINE_SETUP=module:function` runs in every spawned process before the model loads.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import importlib
 import itertools
@@ -20,14 +23,21 @@ import signal
 import threading
 import time
 from dataclasses import dataclass
-from multiprocessing.connection import Connection
+from multiprocessing.connection import Connection, wait
+from multiprocessing.process import BaseProcess
 from typing import Any
 
 from stride.decoders.registry import DecodersConfig, build_decoders
 from stride.engine.engine import Engine, EngineConfig
 from stride.scheduler.client import BaseClient, EngineDead, ModelInfo, admit, settle
 from stride.scheduler.core import EngineCore
-from stride.scheduler.outputs import QueueFull, RequestOutput, RequestRejected, StepStats
+from stride.scheduler.outputs import (
+    GenerateRequest,
+    QueueFull,
+    RequestOutput,
+    RequestRejected,
+    StepStats,
+)
 from stride.scheduler.policy import SchedulerConfig
 
 log = logging.getLogger(__name__)
@@ -40,17 +50,34 @@ class EngineProcessConfig:
     decoders: DecodersConfig
 
 
-class ProcessEngineClient(BaseClient):
-    """Starts the engine process (blocks until the model is loaded) and talks to it."""
+def start_engine_process(
+    config: EngineProcessConfig, num_pipes: int = 1
+) -> tuple[BaseProcess, list[Connection]]:
+    """Spawn the engine process with one pipe per API process; returns it and our pipe ends.
 
-    def __init__(self, config: EngineProcessConfig) -> None:
+    The engine process loads the model, then answers "ready" (or "failed") on every pipe.
+    """
+    ctx = mp.get_context("spawn")  # CUDA cannot be forked
+    pipes = [ctx.Pipe() for _ in range(num_pipes)]
+    theirs = [b for _, b in pipes]
+    process = ctx.Process(target=_main, args=(config, theirs), name="stride-engine", daemon=True)
+    process.start()
+    for conn in theirs:  # else the engine would never see our side close
+        conn.close()
+    return process, [a for a, _ in pipes]
+
+
+class ProcessEngineClient(BaseClient):
+    """Talks to the engine process over one pipe (blocks until the model is loaded).
+
+    `start()` also owns the process (one API process); several API processes each get a pipe
+    to an engine process that their parent started (`stride serve --api-servers N`).
+    """
+
+    def __init__(self, conn: Connection, process: BaseProcess | None = None) -> None:
         super().__init__()
-        ctx = mp.get_context("spawn")  # CUDA cannot be forked
-        self._conn, theirs = ctx.Pipe()
-        self._process = ctx.Process(target=_main, args=(config, theirs), name="stride-engine")
-        self._process.daemon = True
-        self._process.start()
-        theirs.close()
+        self._conn = conn
+        self._process = process
         self._send_lock = threading.Lock()
         self._pending: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
         self._keys = itertools.count()
@@ -58,14 +85,20 @@ class ProcessEngineClient(BaseClient):
         try:
             kind, payload = self._conn.recv()
         except EOFError:
-            kind, payload = "failed", f"the engine process exited ({self._process.exitcode})"
+            kind, payload = "failed", self._exited()
         if kind != "ready":
-            self._process.join(5)
+            if self._process is not None:
+                self._process.join(5)
             raise RuntimeError(payload)
         self._model: ModelInfo = payload
         self.stats = StepStats(0, 0, 0.0, 0, 0, 0)
         self._reader = threading.Thread(target=self._read, name="stride-engine-io", daemon=True)
         self._reader.start()
+
+    @classmethod
+    def start(cls, config: EngineProcessConfig) -> ProcessEngineClient:
+        process, (conn,) = start_engine_process(config)
+        return cls(conn, process)
 
     @property
     def model(self) -> ModelInfo:
@@ -75,13 +108,19 @@ class ProcessEngineClient(BaseClient):
         self._send(("abort", request_id))
 
     def shutdown(self) -> None:
+        """Close our pipe; the engine process exits once every pipe to it is closed."""
         self._stopping = True
         self._send(("stop", None))
-        self._process.join(10)
-        if self._process.is_alive():
-            self._process.kill()
-            self._process.join(5)
+        if self._process is not None:
+            self._process.join(10)
+            if self._process.is_alive():
+                self._process.kill()
+                self._process.join(5)
         self._conn.close()
+
+    def _exited(self) -> str:
+        code = "" if self._process is None else f" ({self._process.exitcode})"
+        return f"the engine process exited{code}"
 
     def _num_waiting(self) -> int:
         return self.stats.num_waiting + len(self._pending)
@@ -122,7 +161,7 @@ class ProcessEngineClient(BaseClient):
                     return
         except (EOFError, OSError):
             if not self._stopping:
-                self._die(f"the engine process exited ({self._process.exitcode})", [])
+                self._die(self._exited(), [])
 
     def _die(self, message: str, failed: list[RequestOutput]) -> None:
         log.error("engine died: %s", message)
@@ -143,53 +182,146 @@ def _rejection(error: tuple[str, str, str, str | None] | None) -> Exception | No
 # ---- the engine process -------------------------------------------------------------------------
 
 
-def _main(config: EngineProcessConfig, conn: Connection) -> None:
+def _main(config: EngineProcessConfig, conns: list[Connection]) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the server drains first, then stops us
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    pipes = _Pipes(conns)
     try:
-        _run_setup(os.environ.get("STRIDE_ENGINE_SETUP"))
+        run_setup(os.environ.get("STRIDE_ENGINE_SETUP"))
         engine = Engine(config.engine)
         core = EngineCore(engine, config.scheduler, build_decoders(engine, config.decoders))
     except Exception as e:
         log.exception("loading the model failed")
-        conn.send(("failed", f"{type(e).__name__}: {e}"))
+        pipes.broadcast(("failed", f"{type(e).__name__}: {e}"))
         return
-    conn.send(("ready", ModelInfo.of(core)))
+    pipes.broadcast(("ready", ModelInfo.of(core)))
     try:
-        _loop(core, conn)
-    except (EOFError, OSError):  # the server went away
-        return
+        _loop(core, pipes)
     except Exception as e:
         log.exception("engine loop died")
-        message = f"engine loop died: {type(e).__name__}: {e}"
-        conn.send(("dead", (message, core.fail_all(message))))
+        pipes.die(f"engine loop died: {type(e).__name__}: {e}", core)
 
 
-def _run_setup(spec: str | None) -> None:
+def run_setup(spec: str | None) -> None:
     """Call `module:function` first, e.g. to register decoders defined outside Stride: what the
-    server process registered does not exist in this fresh (spawned) interpreter."""
+    server process registered does not exist in a fresh (spawned) interpreter."""
     if spec:
         module, _, function = spec.partition(":")
         getattr(importlib.import_module(module), function)()
 
 
-def _loop(core: EngineCore, conn: Connection) -> None:
-    while True:
-        while not core.has_work or conn.poll():  # block for work; else take what is there
-            kind, payload = conn.recv()
+def _loop(core: EngineCore, pipes: _Pipes) -> None:
+    """Take every message waiting (block only when idle), then step; until every pipe closed."""
+    while pipes.open:
+        ready = pipes.wait(None if not core.has_work else 0)
+        for i, conn in ready:
+            try:
+                kind, payload = conn.recv()
+            except (EOFError, OSError):  # that API process went away
+                pipes.close(i, core)
+                continue
             if kind == "stop":
-                return
-            if kind == "abort":
+                pipes.close(i, core)
+            elif kind == "abort":
                 out = core.abort(payload)
                 if out is not None:
                     idle = dataclasses.replace(core.stats(), batch_size=0, num_tokens=0)
-                    conn.send(("outs", ([out], idle, 0.0)))  # gauges see the freed KV at once
+                    pipes.send_outputs([out], idle, 0.0, core)  # gauges see the freed KV at once
             else:
                 key, requests = payload
-                conn.send(("admitted", (key, _plain(admit(core, requests)))))
-        t0 = time.perf_counter()
-        outs = core.step()
-        conn.send(("outs", (outs, core.stats(), time.perf_counter() - t0)))
+                error = admit(core, requests)
+                if error is None:
+                    pipes.own(i, requests)
+                pipes.send(i, ("admitted", (key, _plain(error))), core)
+        if not ready and core.has_work:
+            t0 = time.perf_counter()
+            outs = core.step()
+            pipes.send_outputs(outs, core.stats(), time.perf_counter() - t0, core)
+
+
+class _Pipes:
+    """The engine's ends of the API processes' pipes, and which pipe each request came from.
+
+    Each API process gets the outputs of its own requests only; pipe 0 also gets every step's
+    numbers, even with no outputs of its own (its API process keeps the engine-wide metrics).
+    A pipe that closes (or breaks) takes its requests with it: they are aborted.
+    With one pipe everything goes to it and nothing is tracked (the single-API-process path).
+    """
+
+    def __init__(self, conns: list[Connection]) -> None:
+        self.conns = dict(enumerate(conns))
+        self.owner: dict[str, int] | None = {} if len(conns) > 1 else None
+
+    @property
+    def open(self) -> bool:
+        return bool(self.conns)
+
+    def wait(self, timeout: float | None) -> list[tuple[int, Connection]]:
+        ready = set(wait(list(self.conns.values()), timeout))
+        return [(i, c) for i, c in self.conns.items() if c in ready]
+
+    def own(self, i: int, requests: list[GenerateRequest]) -> None:
+        if self.owner is not None:
+            for req in requests:
+                self.owner[req.request_id] = i
+
+    def send(self, i: int, message: tuple[str, Any], core: EngineCore) -> None:
+        conn = self.conns.get(i)
+        if conn is None:
+            return
+        try:
+            conn.send(message)
+        except (OSError, ValueError):  # that API process went away
+            self.close(i, core)
+
+    def send_outputs(
+        self, outs: list[RequestOutput], stats: StepStats, seconds: float, core: EngineCore
+    ) -> None:
+        if self.owner is None:
+            for i in list(self.conns):
+                self.send(i, ("outs", (outs, stats, seconds)), core)
+            return
+        for i, mine in self._split(outs).items():
+            if mine or i == 0:
+                self.send(i, ("outs", (mine, stats, seconds)), core)
+
+    def _split(self, outs: list[RequestOutput]) -> dict[int, list[RequestOutput]]:
+        """Outputs by the pipe their request came from (finished requests are forgotten)."""
+        assert self.owner is not None
+        by_pipe: dict[int, list[RequestOutput]] = {i: [] for i in self.conns}
+        for out in outs:
+            i = self.owner.pop(out.request_id, None) if out.finished else None
+            if i is None:
+                i = self.owner.get(out.request_id)
+            if i in by_pipe:
+                by_pipe[i].append(out)
+        return by_pipe
+
+    def close(self, i: int, core: EngineCore) -> None:
+        """Pipe `i` is done: abort what its API process left running."""
+        conn = self.conns.pop(i, None)
+        if conn is None:
+            return
+        conn.close()
+        if self.owner is not None:
+            for rid in [r for r, owner in self.owner.items() if owner == i]:
+                del self.owner[rid]
+                core.abort(rid)
+
+    def broadcast(self, message: tuple[str, Any]) -> None:
+        for conn in self.conns.values():
+            with contextlib.suppress(OSError, ValueError):
+                conn.send(message)
+
+    def die(self, message: str, core: EngineCore) -> None:
+        """The loop broke: every API process gets the failed outputs of its own requests."""
+        failed = core.fail_all(message)
+        if self.owner is None:
+            self.broadcast(("dead", (message, failed)))
+            return
+        for i, mine in self._split(failed).items():
+            with contextlib.suppress(OSError, ValueError):
+                self.conns[i].send(("dead", (message, mine)))
 
 
 def _plain(error: Exception | None) -> tuple[str, str, str, str | None] | None:

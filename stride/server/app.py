@@ -16,6 +16,7 @@ import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
 from typing import Annotated, Any
 
 import torch
@@ -52,6 +53,10 @@ class ServerConfig:
     protect_metrics: bool = False  # with an API key: require it on /metrics too
     metrics_users: str | None = None  # "a,b": users with their own metrics label (else "other")
     engine_process: bool | None = None  # the step loop in its own process; None: on for CUDA
+    # One of several API processes: a pipe to the engine process their parent started, and
+    # whether this one records the engine's step numbers (exactly one of them does).
+    engine_conn: Connection | None = None
+    step_metrics: bool = True
 
 
 class Phase(enum.Enum):
@@ -125,8 +130,10 @@ def build_client(config: ServerConfig) -> BaseClient:
     On a GPU the loop runs in its own process, so that HTTP handling and the step loop do not
     take turns on one GIL; on a CPU (and for tests, which reach into `client.core`) on a thread.
     """
+    if config.engine_conn is not None:
+        return ProcessEngineClient(config.engine_conn)
     if use_engine_process(config):
-        return ProcessEngineClient(
+        return ProcessEngineClient.start(
             EngineProcessConfig(config.engine, config.scheduler, config.decoders)
         )
     engine = Engine(config.engine)
@@ -160,7 +167,8 @@ def create_app(config: ServerConfig | None = None) -> FastAPI:
 
         def _ready(client: BaseClient) -> None:
             lifecycle.client = app.state.client = client
-            client.on_step = metrics.on_step
+            if config.step_metrics:
+                client.on_step = metrics.on_step
             app.state.serving = Serving(client, config.decoders.default, metrics)
             if lifecycle.phase is Phase.LOADING:
                 lifecycle.phase = Phase.READY

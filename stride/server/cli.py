@@ -3,6 +3,8 @@
 On the first SIGTERM/SIGINT the server keeps its socket but answers new requests with 503 and
 `/health` with 503 (so a load balancer stops routing), waits for the requests in flight to finish
 (at most `--shutdown-timeout` seconds), then exits 0. A second signal exits at once.
+With `--api-servers N` > 1 this process supervises N API processes that do all of that
+(see `stride.server.api_servers`).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import logging
 import os
 import re
 import signal
+import socket
 import sys
 import time
 from types import FrameType
@@ -23,7 +26,7 @@ from stride.decoders.base import DecoderError
 from stride.decoders.registry import DecodersConfig, parse_spec
 from stride.engine.engine import EngineConfig
 from stride.scheduler.policy import SchedulerConfig
-from stride.server.app import Lifecycle, ServerConfig, create_app
+from stride.server.app import Lifecycle, ServerConfig, create_app, use_engine_process
 
 log = logging.getLogger("stride")
 
@@ -114,6 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
     _flag(h, "protect-metrics", "require the API key on /metrics too", action="store_true")
     _flag(h, "metrics-users", "users with their own metrics label, e.g. a,b (others: other)")
     _flag(h, "shutdown-timeout", "seconds to drain requests in flight on SIGTERM", 30.0, float)
+    _flag(h, "api-servers", "HTTP processes in front of the engine process (default: 1 on CPU, "
+          "on CUDA one per 4 cores, at most 4)", None, int)  # fmt: skip
     _flag(h, "log-level", "debug, info, warning or error", "info")
     return parser
 
@@ -150,16 +155,29 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
 
 
 class DrainingServer(uvicorn.Server):
-    """uvicorn, with a first signal that drains instead of closing the socket."""
+    """uvicorn, with a first signal that drains instead of closing the socket.
 
-    def __init__(self, config: uvicorn.Config, lifecycle: Lifecycle, timeout: float) -> None:
+    `only_sigterm`: one of several API processes, which a terminal's Ctrl-C reaches too; their
+    parent turns it into one SIGTERM each, so a SIGINT of their own is ignored.
+    """
+
+    def __init__(
+        self,
+        config: uvicorn.Config,
+        lifecycle: Lifecycle,
+        timeout: float,
+        only_sigterm: bool = False,
+    ) -> None:
         super().__init__(config)
         self.lifecycle = lifecycle
         self.timeout = timeout
+        self.only_sigterm = only_sigterm
         self.deadline: float | None = None
         self.failed = False
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self.only_sigterm and sig != signal.SIGTERM:
+            return
         if self.deadline is None and not self.should_exit:
             log.warning(
                 "%s: draining %d requests (at most %.0f s)",
@@ -183,9 +201,45 @@ class DrainingServer(uvicorn.Server):
 
 
 def serve(args: argparse.Namespace) -> int:
+    setup_logging(args)
+    config = server_config(args)
+    n = args.api_servers
+    if n is None:
+        n = default_api_servers(config)
+    elif n > 1 and config.engine_process is False:
+        log.error("--api-servers %d needs the engine process (drop --no-engine-process)", n)
+        return 2
+    if n > 1:
+        from stride.server.api_servers import serve_many  # it imports this module
+
+        return serve_many(args, config, n)
+    return run_server(args, config)
+
+
+def default_api_servers(config: ServerConfig) -> int:
+    """One API process where the engine thread shares it (CPU); on CUDA one per 4 cores, at
+    most 4: one asyncio process streams about half of what the engine makes at 256 streams on
+    an H200, and the engine process, tokenizers and the OS need cores too."""
+    if not use_engine_process(config):
+        return 1
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, min(4, (cores or 1) // 4))
+
+
+def setup_logging(args: argparse.Namespace) -> None:
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+
+
+def run_server(
+    args: argparse.Namespace,
+    server_config: ServerConfig,
+    sockets: list[socket.socket] | None = None,
+) -> int:
+    """Serve on `args.host:args.port`, or on `sockets` (one API process of several)."""
     level = args.log_level.upper()
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    app = create_app(server_config(args))
+    app = create_app(server_config)
     config = uvicorn.Config(
         app,
         host=args.host,
@@ -194,14 +248,15 @@ def serve(args: argparse.Namespace) -> int:
         timeout_graceful_shutdown=2,
         access_log=level == "DEBUG",
     )
-    server = DrainingServer(config, app.state.lifecycle, args.shutdown_timeout)
+    only_sigterm = sockets is not None
+    server = DrainingServer(config, app.state.lifecycle, args.shutdown_timeout, only_sigterm)
 
     def failed(message: str) -> None:
         log.error("cannot serve: %s", message)
         server.failed = server.should_exit = True
 
     app.state.lifecycle.on_failure = failed
-    server.run()
+    server.run(sockets=sockets)
     return 1 if server.failed else 0
 
 

@@ -1,0 +1,141 @@
+"""`stride serve --api-servers N`: N HTTP processes in front of one engine process (vLLM's
+`--api-server-count`).
+
+One asyncio process parses, formats and writes only so many SSE events a second; at 256 streams
+on a GPU the engine makes more. So this process (the supervisor) binds the port, starts the
+engine process with one pipe per API process, and spawns N API processes that each run the
+usual app and uvicorn on a listening socket of their own and talk to the engine over their pipe.
+
+- Sockets: one per API process, all bound to the port with SO_REUSEPORT, so the kernel spreads
+  connections evenly. (One shared socket would not: asyncio accepts every pending connection at
+  once, so whichever process wakes first takes a whole burst of them.)
+- Metrics: prometheus_client's multiprocess mode in a fresh directory, so any process answers
+  `/metrics` for the whole server; API process 0 alone records the engine's step numbers.
+- Signals: SIGTERM or SIGINT here becomes one SIGTERM to each API process, which drains as a
+  single server does; a second one makes them exit at once. Once they are gone the engine
+  process, whose pipes have all closed, exits too. If one API process fails, the others are
+  stopped. API processes whose supervisor dies drain and exit; the engine follows them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import multiprocessing as mp
+import os
+import signal
+import socket
+import sys
+import tempfile
+import threading
+from multiprocessing.connection import wait
+from multiprocessing.process import BaseProcess
+from types import FrameType
+
+from stride.metrics import MULTIPROC_ENV
+from stride.scheduler.process import EngineProcessConfig, run_setup, start_engine_process
+from stride.server.app import ServerConfig
+from stride.server.cli import run_server, setup_logging
+
+log = logging.getLogger("stride")
+
+
+def serve_many(args: argparse.Namespace, config: ServerConfig, n: int) -> int:
+    """Run N API processes and the engine process until they are done; 0 if all exited 0."""
+    sockets = [listen(args.host, args.port) for _ in range(n)]
+    with tempfile.TemporaryDirectory(prefix="stride-metrics-") as metrics_dir:
+        os.environ[MULTIPROC_ENV] = metrics_dir  # before any child imports prometheus_client
+        engine, conns = start_engine_process(
+            EngineProcessConfig(config.engine, config.scheduler, config.decoders), n
+        )
+        ctx = mp.get_context("spawn")
+        servers = [
+            ctx.Process(
+                target=_api_server,
+                args=(args, dataclasses.replace(config, engine_conn=conn, step_metrics=i == 0), s),
+                name=f"stride-api-{i}",
+                daemon=True,
+            )
+            for i, (conn, s) in enumerate(zip(conns, sockets, strict=True))
+        ]
+        supervisor = _Supervisor(servers)
+        for p in servers:
+            p.start()
+        for conn, s in zip(conns, sockets, strict=True):  # theirs now; see the engine's EOF
+            conn.close()
+            s.close()
+        log.info("%d API processes on %s:%d", n, args.host, args.port)
+        codes = supervisor.wait()
+        engine.join(10)  # every pipe closed: it is on its way out
+        if engine.is_alive():
+            engine.kill()
+            engine.join(5)
+    return 0 if all(c == 0 for c in codes) else 1
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on host:port that others may bind too (SO_REUSEPORT)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((host, port))
+    sock.listen(2048)  # uvicorn's default backlog
+    sock.set_inheritable(True)
+    return sock
+
+
+class _Supervisor:
+    """Forwards SIGTERM/SIGINT to the API processes as SIGTERM; waits for all of them."""
+
+    def __init__(self, servers: list[BaseProcess]) -> None:
+        self.servers = servers
+        self.stopping = False
+        signal.signal(signal.SIGTERM, self._forward)
+        signal.signal(signal.SIGINT, self._forward)
+
+    def _forward(self, sig: int, frame: FrameType | None) -> None:
+        log.warning("%s: stopping the API processes", signal.Signals(sig).name)
+        self.stop()
+
+    def stop(self) -> None:
+        self.stopping = True
+        for p in self.servers:
+            if p.pid is not None and p.exitcode is None:
+                os.kill(p.pid, signal.SIGTERM)
+
+    def wait(self) -> list[int]:
+        """Exit codes of the API processes; the first failure stops the others."""
+        if self.stopping:  # a signal came before they started
+            self.stop()
+        pending = {p.sentinel: p for p in self.servers}
+        while pending:
+            for sentinel in wait(list(pending)):
+                p = pending.pop(sentinel)
+                p.join()
+                if p.exitcode != 0 and not self.stopping:
+                    log.error("%s exited with %s: stopping the others", p.name, p.exitcode)
+                    self.stop()
+        return [p.exitcode for p in self.servers]
+
+
+def _api_server(args: argparse.Namespace, config: ServerConfig, sock: socket.socket) -> None:
+    """One API process: the app and uvicorn on `sock`, the engine behind `config.engine_conn`."""
+    run_setup(os.environ.get("STRIDE_ENGINE_SETUP"))  # e.g. decoders registered outside Stride
+    setup_logging(args)
+    _drain_when_orphaned()
+    sys.exit(run_server(args, config, sockets=[sock]))
+
+
+def _drain_when_orphaned() -> None:
+    """If the supervisor dies (even by SIGKILL), drain and exit as on SIGTERM."""
+    parent = mp.parent_process()
+    if parent is None:
+        return
+
+    def watch(sentinel: int) -> None:
+        wait([sentinel])
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, args=(parent.sentinel,), daemon=True).start()

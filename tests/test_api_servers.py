@@ -1,0 +1,188 @@
+"""`stride serve --api-servers 2`: two HTTP processes in front of one engine process."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+from transformers import AutoTokenizer
+
+from stride.server.cli import build_parser, default_api_servers, main, server_config
+from tests.server_harness import free_port
+from tests.test_server import hf_greedy
+from tests.test_server_cli import LAUNCH, _wait_healthy
+
+ROOT = Path(__file__).resolve().parent.parent
+PROMPTS = [[5, 17, 42, 99, 7], [3, 1, 4, 1, 5, 9], [200, 100, 50], [7, 7, 7, 7]]
+NEW = 6
+SLOW = {"prompt": "x", "max_tokens": 40, "ignore_eos": True, "stream": True, "decoder": "slow"}
+
+
+def _serve(model_dir: Path, port: int) -> subprocess.Popen:
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "STRIDE_ENGINE_SETUP": "tests.server_harness:register_test_decoders",
+        "STRIDE_API_SERVERS": "2",
+    }
+    cmd = [sys.executable, "-c", LAUNCH, "serve", "--model", str(model_dir), "--device", "cpu"]
+    cmd += ["--engine-process", "--kv-cache-memory", "8MiB", "--port", str(port)]
+    cmd += ["--shutdown-timeout", "60", "--log-level", "warning"]
+    return subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+
+
+def _descendants(pid: int) -> set[int]:
+    found: set[int] = set()
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        for child in map(int, (task / "children").read_text().split()):
+            found |= {child} | _descendants(child)
+    return found
+
+
+def _alive(pids: set[int]) -> set[int]:
+    alive = set()
+    for pid in pids:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except FileNotFoundError:
+            continue
+        if state != "Z":
+            alive.add(pid)
+    return alive
+
+
+def _wait_gone(pids: set[int], timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while _alive(pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(pids), f"left behind: {_alive(pids)}"
+
+
+@pytest.fixture(scope="module")
+def served(tiny_dir):
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = _serve(tiny_dir, port)
+    try:
+        _wait_healthy(url, proc)
+        for _ in range(20):  # both API processes are up once fresh connections all see 200
+            assert httpx.get(f"{url}/health", timeout=5).status_code == 200
+        yield url, proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _sample(url: str, family: str, **labels: str) -> float:
+    """The sum of a metric's samples with these labels, from a scrape on a fresh connection."""
+    total = 0.0
+    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+        m = re.fullmatch(rf"{family}\{{([^}}]*)\}} (\S+)", line)
+        if m and all(f'{k}="{v}"' in m.group(1) for k, v in labels.items()):
+            total += float(m.group(2))
+    return total
+
+
+def _complete(url: str, ids: list[int], stream: bool) -> list[str]:
+    """The generated tokens (as the text of each), streamed or not."""
+    body = {"prompt": ids, "max_tokens": NEW, "temperature": 0, "ignore_eos": True, "logprobs": 0}
+    if not stream:
+        out = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()
+        return out["choices"][0]["logprobs"]["tokens"]
+    with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}) as r:
+        events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e)["choices"][0]["logprobs"] for e in events[:-1]]
+    return [token for c in chunks for token in c["tokens"]]
+
+
+def test_flag_environment_and_default(monkeypatch):
+    monkeypatch.setenv("STRIDE_API_SERVERS", "3")
+    args = build_parser().parse_args(["serve", "--device", "cpu"])
+    assert args.api_servers == 3
+    assert default_api_servers(server_config(args)) == 1  # the engine shares a CPU process
+    assert main(["serve", "--api-servers", "2", "--no-engine-process"]) == 2
+
+
+def test_concurrent_requests_match_transformers(served, tiny_hf, tiny_dir):
+    url, _ = served
+    tokenizer = AutoTokenizer.from_pretrained(tiny_dir)
+    expected = [[tokenizer.decode([t]) for t in hf_greedy(tiny_hf, p, NEW)] for p in PROMPTS]
+    jobs = [(i % len(PROMPTS), i % 2 == 0) for i in range(24)]  # fresh connection each
+    with ThreadPoolExecutor(12) as pool:
+        tokens = list(pool.map(lambda job: _complete(url, PROMPTS[job[0]], job[1]), jobs))
+    assert tokens == [expected[p] for p, _ in jobs]
+    bad = httpx.post(f"{url}/v1/completions", json={"prompt": [5], "model": "nope"}, timeout=60)
+    assert bad.status_code == 404 and bad.json()["error"]["code"] == "model_not_found"
+
+
+def test_metrics_count_every_process(served):
+    url, _ = served
+    sent = _sample(url, "stride_requests_received_total")
+    tokens = _sample(url, "stride_generation_tokens_total")
+    ids = PROMPTS[0]
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(lambda i: _complete(url, ids, i % 2 == 0), range(16)))
+    for _ in range(8):  # each scrape on a fresh connection: either process may answer
+        assert _sample(url, "stride_requests_received_total") == sent + 16
+        assert _sample(url, "stride_generation_tokens_total") == tokens + 16 * NEW
+        assert _sample(url, "stride_engine_step_duration_seconds_count") > 0
+        assert _sample(url, "stride_requests_running") == 0
+        assert _sample(url, "stride_kv_cache_usage_ratio") == 0
+
+
+def test_sigterm_drains_and_leaves_no_process(served):
+    url, proc = served
+    children = _descendants(proc.pid)
+    assert len(children) >= 3  # the engine and two API processes
+    results: list[list[str]] = [[] for _ in range(4)]
+    started = [threading.Event() for _ in range(4)]
+
+    def stream(i: int) -> None:
+        with httpx.stream("POST", f"{url}/v1/completions", json=SLOW, timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    results[i].append(line[6:])
+                    started[i].set()
+
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for event in started:
+        assert event.wait(60)
+    proc.send_signal(signal.SIGTERM)
+    for t in threads:
+        t.join(timeout=60)
+    for events in results:  # every request in flight ran to its end
+        assert events[-1] == "[DONE]"
+        assert json.loads(events[-2])["choices"][0]["finish_reason"] == "length"
+    assert proc.wait(timeout=60) == 0
+    _wait_gone(children, timeout=10)
+
+
+def test_killed_supervisor_leaves_no_process(tiny_dir):
+    port = free_port()
+    proc = _serve(tiny_dir, port)
+    try:
+        _wait_healthy(f"http://127.0.0.1:{port}", proc)
+        children = _descendants(proc.pid)
+        proc.kill()
+        proc.wait()
+        _wait_gone(children)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
