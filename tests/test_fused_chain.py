@@ -1,11 +1,14 @@
 """Chained fused bursts (`EngineCore._chain`: the next burst launched before the last one is
 committed, its first tokens taken on the device) change no output: the same tokens, text and
 finish reasons as one step at a time, through stops mid-burst, aborts, arrivals mid-chain,
-max_tokens that are no multiple of the burst, and speculative rows at K = 0; the KV cache's
-blocks stay accounted for after every step and end free. On the CPU each burst runs eagerly and
-synchronously, but the order of launches and commits is the GPU's."""
+max_tokens that are no multiple of the burst, and speculative rows at K = 0; at batches above
+FUSE_MAX_BATCH too (1-step bursts), the chain going on past the sequences that finish. The KV
+cache's blocks stay accounted for after every step and end free. On the CPU each burst runs
+eagerly and synchronously, but the order of launches and commits is the GPU's."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -14,6 +17,7 @@ from stride.decoders.registry import build_decoders
 from stride.decoders.speculative import Speculative
 from stride.engine.engine import Engine, EngineConfig
 from stride.engine.sequence import SamplingParams
+from stride.scheduler import core as core_module
 from stride.scheduler.core import EngineCore
 from stride.scheduler.outputs import GenerateRequest
 from stride.scheduler.policy import SchedulerConfig
@@ -43,14 +47,15 @@ def _requests() -> list[GenerateRequest]:
     return reqs
 
 
-def _core(tiny_dir, device: str, steps: int, chain: bool) -> EngineCore:
+def _core(tiny_dir, device: str, steps: int, chain: bool, max_num_seqs: int = 8) -> EngineCore:
     config = EngineConfig(model=str(tiny_dir), device=device, dtype="float32",
                           kv_cache_memory=16 << 20)  # fmt: skip
     engine = Engine(config)
     decoders = build_decoders(engine)
     # Costs from sizes, not clocks: the same plans in every run.
     decoders["speculative"] = Speculative(engine, saturation_tokens=0.5, measure_costs=False)
-    core = EngineCore(engine, SchedulerConfig(max_num_seqs=8, fused_decode_steps=steps), decoders)
+    scheduler = SchedulerConfig(max_num_seqs=max_num_seqs, fused_decode_steps=steps)
+    core = EngineCore(engine, scheduler, decoders)
     core.chain_fused = chain
     return core
 
@@ -66,19 +71,39 @@ def _check_blocks(core: EngineCore) -> None:
         assert seq.num_cached <= len(seq.block_table) * cache.block_size
 
 
-def _run(core: EngineCore) -> tuple[dict[str, tuple], list[bool], int]:
-    """Results per request; for each chained launch, whether it came while the burst it
-    continues was still uncommitted (one burst in flight); bursts in flight at the abort."""
+@dataclass
+class _Launch:
+    """One `decode_steps` call: whom it ran, for how many steps, and how it was fed."""
+
+    request_ids: list[str]
+    steps: int
+    chained: bool  # fed an uncommitted burst's last tokens on the device
+    while_uncommitted: bool  # exactly one burst (the one it continues) was in flight
+    picked: bool  # its first tokens are a subset of that burst's rows
+
+
+def _run(
+    core: EngineCore,
+    reqs: list[GenerateRequest],
+    first: int,
+    abort_at: int,
+    arrive_at: int,
+) -> tuple[dict[str, tuple], list[_Launch], int]:
+    """Results per request (`reqs[:first]` at once, `ABORTED` aborted before step `abort_at`,
+    the rest arriving before step `arrive_at`); every burst launched; and how many bursts were
+    in flight at the abort. The KV cache's blocks are checked after every step."""
     in_flight = 0
-    chained_while_uncommitted: list[bool] = []
+    launches: list[_Launch] = []
     decode_steps, commit_fused = core.engine.runner.decode_steps, core._commit_fused
 
-    def launching(seqs, tokens, *args, **kwargs):
+    def launching(seqs, tokens, steps, *args, **kwargs):
         nonlocal in_flight
-        if isinstance(tokens, torch.Tensor):
-            chained_while_uncommitted.append(in_flight == 1)
+        chained = isinstance(tokens, torch.Tensor)
+        picked = chained and len(seqs) < len(tokens)
+        ids = [s.request_id for s in seqs]
+        launches.append(_Launch(ids, steps, chained, chained and in_flight == 1, picked))
         in_flight += 1
-        return decode_steps(seqs, tokens, *args, **kwargs)
+        return decode_steps(seqs, tokens, steps, *args, **kwargs)
 
     def committing(*args, **kwargs):
         nonlocal in_flight
@@ -86,18 +111,17 @@ def _run(core: EngineCore) -> tuple[dict[str, tuple], list[bool], int]:
         return commit_fused(*args, **kwargs)
 
     core.engine.runner.decode_steps, core._commit_fused = launching, committing
-    reqs = _requests()
-    for req in reqs[:4]:
+    for req in reqs[:first]:
         core.add(req)
     results: dict[str, tuple] = {}
     step = 0
-    while core.has_work or step < 6:
+    while core.has_work or step <= max(abort_at, arrive_at):
         outs = []
-        if step == 2:
+        if step == abort_at:
             aborted_in_flight = in_flight
             outs.append(core.abort(ABORTED))  # leaves between steps, a burst for it in flight
-        if step == 5:
-            for req in reqs[4:]:
+        if step == arrive_at:
+            for req in reqs[first:]:
                 core.add(req)  # arrive while a chain runs
         for out in outs + core.step():
             tokens, text, _, _ = results.get(out.request_id, ((), "", None, None))
@@ -112,25 +136,96 @@ def _run(core: EngineCore) -> tuple[dict[str, tuple], list[bool], int]:
         step += 1
     cache = core.engine.cache
     assert cache.num_free_blocks == cache.num_usable_blocks
-    return results, chained_while_uncommitted, aborted_in_flight
+    return results, launches, aborted_in_flight
+
+
+def _same_outputs(single: dict[str, tuple], chained: dict[str, tuple]) -> None:
+    """Equal outputs, but for the aborted request, which stopped at a different point in each
+    run: one output extends the other."""
+    short, long = sorted((single.pop(ABORTED), chained.pop(ABORTED)), key=lambda r: len(r[0]))
+    assert short[2] == long[2] == "abort"
+    assert long[0][: len(short[0])] == short[0] and long[1].startswith(short[1])
+    assert chained == single
+    assert all(r[2] is not None and r[3] for r in chained.values())  # finished; passes counted
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
 def test_chained_bursts_change_no_output(tiny_dir, device):
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("no GPU")
-    single, single_chained, _ = _run(_core(tiny_dir, device, steps=1, chain=True))
-    chained, chained_launches, aborted_in_flight = _run(_core(tiny_dir, device, 4, chain=True))
-    assert not single_chained
-    assert len(chained_launches) >= 4 and all(chained_launches) and aborted_in_flight == 1
-
-    # The aborted request stopped at a different point in each run: one output extends the other.
-    short, long = sorted((single.pop(ABORTED), chained.pop(ABORTED)), key=lambda r: len(r[0]))
-    assert short[2] == long[2] == "abort"
-    assert long[0][: len(short[0])] == short[0] and long[1].startswith(short[1])
-    assert chained == single
-    assert all(r[2] is not None and r[3] for r in chained.values())  # finished; passes counted
+    single, single_launches, _ = _run(_core(tiny_dir, device, 1, True), _requests(), 4, 2, 5)
+    chained, launches, aborted_in_flight = _run(
+        _core(tiny_dir, device, 4, chain=True), _requests(), 4, 2, 5
+    )
+    assert not single_launches
+    chains = [launch for launch in launches if launch.chained]
+    assert len(chains) >= 4 and all(c.while_uncommitted for c in chains) and aborted_in_flight == 1
+    _same_outputs(single, chained)
     assert {r[2] for r in chained.values()} >= {"length", "stop"}
+
+
+def _large_batch_requests() -> list[GenerateRequest]:
+    """Twelve plain greedy requests that finish one after another (length, EOS, stop strings,
+    stop token ids), a speculative one at K = 0, and late arrivals: greedy, speculative, and a
+    sampled one (its draw needs the host: no bursts while it runs)."""
+
+    def greedy(max_tokens: int, **kwargs) -> SamplingParams:
+        kwargs.setdefault("ignore_eos", True)
+        return SamplingParams(max_tokens=max_tokens, temperature=0.0, **kwargs)
+
+    reqs = [
+        GenerateRequest("eos-14", [202, 9], greedy(30, ignore_eos=False)),  # EOS: 14th token
+        GenerateRequest("eos-15", [198, 9], greedy(30, ignore_eos=False)),
+        GenerateRequest(ABORTED, [6, 9, 12], greedy(30)),
+        GenerateRequest("stop-string", [8, 9, 15, 7], greedy(30, stop=["e"])),
+        GenerateRequest("stop-token", [9, 9, 16, 7, 34], greedy(30, stop_token_ids=[4, 11])),
+        GenerateRequest("k0", [10, 9], greedy(21), "speculative", {"num_speculative_tokens": 0}),
+    ]
+    reqs += [GenerateRequest(f"len-{n}", [n, 9, 12], greedy(n)) for n in (3, 5, 8, 11, 13, 17)]
+    reqs += [
+        GenerateRequest("late", [11, 9, 12], greedy(24)),
+        GenerateRequest(
+            "late-spec", [12, 9], greedy(10), "speculative", {"draft": "ngram", "adaptive": True}
+        ),
+        GenerateRequest(
+            "sampled", [13, 9, 7], SamplingParams(max_tokens=4, temperature=0.8, seed=3)
+        ),
+    ]
+    return reqs
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_chained_one_step_bursts_at_large_batches(tiny_dir, device, monkeypatch):
+    """A batch above FUSE_MAX_BATCH runs chained 1-step bursts (several steps per burst once it
+    has shrunk to FUSE_MAX_BATCH): the same outputs as one plain step at a time, and the chain
+    goes on past every sequence that finishes, leaving its row out."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no GPU")
+    monkeypatch.setattr(core_module, "FUSE_MAX_BATCH", 2)
+    single, single_launches, _ = _run(
+        _core(tiny_dir, device, 1, chain=True, max_num_seqs=16), _large_batch_requests(), 12, 4, 9
+    )
+    chained, launches, aborted_in_flight = _run(
+        _core(tiny_dir, device, 4, chain=True, max_num_seqs=16), _large_batch_requests(), 12, 4, 9
+    )
+    assert not single_launches and aborted_in_flight == 1
+    _same_outputs(single, chained)
+    reasons = {request_id: r[2] for request_id, r in chained.items()}
+    assert reasons["len-17"] == "length"
+    if device == "cpu":  # where the prompts were picked: every kind of stop, staggered
+        assert reasons["eos-14"] == reasons["eos-15"] == reasons["stop-string"] == "stop"
+        assert len(chained["eos-14"][0]) == 14 and chained["eos-14"][0][-1] == 2  # EOS
+        assert reasons["stop-token"] == "stop" and chained["stop-token"][0][-1] in (4, 11)
+
+    chains = [launch for launch in launches if launch.chained]
+    assert all(c.while_uncommitted for c in chains)
+    large = [c for c in chains if len(c.request_ids) > 2]
+    assert large and all(c.steps == 1 for c in large)
+    assert any(len(c.request_ids) > 2 and c.picked for c in chains)  # past finished sequences
+    assert sum(c.picked for c in chains) >= 4
+    assert any(c.steps > 1 for c in chains)  # a chain of multi-step bursts once the batch shrank
+    assert not any("sampled" in launch.request_ids for launch in launches)  # the host draws it
+    assert any("late" in c.request_ids for c in chains)  # the chain resumed after the arrivals
 
 
 def test_chained_bursts_match_unchained_ones(tiny_dir):

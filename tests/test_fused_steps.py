@@ -105,9 +105,9 @@ def _speculative_run(
     fused_at, probes_at = [], []
     decode_steps, plan = engine.runner.decode_steps, spec._plan
 
-    def counting(seqs, tokens, n, sample, offset=0):
+    def counting(seqs, tokens, n, sample, offset=0, rows=None):
         fused_at.append(spec._steps + offset)  # a chained burst's predecessor is uncommitted
-        return decode_steps(seqs, tokens, n, sample, offset)
+        return decode_steps(seqs, tokens, n, sample, offset, rows)
 
     def planned(seq, state, batch):
         k = plan(seq, state, batch)

@@ -122,16 +122,19 @@ class DecodeGraphs:
         tables: list[list[int]],
         steps: int,
         sample: Callable[[torch.Tensor], torch.Tensor],
+        rows: list[int] | None = None,
     ) -> torch.Tensor:
         """`steps` decode steps in a row with no host sync: step s+1's input tokens are step s's
         `sample(logits)`, copied on the device. Returns the sampled tokens [steps, B] (device).
 
-        Step 0's tokens are host ints, or a [B] device tensor (an earlier burst's last sample,
-        still on the device: copied like a later step's, so nothing waits for that burst).
+        Step 0's tokens are host ints, or a device tensor (an earlier burst's last sample, still
+        on the device: copied like a later step's, so nothing waits for that burst), whose row
+        `rows[i]` (default: row i) is sequence i's token. Those indices travel in the token
+        column of the packed inputs, and the rows are picked on the device.
         Every sequence must have KV slots reserved for `steps` new tokens; step s writes the K/V
         of position `lengths - 1 + s`.
         """
-        n = len(tokens)
+        n = len(lengths)
         fed = tokens if isinstance(tokens, torch.Tensor) else None  # fed on the device
         bucket = self._bucket(n)
         width = self._host.shape[1]
@@ -139,19 +142,22 @@ class DecodeGraphs:
             shape = (steps * self.max_batch, width)  # steps x bucket rows, back to back
             self._steps_host = torch.zeros(shape, dtype=torch.int32, pin_memory=True)
             self._steps_inputs = torch.zeros(shape, dtype=torch.int32, device=self._inputs.device)
-        rows = steps * bucket  # a contiguous prefix: one asynchronous copy
-        host = self._steps_host[:rows].numpy().reshape(steps, bucket, width)
+        packed = steps * bucket  # rows of a contiguous prefix: one asynchronous copy
+        host = self._steps_host[:packed].numpy().reshape(steps, bucket, width)
         self._copied.synchronize()
-        self._pack(host[0], tokens if fed is None else 0, positions, lengths, tables, bucket)
+        column = tokens if fed is None else 0 if rows is None else rows
+        self._pack(host[0], column, positions, lengths, tables, bucket)
         for s in range(1, steps):
             host[s] = host[0]
             host[s, :n, _POSITION] += s
             host[s, :n, _LENGTH] += s
             self._slots(host[s], n)
-        inputs = self._steps_inputs[:rows]
-        inputs.copy_(self._steps_host[:rows], non_blocking=True)
+        inputs = self._steps_inputs[:packed]
+        inputs.copy_(self._steps_host[:packed], non_blocking=True)
         self._copied.record()
         inputs = inputs.view(steps, bucket, width)
+        if fed is not None and rows is not None:
+            fed = fed.index_select(0, inputs[0, :n, _TOKEN])
         sampled = torch.empty(steps, n, dtype=torch.long, device=self._inputs.device)
         graph = self._graphs[bucket]
         for s in range(steps):
@@ -169,7 +175,8 @@ class DecodeGraphs:
     def _pack(self, h: np.ndarray, tokens, positions, lengths, tables, bucket: int) -> None:
         """Write one step's rows into the packed array `h` and pad it up to `bucket` rows.
 
-        `tokens`: a list, or one int for all rows (placeholders for tokens fed on the device)."""
+        `tokens`: a list, or one int for all rows (placeholders for tokens fed on the device);
+        for fed tokens, a list holds the rows to pick them from (see `run_steps`)."""
         n = len(lengths)
         h[:n, _TOKEN] = tokens
         h[:n, _POSITION] = positions

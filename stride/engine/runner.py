@@ -121,25 +121,36 @@ class ModelRunner:
         steps: int,
         sample: Callable[[torch.Tensor], torch.Tensor],
         offset: int = 0,
+        rows: list[int] | None = None,
     ) -> SampledTokens:
         """`steps` decode steps of one token per sequence, each step's input the last one's sample.
 
-        Step 0 feeds `tokens`: each sequence's tail as host ints, or a [B] device tensor (the
-        last sample of an earlier burst not yet committed, which this one continues: then
-        `offset` is that burst's length, and positions start that far past `num_cached`).
-        `sample` maps [B, vocab] logits to [B] token ids on the device. Every sequence needs KV
-        slots for `offset + steps` new tokens. With CUDA graphs the steps are queued with no
-        host sync in between, so the host's per-step work (commit, schedule, pack) is paid once
-        per `steps` tokens; elsewhere each step is an eager pass.
+        Step 0 feeds `tokens`: each sequence's tail as host ints, or a device tensor (the last
+        sample of an earlier burst not yet committed, which this one continues: then `offset`
+        is that burst's length, and positions start that far past `num_cached`). Sequence i's
+        token is the tensor's row `rows[i]` (default: row i), so that a continuation can leave
+        out sequences that finished meanwhile. `sample` maps [B, vocab] logits to [B] token ids
+        on the device. Every sequence needs KV slots for `offset + steps` new tokens. With CUDA
+        graphs the steps are queued with no host sync in between, so the host's per-step work
+        (commit, schedule, pack) is paid once per `steps` tokens; elsewhere each step is an
+        eager pass.
         """
         graphs = self.graphs
-        if graphs is not None and all(len(s.block_table) <= graphs.max_blocks for s in seqs):
+        if (
+            graphs is not None
+            and len(seqs) <= graphs.max_batch
+            and all(len(s.block_table) <= graphs.max_blocks for s in seqs)
+        ):
             tables = [s.block_table for s in seqs]
             starts = [s.num_cached + offset for s in seqs]
             lengths = [s + 1 for s in starts]
-            return SampledTokens(graphs.run_steps(tokens, starts, lengths, tables, steps, sample))
+            return SampledTokens(
+                graphs.run_steps(tokens, starts, lengths, tables, steps, sample, rows)
+            )
         if not isinstance(tokens, torch.Tensor):
             tokens = torch.tensor(tokens, dtype=torch.long, device=self.device)
+        elif rows is not None:  # (a host-to-device copy: on a GPU it waits for the last burst)
+            tokens = tokens[torch.tensor(rows, device=tokens.device)]
         sampled = []
         for s in range(steps):
             # One placeholder token per chunk: the ids themselves come from `tokens`.

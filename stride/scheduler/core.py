@@ -32,7 +32,7 @@ from stride.scheduler.outputs import (
 )
 from stride.scheduler.policy import Scheduled, Scheduler, SchedulerConfig
 
-FUSE_MAX_BATCH = 8  # fused decode steps only for batches up to this size
+FUSE_MAX_BATCH = 8  # bursts of several decode steps only for batches up to this size
 
 
 @dataclass
@@ -73,6 +73,8 @@ class EngineCore:
         # A fused burst's continuation is launched before the burst is committed (`_chain`):
         # on the CPU everything is synchronous, and it would only make arrivals wait longer.
         self.chain_fused = self.launch_ahead
+        graphs = engine.runner.graphs
+        self._max_burst_batch = graphs.max_batch if graphs is not None else 1 << 30
         self.last_batch_size = 0
         self.last_num_tokens = 0
         # Everything alive now (model, tokenizer, graphs, imported modules) lives as long as the
@@ -227,7 +229,7 @@ class EngineCore:
 
         chunks = [self._chunk(item, prop) for item, prop in zip(plan, proposals, strict=True)]
         steps = self._fused_steps(plan, by_decoder)
-        if steps > 1:
+        if steps:
             self.last_num_tokens = len(chunks) * steps
             seqs, tails = [c.seq for c in chunks], [c.token_ids[0] for c in chunks]
             sample = Autoregressive.device_sample
@@ -238,36 +240,47 @@ class EngineCore:
         return _Launched(plan, by_decoder, proposals, logits)
 
     def _fused_steps(self, plan: list[Scheduled], by_decoder: dict[str, list[int]]) -> int:
-        """How many decode steps this engine step runs back to back (1: just its own).
+        """How many decode steps this engine step runs as one fused burst (0: a plain forward).
 
-        Fused steps queue several forwards on the GPU with the tokens fed from one to the next
-        on the device, so the host's per-step work (sync, commit, schedule, pack, launch) is
-        paid once for several tokens. That work is a large share of a step only at a small
-        batch, so fusing is kept to small batches (`FUSE_MAX_BATCH`) of plain greedy decoding
-        with nobody waiting to join: a request arriving meanwhile waits at most `steps - 1`
-        steps (a burst more if the burst is chained, see `_chain`), and a sequence that stops
-        early wastes the rest of its steps. Another decoder's rows join for as many steps as it
-        would decode them as `ar` (`Decoder.plain_steps`).
+        A burst's steps run back to back with each step's argmax fed to the next on the device,
+        so the host's per-step work (sync, commit, schedule, pack, launch) is paid once for
+        several tokens, and the burst can be chained (`_chain`): the next one is queued before
+        it is committed, so that work overlaps the GPU. Several steps per burst only for small
+        batches (`FUSE_MAX_BATCH`), where host work is a large share of a step: a request
+        arriving meanwhile waits up to `steps - 1` steps longer (a burst more if chained), and a
+        sequence that stops early wastes the rest of its steps. A larger batch, up to what the
+        decode graphs take, runs 1-step bursts, and only to chain them: chaining costs neither
+        the wait nor the waste, and buys the overlap. Bursts need plain greedy decoding in every
+        row (`Autoregressive.fusable`) and nobody waiting to join; another decoder's rows join
+        for as many steps as it would decode them as `ar` (`Decoder.plain_steps`), if above 1
+        (an answer of 1 may need this step's `commit`, e.g. to time it).
         """
         steps = self.fused_decode_steps
-        if steps <= 1 or len(plan) > FUSE_MAX_BATCH or self.scheduler.waiting or self._grouped:
-            return 1
+        if steps <= 1 or self.scheduler.waiting or self._grouped:
+            return 0
+        if len(plan) > FUSE_MAX_BATCH:
+            if not self.chain_fused or len(plan) > self._max_burst_batch:
+                return 0
+            steps = 1
         for item in plan:
             seq = item.seq
             if not (item.completes_tail and item.num_tail == 1 and Autoregressive.fusable(seq)):
-                return 1
+                return 0
             left = seq.params.max_tokens - seq.num_output_tokens
             steps = min(steps, left, self.engine.max_model_len - len(seq.token_ids))
         for name, idx in by_decoder.items():
             if name not in self._plain:
-                steps = min(steps, self.decoders[name].plain_steps([plan[i].seq for i in idx]))
+                plain = self.decoders[name].plain_steps([plan[i].seq for i in idx])
+                if plain <= 1:
+                    return 0
+                steps = min(steps, plain)
         if steps <= 1:
-            return 1
+            return 1 if self.chain_fused else 0  # unchained, a 1-step burst buys nothing
         try:
             for item in plan:
                 self.engine.cache.reserve(item.seq, item.seq.num_cached + steps)
         except OutOfBlocks:
-            return 1  # what was reserved goes back when the step commits (`_apply` trims)
+            return 0  # what was reserved goes back when the step commits (`_apply` trims)
         return steps
 
     def _chain(self, launched: _Launched) -> _Launched | None:
@@ -275,34 +288,42 @@ class EngineCore:
 
         Committing a burst waits for its tokens; with the next burst already queued, the GPU
         runs it meanwhile instead of idling through the host's sync, commit, schedule and pack.
-        Its first tokens are `launched`'s last ones, still on the device; its steps are what
-        `_fused_steps` would allow once `launched` has committed, its plan the same (a sequence
-        that finishes in that commit loses its row; nothing new joins). It goes on only while
-        nobody waits and every sequence `launched` ran is still running; a request arriving
-        meanwhile waits at most one more burst. Another decoder's rows join for as long as its
-        `plain_steps`, asked before `launched` commits (for `launched`'s first step), allows.
+        Its plan is `launched`'s minus the sequences finished since (aborted, expired, or
+        stopped by the commit before) and those that `launched` takes to max_tokens; its first
+        tokens are their rows of `launched`'s last sample, picked on the device; its steps are
+        what `_fused_steps` would allow once `launched` has committed. A sequence that stops
+        otherwise in that commit still has a row, skipped when this burst commits. Nothing new
+        joins: the chain ends when someone waits (a request arriving meanwhile waits at most one
+        more burst, and no prefill starves) or when something else runs. Another decoder's rows
+        join for as long as its `plain_steps`, asked before `launched` commits (for `launched`'s
+        first step), allows.
         """
         done = launched.tokens.steps if launched.tokens is not None else 0
-        plan = launched.plan
-        if (
-            not done
-            or not self.chain_fused
-            or self.scheduler.waiting
-            or self._grouped
-            or len(plan) != len(self.scheduler.running)
-        ):
+        if not done or not self.chain_fused or self.scheduler.waiting or self._grouped:
             return None
-        steps = self.fused_decode_steps
-        for item in plan:
+        old, alive = launched.plan, 0
+        kept: list[int] = []  # indices into `old`
+        lefts: list[int] = []
+        for i, item in enumerate(old):
             seq = item.seq
-            if seq.status is Status.FINISHED:  # aborted or expired since the launch
-                return None
-            length = len(seq.token_ids) + done  # once `launched` has committed
-            left = seq.params.max_tokens - (length - seq.num_prompt_tokens)
-            steps = min(steps, left, self.engine.max_model_len - length)
-        for name, idx in launched.by_decoder.items():
+            if seq.status is Status.FINISHED:
+                continue
+            alive += 1
+            left = seq.params.max_tokens - seq.num_output_tokens - done  # once committed
+            if left > 0:  # else `launched` ends it (length)
+                kept.append(i)
+                lefts.append(left)
+        if not kept or alive != len(self.scheduler.running):
+            return None
+        plan = [old[i] for i in kept] if len(kept) < len(old) else old
+        steps = self.fused_decode_steps if len(plan) <= FUSE_MAX_BATCH else 1
+        steps = min(steps, min(lefts))  # (`add` keeps max_tokens within max_model_len)
+        by_decoder: dict[str, list[int]] = defaultdict(list)
+        for j, item in enumerate(plan):
+            by_decoder[item.seq.decoder].append(j)
+        for name, idx in by_decoder.items():
             if name not in self._plain:
-                plain = self.decoders[name].plain_steps([plan[i].seq for i in idx])
+                plain = self.decoders[name].plain_steps([plan[j].seq for j in idx])
                 steps = min(steps, plain - done)
         if steps < 1:
             return None
@@ -313,10 +334,12 @@ class EngineCore:
             return None  # what was reserved goes back when `launched` commits (`_apply` trims)
         self.last_batch_size, self.last_num_tokens = len(plan), len(plan) * steps
         seqs = [item.seq for item in plan]
-        first = launched.tokens.on_device[-1]
+        first = launched.tokens.on_device[-1]  # picked by `rows` if some sequences left
+        rows = None if plan is old else kept
         sample = Autoregressive.device_sample
-        tokens = self.engine.runner.decode_steps(seqs, first, steps, sample, offset=done)
-        return _Launched(plan, launched.by_decoder, launched.proposals, [], tokens)
+        tokens = self.engine.runner.decode_steps(seqs, first, steps, sample, done, rows)
+        proposals = [launched.proposals[i] for i in kept]
+        return _Launched(plan, by_decoder, proposals, [], tokens)
 
     def _commit(
         self,
