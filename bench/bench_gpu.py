@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from stride.engine import engine as engine_mod  # noqa: E402
 from stride.engine import loader  # noqa: E402
+from stride.engine.cuda_graphs import DecodeGraphs  # noqa: E402
 from stride.engine.engine import Engine, EngineConfig  # noqa: E402
 from stride.engine.model import CausalLM  # noqa: E402
 from stride.engine.runner import ModelRunner  # noqa: E402
@@ -243,10 +244,13 @@ def bench_stride(core: EngineCore, vocab: int, shape: str, bytes_read: int, bw: 
     run_core(core, prompts(4, vocab, seed=2), new=16)  # warm-up
     b1 = run_core(core, prompts(1, vocab))
     record(f"{shape}/stride/batch1_tok_s", round(b1["decode_tok_s"], 1))
+    chain, core.chain_fused = core.chain_fused, False  # ablation: a sync between bursts
+    unchained = run_core(core, prompts(1, vocab))["decode_tok_s"]
+    record(f"{shape}/stride_unchained/batch1_tok_s", round(unchained, 1))
     fused, core.fused_decode_steps = core.fused_decode_steps, 1  # ablation: a sync every token
     single = run_core(core, prompts(1, vocab))["decode_tok_s"]
     record(f"{shape}/stride_no_fused_steps/batch1_tok_s", round(single, 1))
-    core.fused_decode_steps = fused
+    core.fused_decode_steps, core.chain_fused = fused, chain
     for name, rate in bw.items():
         record(
             f"{shape}/stride/batch1_roofline_{name}",
@@ -271,6 +275,16 @@ def bench_stride(core: EngineCore, vocab: int, shape: str, bytes_read: int, bw: 
         ),
     }
     variants["stride_fused_no_graphs"].forward_fn = runner.forward_fn  # no second weight concat
+    if runner.forward_fn is not engine.model:  # the same kernels, launched without PDL
+        no_pdl = ModelRunner(
+            engine.model, engine.cache, engine.device, cuda_graphs=False, fused_kernels=False
+        )
+        no_pdl.forward_fn = runner.forward_fn
+        os.environ["STRIDE_PDL"] = "0"
+        g = runner.graphs
+        no_pdl.graphs = DecodeGraphs(engine.model, g.forward, g.cache, g.max_batch, g.max_blocks)
+        del os.environ["STRIDE_PDL"]
+        variants["stride_no_pdl"] = no_pdl
     for name, variant in variants.items():
         engine.runner = variant
         run_core(core, prompts(2, vocab, seed=2), new=8)
