@@ -13,9 +13,16 @@ the host overhead alone.
 With several decoders, each runs in turn on a fresh engine and a table compares their host µs
 per step. Speculative runs use the adaptive policy with a GPU's saturation (256 tokens) unless
 told otherwise, so that it weighs drafting as it would on the GPU; with the replay removed,
-whatever a speculative step costs beyond an `ar` step is the decoder's own host work. "launched
-ahead" counts the steps whose forward the core started before decoding the previous step's
-text: on a GPU the others leave the device idle while the host works.
+whatever a speculative step costs beyond an `ar` step is the decoder's own host work.
+
+How each decode step's forward was launched tells how much of that host work a GPU would
+overlap: "chained" bursts (`EngineCore._chain`) were queued before the burst they continue was
+committed, fed its last tokens on the device ("picked": minus the rows of finished sequences),
+so the host's sync, commit, schedule and pack all overlap the device; "launched ahead" forwards
+were started before the previous step's text was decoded (only that overlaps); the rest leave
+the device idle while the host works. The decode graphs' replay is replaced by a fixed logits
+tensor, but everything around it runs as on a GPU: packing, and in a burst the argmax (a CPU
+argmax here, ~0.2 ms at 256 rows, a kernel there) fed to the next step by `run_steps`.
 """
 
 from __future__ import annotations
@@ -104,6 +111,7 @@ def run(args: argparse.Namespace, decoder: str) -> dict[str, Any]:
     while any(len(s.tail) > 1 or s.num_cached == 0 for s in core.seqs.values()):
         core.step()  # prefill (eager, real model compute): not measured
     ahead = count_launch_ahead(core)
+    launches = count_launches(core)
     profiler = cProfile.Profile() if args.profile else None
     times = []
     tokens = drafted = 0
@@ -124,12 +132,14 @@ def run(args: argparse.Namespace, decoder: str) -> dict[str, Any]:
         f"{decoder}: {len(times)} decode steps, {tokens} tokens, concurrency "
         f"{args.concurrency}: host {mean * 1e6:.0f} us/step mean, {median * 1e6:.0f} median, "
         f"{mean * 1e6 / args.concurrency:.2f} us per sequence; {drafted} drafted; "
-        f"launched ahead {ahead[True]} of {ahead[True] + ahead[False]}; "
+        f"launches: {launches['chained']} chained ({launches['picked']} picked), "
+        f"{launches['burst']} other bursts, {launches['forward']} forwards; launched ahead "
+        f"{ahead[True]} of {ahead[True] + ahead[False]} unchained; "
         f"worst {sorted((round(t * 1e6), i) for i, t in enumerate(times))[-4:]} us"
     )
     if profiler:
         pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
-    return {"mean": mean, "median": median, "drafted": drafted, "ahead": ahead}
+    return {"mean": mean, "median": median, "drafted": drafted, "ahead": ahead, **launches}
 
 
 def count_launch_ahead(core: EngineCore) -> Counter:
@@ -143,6 +153,27 @@ def count_launch_ahead(core: EngineCore) -> Counter:
 
     core._may_launch_ahead = counted
     return answers
+
+
+def count_launches(core: EngineCore) -> Counter:
+    """Count forwards by how they were launched: a burst chained to an uncommitted one (fed on
+    the device; "picked" if some of its rows were left out), another burst, a plain forward."""
+    counts: Counter = Counter({"chained": 0, "picked": 0, "burst": 0, "forward": 0})
+    runner = core.engine.runner
+    decode_steps, forward = runner.decode_steps, runner.forward
+
+    def bursting(seqs, tokens, *args, **kwargs):
+        chained = isinstance(tokens, torch.Tensor)
+        counts["chained" if chained else "burst"] += 1
+        counts["picked"] += chained and len(seqs) < len(tokens)
+        return decode_steps(seqs, tokens, *args, **kwargs)
+
+    def forwarding(*args, **kwargs):
+        counts["forward"] += 1
+        return forward(*args, **kwargs)
+
+    runner.decode_steps, runner.forward = bursting, forwarding
+    return counts
 
 
 def main() -> None:
@@ -167,13 +198,14 @@ def main() -> None:
     results = [(d, run(args, d)) for d in args.decoder]
     if len(results) > 1:
         base = next((r for d, r in results if d == "ar"), None)
-        print("\n| decoder | host us/step mean | median | vs ar | drafted | launched ahead |")
-        print("|---|---:|---:|---:|---:|---:|")
+        print("\n| decoder | host us/step mean | median | vs ar | drafted | chained | ahead |")
+        print("|---|---:|---:|---:|---:|---:|---:|")
         for d, r in results:
             ratio = f"{r['mean'] / base['mean']:.2f}x" if base else "-"
             print(
                 f"| {d} | {r['mean'] * 1e6:.0f} | {r['median'] * 1e6:.0f} | {ratio} "
-                f"| {r['drafted']} | {r['ahead'][True]}/{r['ahead'][True] + r['ahead'][False]} |"
+                f"| {r['drafted']} | {r['chained']} "
+                f"| {r['ahead'][True]}/{r['ahead'][True] + r['ahead'][False]} |"
             )
 
 
