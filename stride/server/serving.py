@@ -8,9 +8,11 @@ cross to the step loop as plain `GenerateRequest`s and come back as plain `Reque
 from __future__ import annotations
 
 import math
+import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from json.encoder import encode_basestring  # what json.dumps(ensure_ascii=False) quotes with
 from typing import Any
 
 from fastapi.responses import StreamingResponse
@@ -300,6 +302,8 @@ def _sse(events: AsyncIterator[str]) -> StreamingResponse:
 
 
 _USAGE = {"usage"}
+_PLACEHOLDER = RequestOutput("", text="\ue000stride-text\ue000")  # private use: in no name
+_PLACEHOLDER_JSON = encode_basestring(_PLACEHOLDER.text)  # as pydantic writes it (tested)
 
 
 class _View:
@@ -313,6 +317,8 @@ class _View:
         self.rid = rid
         self.prompts = prompts
         self.choices = [Choice() for _ in range(len(prompts) * body.n)]
+        self.created = int(time.time())  # every chunk carries the same, as OpenAI's do
+        self._text_events: dict[int, tuple[str, str]] = {}  # choice -> around a text delta
 
     def usage(self) -> s.Usage:
         done = [c.last for c in self.choices if c.last is not None]
@@ -352,9 +358,9 @@ class _View:
                         failed = True
                         break
                     self.choices[index].add(out)
-                    chunk = self.delta(index, out)
-                    if chunk is not None:
-                        events.append(self._chunk(chunk, include_usage))
+                    event = self._event(index, out, include_usage)
+                    if event is not None:
+                        events.append(event)
                 if events:
                     yield "".join(events)
                 if failed:
@@ -368,6 +374,24 @@ class _View:
     def _chunk(self, chunk: s.Response, include_usage: bool) -> str:
         data = chunk.model_dump_json() if include_usage else chunk.model_dump_json(exclude=_USAGE)
         return f"data: {data}\n\n"
+
+    def _event(self, index: int, out: RequestOutput, include_usage: bool) -> str | None:
+        """The SSE event of one output. Most carry only text: those are the choice's text-delta
+        event, serialized once with a placeholder, with the text put in its place (the same
+        bytes as serializing each chunk, at a tenth of the cost)."""
+        if not out.text or out.finished or self.wants_logprobs:
+            chunk = self.delta(index, out)
+            return None if chunk is None else self._chunk(chunk, include_usage)
+        around = self._text_events.get(index)
+        if around is None:
+            event = self._chunk(self.delta(index, _PLACEHOLDER), include_usage)
+            before, after = event.split(_PLACEHOLDER_JSON)
+            around = self._text_events[index] = (before, after)
+        return around[0] + encode_basestring(out.text) + around[1]
+
+    @property
+    def wants_logprobs(self) -> bool:
+        raise NotImplementedError
 
     def opening(self) -> list[s.Response]:
         return []
@@ -407,14 +431,20 @@ class _CompletionView(_View):
                     stop_reason=c.last.stop_reason,
                 )
             )
-        return s.CompletionResponse(
-            id=self.rid, model=self.serving.model_name, choices=choices, usage=self.usage()
-        )
+        return self._chunk_of(choices, self.usage())
 
     def _chunk_of(self, choices: list[s.CompletionChoice], usage=None) -> s.CompletionResponse:
         return s.CompletionResponse(
-            id=self.rid, model=self.serving.model_name, choices=choices, usage=usage
+            id=self.rid,
+            created=self.created,
+            model=self.serving.model_name,
+            choices=choices,
+            usage=usage,
         )
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.body.logprobs is not None
 
     def opening(self) -> list[s.Response]:
         if not self.body.echo:
@@ -466,13 +496,25 @@ class _ChatView(_View):
             for i, c in enumerate(self.choices)
         ]
         return s.ChatCompletionResponse(
-            id=self.rid, model=self.serving.model_name, choices=choices, usage=self.usage()
+            id=self.rid,
+            created=self.created,
+            model=self.serving.model_name,
+            choices=choices,
+            usage=self.usage(),
         )
 
     def _chunk_of(self, choices: list[s.ChatChunkChoice], usage=None) -> s.ChatCompletionChunk:
         return s.ChatCompletionChunk(
-            id=self.rid, model=self.serving.model_name, choices=choices, usage=usage
+            id=self.rid,
+            created=self.created,
+            model=self.serving.model_name,
+            choices=choices,
+            usage=usage,
         )
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return bool(self.body.logprobs)
 
     def opening(self) -> list[s.Response]:
         return [
