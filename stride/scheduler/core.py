@@ -315,12 +315,14 @@ class EngineCore:
                 lefts.append(left)
         if not kept or alive != len(self.scheduler.running):
             return None
-        plan = [old[i] for i in kept] if len(kept) < len(old) else old
+        plan, by_decoder, proposals = old, launched.by_decoder, launched.proposals
+        if len(kept) < len(old):
+            plan, proposals = [old[i] for i in kept], [proposals[i] for i in kept]
+            by_decoder = defaultdict(list)
+            for j, item in enumerate(plan):
+                by_decoder[item.seq.decoder].append(j)
         steps = self.fused_decode_steps if len(plan) <= FUSE_MAX_BATCH else 1
         steps = min(steps, min(lefts))  # (`add` keeps max_tokens within max_model_len)
-        by_decoder: dict[str, list[int]] = defaultdict(list)
-        for j, item in enumerate(plan):
-            by_decoder[item.seq.decoder].append(j)
         for name, idx in by_decoder.items():
             if name not in self._plain:
                 plain = self.decoders[name].plain_steps([plan[j].seq for j in idx])
@@ -338,7 +340,6 @@ class EngineCore:
         rows = None if plan is old else kept
         sample = Autoregressive.device_sample
         tokens = self.engine.runner.decode_steps(seqs, first, steps, sample, done, rows)
-        proposals = [launched.proposals[i] for i in kept]
         return _Launched(plan, by_decoder, proposals, [], tokens)
 
     def _commit(
