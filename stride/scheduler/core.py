@@ -253,7 +253,8 @@ class EngineCore:
         the wait nor the waste, and buys the overlap. Bursts need plain greedy decoding in every
         row (`Autoregressive.fusable`) and nobody waiting to join; another decoder's rows join
         for as many steps as it would decode them as `ar` (`Decoder.plain_steps`), if above 1
-        (an answer of 1 may need this step's `commit`, e.g. to time it).
+        (an answer of 1 may need this step's `commit`, e.g. to time it). `fused_decode_steps`
+        of 1 turns bursts off at every batch size.
         """
         steps = self.fused_decode_steps
         if steps <= 1 or self.scheduler.waiting or self._grouped:
