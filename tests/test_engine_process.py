@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import re
 import signal
 import subprocess
@@ -16,6 +17,8 @@ import httpx
 import pytest
 from transformers import AutoTokenizer
 
+from stride.scheduler.outputs import EngineError, RequestOutput
+from stride.scheduler.process import ForkingPickler
 from tests.server_harness import free_port
 from tests.test_server import PROMPT_IDS, hf_greedy
 from tests.test_server_cli import LAUNCH, _wait_healthy
@@ -121,3 +124,11 @@ def test_sigterm_drains_then_stops_the_engine_process(served):
         assert events[-1] == "[DONE]"
         assert json.loads(events[-2])["choices"][0]["finish_reason"] == "length"
     assert proc.wait(timeout=60) == 0
+
+
+def test_outputs_cross_the_pipe_whole():
+    """The engine process pickles outputs as their field values in order: none is lost."""
+    out = RequestOutput("r", [1, 2], "ab", [None, None], "stop", "x", EngineError("c", "m"))
+    out.num_prompt_tokens, out.num_output_tokens = 3, 2
+    out.decoder_stats, out.timings = {"forward_passes": 2}, {"e2e": 0.5}
+    assert pickle.loads(ForkingPickler.dumps([out])) == [out]
