@@ -9,12 +9,15 @@ eagerly and synchronously, but the order of launches and commits is the GPU's.""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import pytest
 import torch
 
+from stride.decoders.autoregressive import Autoregressive
 from stride.decoders.registry import build_decoders
 from stride.decoders.speculative import Speculative
+from stride.engine.cuda_graphs import _LENGTH, _POSITION, _SLOT, _TABLE, _TOKEN, DecodeGraphs
 from stride.engine.engine import Engine, EngineConfig
 from stride.engine.sequence import SamplingParams
 from stride.scheduler import core as core_module
@@ -252,3 +255,51 @@ def test_chained_bursts_match_unchained_ones(tiny_dir):
         runs.append((tokens, bursts))
     assert runs[0] == runs[1]
     assert sum(runs[0][1]) == 22  # the first token comes from the prefill
+
+
+class _RecordingGraphs(DecodeGraphs):
+    """`DecodeGraphs`' host side on the CPU: each replay records its input rows, and its logits
+    make every row's argmax its input token plus one."""
+
+    def __init__(self, block_size: int = 4, max_batch: int = 8, max_blocks: int = 4) -> None:
+        self.cache = SimpleNamespace(block_size=block_size)
+        self.max_blocks = max_blocks
+        self.buckets = [max_batch]
+        width = _TABLE + max_blocks
+        self._host = torch.zeros(max_batch, width, dtype=torch.int32)
+        self._host_np = self._host.numpy()
+        self._inputs = torch.zeros(max_batch, width, dtype=torch.int32)
+        self._steps_host = torch.zeros(4 * max_batch, width, dtype=torch.int32)  # not pinned
+        self._steps_inputs = self._steps_host.clone()
+        self._copied = SimpleNamespace(synchronize=lambda: None, record=lambda: None)
+        self._logits = torch.zeros(max_batch, 100)
+        self._graphs = {max_batch: self}
+        self.replayed: list[torch.Tensor] = []
+
+    def replay(self) -> None:
+        self.replayed.append(self._inputs.clone())
+        self._logits.zero_()
+        self._logits[torch.arange(len(self._inputs)), self._inputs[:, _TOKEN].long() + 1] = 1
+
+
+def test_run_steps_feeds_picked_rows_of_device_tokens():
+    """A chained burst's first tokens are rows of the last burst's sample, picked on the device
+    by the indices packed in the token column; later steps feed their own samples, and each
+    step's positions, lengths and K/V slots move one place on through the block tables."""
+    graphs = _RecordingGraphs()
+    last_sample = torch.tensor([10, 20, 30, 40])
+    tables = [[5, 6], [7, 8]]
+    argmax = Autoregressive.device_sample
+    sampled = graphs.run_steps(last_sample, [6, 3], [7, 4], tables, 2, argmax, rows=[3, 0])
+    assert sampled.tolist() == [[41, 11], [42, 12]]
+    first, second = graphs.replayed
+    assert first[:2, _TOKEN].tolist() == [40, 10] and second[:2, _TOKEN].tolist() == [41, 11]
+    assert first[:2, _POSITION].tolist() == [6, 3] and second[:2, _POSITION].tolist() == [7, 4]
+    assert first[:2, _LENGTH].tolist() == [7, 4] and second[:2, _LENGTH].tolist() == [8, 5]
+    # Position 6 of [5, 6] is slot 6*4+2; position 3 of [7, 8] is slot 7*4+3, position 4 8*4+0.
+    assert first[:2, _SLOT].tolist() == [26, 31] and second[:2, _SLOT].tolist() == [27, 32]
+    assert (first[2:, _LENGTH] == 1).all()  # padding rows attend to one slot of block 0
+
+    host_fed = graphs.run_steps([7, 8], [6, 3], [7, 4], tables, 1, argmax)
+    in_order = graphs.run_steps(last_sample[:2], [6, 3], [7, 4], tables, 1, argmax)
+    assert host_fed.tolist() == [[8, 9]] and in_order.tolist() == [[11, 21]]
