@@ -19,6 +19,7 @@ from stride.decoders.registry import build_decoders
 from stride.decoders.speculative import Speculative
 from stride.engine.cuda_graphs import _LENGTH, _POSITION, _SLOT, _TABLE, _TOKEN, DecodeGraphs
 from stride.engine.engine import Engine, EngineConfig
+from stride.engine.kv_cache import OutOfBlocks
 from stride.engine.sequence import SamplingParams
 from stride.scheduler import core as core_module
 from stride.scheduler.core import EngineCore
@@ -50,9 +51,11 @@ def _requests() -> list[GenerateRequest]:
     return reqs
 
 
-def _core(tiny_dir, device: str, steps: int, chain: bool, max_num_seqs: int = 8) -> EngineCore:
+def _core(
+    tiny_dir, device: str, steps: int, chain: bool, max_num_seqs: int = 8, kv: int = 16 << 20
+) -> EngineCore:
     config = EngineConfig(model=str(tiny_dir), device=device, dtype="float32",
-                          kv_cache_memory=16 << 20)  # fmt: skip
+                          kv_cache_memory=kv)  # fmt: skip
     engine = Engine(config)
     decoders = build_decoders(engine)
     # Costs from sizes, not clocks: the same plans in every run.
@@ -229,6 +232,52 @@ def test_chained_one_step_bursts_at_large_batches(tiny_dir, device, monkeypatch)
     assert any(c.steps > 1 for c in chains)  # a chain of multi-step bursts once the batch shrank
     assert not any("sampled" in launch.request_ids for launch in launches)  # the host draws it
     assert any("late" in c.request_ids for c in chains)  # the chain resumed after the arrivals
+
+
+def _short_continuations(core: EngineCore) -> list[int]:
+    """Collects the reservations that a continuation (`_chain`) found no blocks for."""
+    short: list[int] = []
+    chain, cache = core._chain, core.engine.cache
+    reserve = cache.reserve
+
+    def reserving(seq, num_slots):
+        try:
+            reserve(seq, num_slots)
+        except OutOfBlocks:
+            short.append(num_slots)
+            raise
+
+    def chaining(launched):
+        cache.reserve = reserving
+        try:
+            return chain(launched)
+        finally:
+            cache.reserve = reserve
+
+    core._chain = chaining
+    return short
+
+
+def test_chained_bursts_under_kv_pressure(tiny_dir, monkeypatch):
+    """With too few KV blocks for everyone, a continuation that cannot reserve its blocks ends
+    the chain (what it reserved goes back), sequences are preempted and recomputed, and the
+    outputs are still those of one plain step at a time."""
+    monkeypatch.setattr(core_module, "FUSE_MAX_BATCH", 2)
+    params = [
+        SamplingParams(max_tokens=30 + 3 * i, temperature=0.0, ignore_eos=True) for i in range(8)
+    ]
+    runs = []
+    for steps in (1, 4):
+        reqs = [GenerateRequest(f"r{i}", [i + 3, 9, 12], p) for i, p in enumerate(params)]
+        core = _core(tiny_dir, "cpu", steps, chain=True, max_num_seqs=16, kv=12 * 8192)
+        assert core.engine.cache.num_usable_blocks == 11  # 8 KiB blocks; 8 x 3 needed
+        short = _short_continuations(core)
+        results, launches, _ = _run(core, reqs, len(reqs), 30, 0)
+        runs.append((results, launches, core.scheduler.num_preemptions, short))
+    (single, _, single_preempted, _), (chained, launches, preempted, short) = runs
+    _same_outputs(single, chained)
+    assert single_preempted and preempted and short  # a continuation ran out of blocks
+    assert sum(launch.chained for launch in launches) >= 4
 
 
 def test_chained_bursts_match_unchained_ones(tiny_dir):
