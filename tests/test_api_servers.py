@@ -115,6 +115,7 @@ def test_flag_environment_and_default(monkeypatch):
     assert args.api_servers == 3
     assert default_api_servers(server_config(args)) == 1  # the engine shares a CPU process
     assert main(["serve", "--api-servers", "2", "--no-engine-process"]) == 2
+    assert main(["serve", "--api-servers", "0"]) == 2
 
 
 def test_concurrent_requests_match_transformers(served, tiny_hf, tiny_dir):

@@ -206,8 +206,8 @@ def serve(args: argparse.Namespace) -> int:
     n = args.api_servers
     if n is None:
         n = default_api_servers(config)
-    elif n > 1 and config.engine_process is False:
-        log.error("--api-servers %d needs the engine process (drop --no-engine-process)", n)
+    elif n < 1 or (n > 1 and config.engine_process is False):
+        log.error("--api-servers %d: give 1, or more with the engine process", n)
         return 2
     if n > 1:
         from stride.server.api_servers import serve_many  # it imports this module
