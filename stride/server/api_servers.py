@@ -43,7 +43,9 @@ log = logging.getLogger("stride")
 
 def serve_many(args: argparse.Namespace, config: ServerConfig, n: int) -> int:
     """Run N API processes and the engine process until they are done; 0 if all exited 0."""
-    sockets = [listen(args.host, args.port) for _ in range(n)]
+    first = listen(args.host, args.port)
+    port = first.getsockname()[1]  # the one chosen, if --port was 0
+    sockets = [first] + [listen(args.host, port) for _ in range(n - 1)]
     with tempfile.TemporaryDirectory(prefix="stride-metrics-") as metrics_dir:
         os.environ[MULTIPROC_ENV] = metrics_dir  # before any child imports prometheus_client
         engine, conns = start_engine_process(
@@ -65,7 +67,7 @@ def serve_many(args: argparse.Namespace, config: ServerConfig, n: int) -> int:
         for conn, s in zip(conns, sockets, strict=True):  # theirs now; see the engine's EOF
             conn.close()
             s.close()
-        log.info("%d API processes on %s:%d", n, args.host, args.port)
+        log.info("%d API processes on %s:%d", n, args.host, port)
         codes = supervisor.wait()
         engine.join(10)  # every pipe closed: it is on its way out
         if engine.is_alive():
