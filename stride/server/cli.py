@@ -90,8 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
     _flag(e, "max-num-seqs", "most sequences in one step", 256, int)
     _flag(e, "max-num-batched-tokens", "most tokens in one step", 2048, int)
     _flag(e, "max-waiting", "queue size; beyond it requests get 429", 1024, int)
-    _flag(e, "fused-decode-steps", "decode steps per host sync for <= 8 greedy streams "
-          "(default 8 with CUDA graphs, 1 = off)", None, int)  # fmt: skip
+    _flag(e, "fused-decode-steps", "greedy decode steps per host sync for <= 8 streams "
+          "(default 8 with CUDA graphs; 1 = off, also for the chained 1-step bursts of larger "
+          "greedy batches)", None, int)  # fmt: skip
 
     env = os.environ.get("STRIDE_ENGINE_PROCESS")
     e.add_argument(
