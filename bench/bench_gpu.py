@@ -404,16 +404,27 @@ def write_reference(path: Path, new: int = 48) -> None:
 
 
 def greedy_check(model_dir: str, reference: Path) -> None:
+    """GPU greedy outputs against the CPU fp32 reference, in fp32 (expected: identical) and bf16.
+
+    bf16 rounds differently from fp32, so a bf16 output may leave the reference where fp32's
+    two best tokens are nearly tied. For each bf16 output that does, the fp32 logits at its
+    first divergence (transformers, fp32, on the GPU, after the common prefix) say how near:
+    the gap between fp32's best logit and that of the token bf16 chose, and its rank.
+    """
     ref = json.loads(reference.read_text())
+    diverged: list[tuple[int, int, int]] = []  # (prompt, position, bf16's token)
     for dtype in ("float32", "bfloat16"):
         engine = Engine(
-            EngineConfig(model=model_dir, device="cuda", dtype=dtype, kv_cache_memory=2 << 30)
+            EngineConfig(model=model_dir, device=ARGS.device, dtype=dtype, kv_cache_memory=2 << 30)
         )
+        path = engine.path
         outs = greedy_outputs(engine, ref["prompt_ids"], ref["new"])
         prefix = []
-        for a, b in zip(outs, ref["cpu_fp32"], strict=True):
-            n = next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(b))
+        for i, (a, b) in enumerate(zip(outs, ref["cpu_fp32"], strict=True)):
+            n = next((j for j, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(b))
             prefix.append(n)
+            if dtype == "bfloat16" and n < len(b):
+                diverged.append((i, n, a[n]))
         equal = sum(a == b for a, b in zip(outs, ref["cpu_fp32"], strict=True))
         record(
             f"greedy/{dtype}_gpu_vs_cpu_fp32",
@@ -421,6 +432,24 @@ def greedy_check(model_dir: str, reference: Path) -> None:
         )
         del engine
         free_gpu()
+    if diverged:
+        record("greedy/bfloat16_first_divergence_fp32_gap", divergence_gaps(path, ref, diverged))
+
+
+def divergence_gaps(path: Path, ref: dict, diverged: list[tuple[int, int, int]]) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(ARGS.device).eval()
+    gaps, ranks = [], []
+    for i, n, token in diverged:
+        ids = ref["prompt_ids"][i] + ref["cpu_fp32"][i][:n]
+        with torch.no_grad():
+            logits = hf(torch.tensor([ids], device=ARGS.device)).logits[0, -1]
+        gaps.append(round(float(logits.max() - logits[token]), 4))
+        ranks.append(int((logits > logits[token]).sum()) + 1)
+    del hf
+    free_gpu()
+    return {"max": max(gaps), "gaps": gaps, "ranks_in_fp32": ranks}
 
 
 # ---- end to end through HTTP --------------------------------------------------------------------
