@@ -205,7 +205,7 @@ def _pdl(x: torch.Tensor) -> dict[str, bool]:
     return dict(PDL=on, launch_pdl=on)
 
 
-_ARRIVALS: dict[torch.device, list[torch.Tensor]] = {}
+_ARRIVALS: dict[torch.device, torch.Tensor] = {}
 
 
 def _arrivals(device: torch.device, n: int) -> torch.Tensor:
@@ -213,12 +213,13 @@ def _arrivals(device: torch.device, n: int) -> torch.Tensor:
     last split resets its counter, so they are zero again after every launch. Allocated outside
     CUDA-graph capture (the graphs' eager warm-up runs every batch size first) and never freed,
     since captured graphs keep their address."""
-    buffers = _ARRIVALS.setdefault(device, [])
-    if not buffers or buffers[-1].numel() < n:
+    counters = _ARRIVALS.get(device)
+    if counters is None or counters.numel() < n:
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             raise RuntimeError("decode attention's arrival counters must exist before capture")
-        buffers.append(torch.zeros(max(n, 1 << 14), dtype=torch.int32, device=device))
-    return buffers[-1]
+        counters = torch.zeros(max(n, 1 << 14), dtype=torch.int32, device=device)
+        _ARRIVALS[device] = counters
+    return counters
 
 
 _SMS: dict[int, int] = {}
@@ -342,9 +343,9 @@ if triton is not None:
                 counter = arrivals_ptr + seq * tl.num_programs(1) + kv_head
                 if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
                     tl.store(counter, 0)
-                    first = row[:, None] - split * (HEAD_DIM + 2) + 0 * d[None, :]  # [G, D]
-                    out = merged_partials(first, d[None, :], g_ok[:, None], num_splits,
-                                          HEAD_DIM, SPLITS_P2, ".cg")  # fmt: skip
+                    first = row - split * (HEAD_DIM + 2)
+                    out = _merged(first[:, None], d[None, :], g_ok[:, None], num_splits,
+                                  HEAD_DIM, SPLITS_P2, ".cg")  # fmt: skip
                     tl.store(
                         out_ptr + seq * stride_ot + heads[:, None] * stride_oh + d[None, :],
                         out.to(out_ptr.dtype.element_ty),
@@ -378,15 +379,14 @@ if triton is not None:
         d = tl.arange(0, HEAD_DIM)
         row = (seq * tl.num_programs(1) + head) * num_splits * (HEAD_DIM + 2)
         first = part_ptr + row + 0 * d  # the row's start, once per column
-        out = merged_partials(first, d, d < HEAD_DIM, num_splits, HEAD_DIM, SPLITS_P2, "")
+        out = _merged(first, d, d < HEAD_DIM, num_splits, HEAD_DIM, SPLITS_P2, "")
         tl.store(out_ptr + seq * stride_ot + head * stride_oh + d, out.to(out_ptr.dtype.element_ty))
 
     @triton.jit
-    def merged_partials(first, cols, ok, num_splits, HEAD_DIM: tl.constexpr,
-                        SPLITS_P2: tl.constexpr, CACHE: tl.constexpr):  # fmt: skip
+    def _merged(first, cols, ok, num_splits, HEAD_DIM: tl.constexpr, SPLITS_P2: tl.constexpr,
+                CACHE: tl.constexpr):  # fmt: skip
         """Merged attention output (fp32) of split partials: element i is column cols[i] of the
-        head whose split-0 partial row starts at first[i] (`first` has the result's shape;
-        `cols` and `ok` broadcast to it). The splits are summed one by one in
+        head whose split-0 partial row starts at first[i]. The splits are summed one by one in
         a fixed order, elementwise, so every kernel that merges (`_merge_kernel`, the decode
         kernel's last split, the O projection's GEMV) gets the same bits whatever its layout."""
         step: tl.constexpr = HEAD_DIM + 2
