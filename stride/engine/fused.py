@@ -26,21 +26,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from stride.engine import attention, pdl
-from stride.engine.attention import (
-    AttentionMetadata,
-    DecodeMetadata,
-    attend,
-    decode_attention_split,
-)
+from stride.engine import pdl
+from stride.engine.attention import AttentionMetadata, DecodeMetadata, attend
 from stride.engine.model import CausalLM
 
 try:
     import triton
     import triton.language as tl
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-
-    from stride.engine.attention import merged_partials
 except ImportError:
     triton = None
 
@@ -124,12 +117,8 @@ class FusedForward:
         weight, bias = self.qkv[i]
         q = qkv_rope_cache(residual, weight, bias, layer.input_layernorm, rope, k_cache, v_cache,
                            meta.slot_mapping, a)  # fmt: skip
-        partial = None
-        if attention.MERGE == "o_proj" and isinstance(meta, DecodeMetadata):
-            o, partial = decode_attention_split(q, k_cache, v_cache, meta)
-        else:
-            o = attend(q, k_cache, v_cache, meta)
-        gemv(o.view(o.shape[0], -1), a.o_proj.weight, add_to=residual, partial=partial)
+        o = attend(q, k_cache, v_cache, meta)
+        gemv(o.view(o.shape[0], -1), a.o_proj.weight, add_to=residual)
         act = gemv(residual, self.gate_up[i], norm=layer.post_attention_layernorm, silu_mul=True)
         gemv(act, layer.mlp.down_proj.weight, add_to=residual)
 
@@ -158,7 +147,6 @@ def gemv(
     silu_mul: bool = False,
     add_to: torch.Tensor | None = None,
     tile: dict[str, int] | None = None,
-    partial: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [1, K] @ weight[N, K]^T, with what surrounds it fused in.
 
@@ -168,27 +156,15 @@ def gemv(
     and 1/rms on the output, so in bf16 the result differs from the module forward's (which
     rounds the normalised input) by rounding.
     `tile` overrides the tile shape (bench/bench_kernels.py sweeps it).
-    `partial`: x is decode attention's output not merged yet, and these are its split partials
-    [1, H, splits, D + 2] (`attention.decode_attention_split`): x is merged as it is loaded,
-    rounded as the merge kernel stores it. Every program merges all of x, so this takes wider
-    column blocks (`MERGE_BN`); K tiles stay as they are, so each column's sum is the same.
     """
     m, k = x.shape
     assert m == 1, "more rows take cuBLAS"
     n = weight.shape[0] // 2 if silu_mul else weight.shape[0]
     out = add_to if add_to is not None else torch.empty(m, n, dtype=x.dtype, device=x.device)
-    if tile is None:
-        tile = _gemv_tile(n, k, silu_mul)
-        if partial is not None:
-            tile["BN"] = max(tile["BN"], MERGE_BN)
+    tile = tile or _gemv_tile(n, k, silu_mul)
     _launch_gemv(x, weight, bias, norm, out, n, triton.cdiv(n, tile["BN"]), tile, silu_mul,
-            add=add_to is not None, partial=partial)  # fmt: skip
+            add=add_to is not None)  # fmt: skip
     return out
-
-
-# Least column block of the O GEMV where it merges attention's splits (temporary, with
-# attention.MERGE).
-MERGE_BN = 8
 
 
 def qkv_rope_cache(
@@ -228,14 +204,9 @@ def _launch_gemv(
     add: bool = False,
     rope: tuple[torch.Tensor, ...] | None = None,
     attn: torch.nn.Module | None = None,
-    partial: torch.Tensor | None = None,
 ) -> None:
     """Launch `_gemv_row_kernel`; operands a variant does not use get `weight` as a pointer."""
     k = x.shape[1]
-    head_dim = attn.head_dim if attn is not None else 0
-    splits = 1
-    if partial is not None:
-        splits, head_dim = partial.shape[2], partial.shape[3] - 2
     _gemv_row_kernel[(programs,)](
         x,
         weight,
@@ -246,8 +217,6 @@ def _launch_gemv(
         k,
         norm.eps if norm is not None else 0.0,
         *(rope or [weight] * 6),  # cos, sin, positions, slots, k cache, v cache
-        partial if partial is not None else weight,
-        splits,
         NORM=norm is not None,
         BIAS=bias is not None,
         SILU_MUL=silu_mul,
@@ -256,9 +225,7 @@ def _launch_gemv(
         ROPE=rope is not None,
         HEADS=attn.num_heads if attn is not None else 0,
         KV_HEADS=attn.num_kv_heads if attn is not None else 0,
-        HEAD_DIM=head_dim,
-        MERGE=partial is not None,
-        SPLITS_P2=max(triton.next_power_of_2(splits), 2),
+        HEAD_DIM=attn.head_dim if attn is not None else 0,
         **tile,
         **_pdl(x),
     )
@@ -475,8 +442,6 @@ if triton is not None:
         slot_ptr,
         k_cache_ptr,
         v_cache_ptr,
-        part_ptr,
-        num_splits,
         NORM: tl.constexpr,
         BIAS: tl.constexpr,
         SILU_MUL: tl.constexpr,
@@ -486,8 +451,6 @@ if triton is not None:
         HEADS: tl.constexpr,
         KV_HEADS: tl.constexpr,
         HEAD_DIM: tl.constexpr,
-        MERGE: tl.constexpr,
-        SPLITS_P2: tl.constexpr,
         BN: tl.constexpr,
         BK: tl.constexpr,
         PDL: tl.constexpr,
@@ -497,8 +460,7 @@ if triton is not None:
         it is applied to x as the module applies it; else it is split in two, its gain on x as it
         is loaded and 1/rms (from the sum of squares of the same loads) on the output.
         With SILU_MUL or ROPE each column comes with a second one (its up row; the other half of
-        its rotary pair), whose product is summed beside it in `up`. With MERGE, x is merged from
-        attention's split partials at part_ptr (see `gemv`)."""
+        its rotary pair), whose product is summed beside it in `up`."""
         dtype = out_ptr.dtype.element_ty
         if ROPE:
             pairs = tl.program_id(0) * BN + tl.arange(0, BN)
@@ -521,14 +483,13 @@ if triton is not None:
         up = tl.zeros([BN, BK], dtype=tl.float32)
         squares = tl.zeros([BK], dtype=tl.float32)
         acc, up, squares = _gemv_tile_step(
-            x_ptr, norm_ptr, ks, K, eps, w, w2, acc, up, squares, NORM, ONE_TILE, paired, dtype,
-            part_ptr, num_splits, MERGE, HEAD_DIM, SPLITS_P2,
-        )  # fmt: skip
+            x_ptr, norm_ptr, ks, K, eps, w, w2, acc, up, squares, NORM, ONE_TILE, paired, dtype
+        )
         for k0 in range(BK, K, BK):
             w, w2 = _weight_tile(w_rows, second, k0 + ks, K, col_ok, paired)
             acc, up, squares = _gemv_tile_step(
                 x_ptr, norm_ptr, k0 + ks, K, eps, w, w2, acc, up, squares, NORM, ONE_TILE, paired,
-                dtype, part_ptr, num_splits, MERGE, HEAD_DIM, SPLITS_P2,
+                dtype,
             )  # fmt: skip
         y = tl.sum(acc, axis=1)
         u = tl.sum(up, axis=1)
@@ -565,17 +526,11 @@ if triton is not None:
 
     @triton.jit
     def _gemv_tile_step(x_ptr, norm_ptr, k, K, eps, w, w2, acc, up, squares, NORM: tl.constexpr,
-                        ONE_TILE: tl.constexpr, PAIRED: tl.constexpr, dtype: tl.constexpr,
-                        part_ptr, num_splits, MERGE: tl.constexpr, HEAD_DIM: tl.constexpr,
-                        SPLITS_P2: tl.constexpr):  # fmt: skip
+                        ONE_TILE: tl.constexpr, PAIRED: tl.constexpr,
+                        dtype: tl.constexpr):  # fmt: skip
         """Multiply one K tile of x (normalised as `_gemv_row_kernel` says) into the sums."""
         k_ok = k < K
-        if MERGE:  # x[k]: column k % D of head k // D, from its splits' partial rows
-            first = part_ptr + (k // HEAD_DIM) * num_splits * (HEAD_DIM + 2)
-            x = merged_partials(first, k % HEAD_DIM, k_ok, num_splits, HEAD_DIM, SPLITS_P2, "")
-            x = x.to(dtype).to(tl.float32)
-        else:
-            x = tl.load(x_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
         if NORM:
             gain = tl.load(norm_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
             if ONE_TILE:  # all of x at hand: normalise and round as the module does
