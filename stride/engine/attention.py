@@ -103,16 +103,6 @@ def decode_kernel_supported(device: torch.device, head_dim: int) -> bool:
     return triton is not None and device.type == "cuda" and head_dim & (head_dim - 1) == 0
 
 
-# Temporary A/B switch (one GPU call measures all three; the losers and this switch then go):
-# how the decode kernel's split partials become the attention output at batch sizes that split.
-#   "kernel": a second kernel merges them (`_merge_kernel`).
-#   "last_split": the last split program of each (sequence, KV head) to finish merges them.
-#   "o_proj": the one-row path's O GEMV merges them as it loads its input (stride/engine/fused.py);
-#             elsewhere as "kernel".
-# Read at each launch, so a CUDA graph keeps what held when it was captured.
-MERGE = "kernel"
-
-
 def decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -124,35 +114,9 @@ def decode_attention(
 
     One program per (sequence, KV head) would leave most of the GPU idle at a small batch while
     each walks its whole context; the context is split among several programs whose partial
-    softmax sums are then merged (flash-decoding). `launch` overrides
+    softmax sums a second kernel merges (flash-decoding). `launch` overrides
     (splits, tokens per tile, warps); bench/bench_kernels.py sweeps it.
     """
-    out, partial = decode_attention_split(q, k_cache, v_cache, meta, launch)
-    if partial is not None:
-        _merge_kernel[(q.shape[0], q.shape[1])](
-            partial,
-            out,
-            out.stride(0),
-            out.stride(1),
-            partial.shape[2],
-            HEAD_DIM=q.shape[2],
-            SPLITS_P2=max(triton.next_power_of_2(partial.shape[2]), 2),
-            **_pdl(q),
-        )
-    return out
-
-
-def decode_attention_split(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    meta: DecodeMetadata,
-    launch: tuple[int, int, int] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The decode kernel alone: (out, partial). Where the context was split and nothing merged
-    it in the same launch, `out` is not written yet and `partial` [B, H, splits, D + 2] holds
-    each split's unnormalised sums, running max and denominator, for the caller to merge (see
-    `merged_partials`); else `partial` is None."""
     b, h, d = q.shape
     kv = k_cache.shape[1]
     group = h // kv
@@ -165,7 +129,7 @@ def decode_attention_split(
     # lone sequence past ~1,000 tokens is slower than with long tiles.
     splits = max(1, min(16, 2 * _num_sms(q.device) // (b * kv)))
     splits, block_n, warps = launch or (splits, 16, 2)
-    last_merges = splits > 1 and MERGE == "last_split"
+    on = pdl.enabled(q.device)
     out = torch.empty_like(q)
     partial = torch.empty(b, h, splits, d + 2, dtype=torch.float32, device=q.device)
     _decode_kernel[(b, kv, splits)](
@@ -174,7 +138,6 @@ def decode_attention_split(
         v_cache,
         out,
         partial,
-        _arrivals(q.device, b * kv) if last_merges else partial,
         meta.block_tables,
         lengths,
         q.stride(0),
@@ -192,34 +155,23 @@ def decode_attention_split(
         BLOCK_SIZE=meta.block_size,
         BLOCK_N=block_n,
         SPLIT=splits > 1,
-        LAST_MERGES=last_merges,
-        SPLITS_P2=max(triton.next_power_of_2(splits), 2),
         num_warps=warps,
-        **_pdl(q),
+        PDL=on,
+        launch_pdl=on,
     )
-    return out, partial if splits > 1 and not last_merges else None
-
-
-def _pdl(x: torch.Tensor) -> dict[str, bool]:
-    on = pdl.enabled(x.device)
-    return dict(PDL=on, launch_pdl=on)
-
-
-_ARRIVALS: dict[torch.device, torch.Tensor] = {}
-
-
-def _arrivals(device: torch.device, n: int) -> torch.Tensor:
-    """Zeroed int32 counters, one per (sequence, KV head): how many splits have finished. The
-    last split resets its counter, so they are zero again after every launch. Allocated outside
-    CUDA-graph capture (the graphs' eager warm-up runs every batch size first) and never freed,
-    since captured graphs keep their address."""
-    counters = _ARRIVALS.get(device)
-    if counters is None or counters.numel() < n:
-        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("decode attention's arrival counters must exist before capture")
-        counters = torch.zeros(max(n, 1 << 14), dtype=torch.int32, device=device)
-        _ARRIVALS[device] = counters
-    return counters
+    if splits > 1:
+        _merge_kernel[(b, h)](
+            partial,
+            out,
+            out.stride(0),
+            out.stride(1),
+            splits,
+            HEAD_DIM=d,
+            SPLITS_P2=max(triton.next_power_of_2(splits), 2),
+            PDL=on,
+            launch_pdl=on,
+        )
+    return out
 
 
 _SMS: dict[int, int] = {}
@@ -261,7 +213,6 @@ if triton is not None:
         v_ptr,
         out_ptr,
         part_ptr,
-        arrivals_ptr,
         tables_ptr,
         lens_ptr,
         stride_qt,
@@ -279,14 +230,11 @@ if triton is not None:
         BLOCK_SIZE: tl.constexpr,
         BLOCK_N: tl.constexpr,
         SPLIT: tl.constexpr,
-        LAST_MERGES: tl.constexpr,
-        SPLITS_P2: tl.constexpr,
         PDL: tl.constexpr,
     ):
         """One program per (sequence, KV head, context split): all query heads of the group share
         each key load; online softmax in fp32, BLOCK_N tokens at a time. Split programs store
-        their unnormalised sums, running max and denominator for a merge; with LAST_MERGES the
-        last of a (sequence, KV head)'s splits to finish merges them itself."""
+        their unnormalised sums, running max and denominator for `_merge_kernel`."""
         if PDL:  # see stride/engine/pdl.py
             gdc_wait()
             gdc_launch_dependents()
@@ -336,21 +284,6 @@ if triton is not None:
             tl.store(row[:, None] + d[None, :], acc, mask=g_ok[:, None])
             tl.store(row + HEAD_DIM, m, mask=g_ok)
             tl.store(row + HEAD_DIM + 1, denom, mask=g_ok)
-            if LAST_MERGES:
-                # The barrier and the counter's acq_rel order every thread's stores above before
-                # the count; the last to count sees all splits' stores (read from L2: ".cg").
-                tl.debug_barrier()
-                counter = arrivals_ptr + seq * tl.num_programs(1) + kv_head
-                if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
-                    tl.store(counter, 0)
-                    first = row - split * (HEAD_DIM + 2)
-                    out = _merged(first[:, None], d[None, :], g_ok[:, None], num_splits,
-                                  HEAD_DIM, SPLITS_P2, ".cg")  # fmt: skip
-                    tl.store(
-                        out_ptr + seq * stride_ot + heads[:, None] * stride_oh + d[None, :],
-                        out.to(out_ptr.dtype.element_ty),
-                        mask=g_ok[:, None],
-                    )
         else:
             out = tl.where(denom[:, None] > 0, acc / denom[:, None], 0.0)  # empty context: 0
             tl.store(
@@ -376,34 +309,15 @@ if triton is not None:
             gdc_launch_dependents()
         seq = tl.program_id(0)
         head = tl.program_id(1)
+        sp = tl.arange(0, SPLITS_P2)
         d = tl.arange(0, HEAD_DIM)
-        row = (seq * tl.num_programs(1) + head) * num_splits * (HEAD_DIM + 2)
-        first = part_ptr + row + 0 * d  # the row's start, once per column
-        out = _merged(first, d, d < HEAD_DIM, num_splits, HEAD_DIM, SPLITS_P2, "")
+        sp_ok = sp < num_splits
+        rows = part_ptr + ((seq * tl.num_programs(1) + head) * num_splits + sp) * (HEAD_DIM + 2)
+        m = tl.load(rows + HEAD_DIM, mask=sp_ok, other=float("-inf"))
+        denom = tl.load(rows + HEAD_DIM + 1, mask=sp_ok, other=0.0)
+        acc = tl.load(rows[:, None] + d[None, :], mask=sp_ok[:, None], other=0.0)
+        m_max = tl.max(m, axis=0)
+        w = tl.where(sp_ok & (denom > 0), tl.exp(m - m_max), 0.0)
+        total = tl.sum(denom * w, axis=0)
+        out = tl.where(total > 0, tl.sum(acc * w[:, None], axis=0) / total, 0.0)
         tl.store(out_ptr + seq * stride_ot + head * stride_oh + d, out.to(out_ptr.dtype.element_ty))
-
-    @triton.jit
-    def _merged(first, cols, ok, num_splits, HEAD_DIM: tl.constexpr, SPLITS_P2: tl.constexpr,
-                CACHE: tl.constexpr):  # fmt: skip
-        """Merged attention output (fp32) of split partials: element i is column cols[i] of the
-        head whose split-0 partial row starts at first[i]. The splits are summed one by one in
-        a fixed order, elementwise, so every kernel that merges (`_merge_kernel`, the decode
-        kernel's last split, the O projection's GEMV) gets the same bits whatever its layout."""
-        step: tl.constexpr = HEAD_DIM + 2
-        m_max = tl.load(first + HEAD_DIM, mask=ok, other=float("-inf"), cache_modifier=CACHE)
-        for s in tl.static_range(1, SPLITS_P2):
-            m = tl.load(first + s * step + HEAD_DIM, mask=ok & (s < num_splits),
-                        other=float("-inf"), cache_modifier=CACHE)  # fmt: skip
-            m_max = tl.maximum(m_max, m)
-        total = tl.zeros(m_max.shape, tl.float32)
-        acc = tl.zeros(m_max.shape, tl.float32)
-        for s in tl.static_range(SPLITS_P2):
-            s_ok = ok & (s < num_splits)
-            row = first + s * step
-            m = tl.load(row + HEAD_DIM, mask=s_ok, other=float("-inf"), cache_modifier=CACHE)
-            denom = tl.load(row + HEAD_DIM + 1, mask=s_ok, other=0.0, cache_modifier=CACHE)
-            # An empty split (max -inf, denominator 0) weighs nothing.
-            w = tl.where(s_ok & (denom > 0), tl.exp(m - m_max), 0.0)
-            total += denom * w
-            acc += tl.load(row + cols, mask=s_ok, other=0.0, cache_modifier=CACHE) * w
-        return tl.where(total > 0, acc / total, 0.0)
