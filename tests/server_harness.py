@@ -8,6 +8,8 @@ enough to be cancelled, timed out or drained; `broken` kills the step loop mid-s
 from __future__ import annotations
 
 import contextlib
+import json
+import signal
 import socket
 import threading
 import time
@@ -132,3 +134,30 @@ class LiveServer:
     def stop(self) -> None:
         self.server.should_exit = True
         self.thread.join(timeout=30)
+
+
+def assert_sigterm_drains(url: str, proc, body: dict, streams: int) -> None:
+    """Start `streams` streamed requests, SIGTERM the server `proc` once each has an event, and
+    check that every one runs to its end ("length", then [DONE]) and the server exits 0."""
+    results: list[list[str]] = [[] for _ in range(streams)]
+    started = [threading.Event() for _ in range(streams)]
+
+    def stream(i: int) -> None:
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    results[i].append(line[6:])
+                    started[i].set()
+
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(streams)]
+    for t in threads:
+        t.start()
+    for event in started:
+        assert event.wait(60)
+    proc.send_signal(signal.SIGTERM)
+    for t in threads:
+        t.join(timeout=60)
+    for events in results:  # every request in flight ran to its end
+        assert events[-1] == "[DONE]"
+        assert json.loads(events[-2])["choices"][0]["finish_reason"] == "length"
+    assert proc.wait(timeout=60) == 0

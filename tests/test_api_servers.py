@@ -5,10 +5,8 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -18,7 +16,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from stride.server.cli import build_parser, default_api_servers, main, server_config
-from tests.server_harness import free_port
+from tests.server_harness import assert_sigterm_drains, free_port
 from tests.test_server import hf_greedy
 from tests.test_server_cli import LAUNCH, _wait_healthy
 
@@ -149,28 +147,7 @@ def test_sigterm_drains_and_leaves_no_process(served):
     url, proc = served
     children = _descendants(proc.pid)
     assert len(children) >= 3  # the engine and two API processes
-    results: list[list[str]] = [[] for _ in range(4)]
-    started = [threading.Event() for _ in range(4)]
-
-    def stream(i: int) -> None:
-        with httpx.stream("POST", f"{url}/v1/completions", json=SLOW, timeout=60) as r:
-            for line in r.iter_lines():
-                if line.startswith("data: "):
-                    results[i].append(line[6:])
-                    started[i].set()
-
-    threads = [threading.Thread(target=stream, args=(i,)) for i in range(4)]
-    for t in threads:
-        t.start()
-    for event in started:
-        assert event.wait(60)
-    proc.send_signal(signal.SIGTERM)
-    for t in threads:
-        t.join(timeout=60)
-    for events in results:  # every request in flight ran to its end
-        assert events[-1] == "[DONE]"
-        assert json.loads(events[-2])["choices"][0]["finish_reason"] == "length"
-    assert proc.wait(timeout=60) == 0
+    assert_sigterm_drains(url, proc, SLOW, 4)
     _wait_gone(children, timeout=10)
 
 

@@ -6,10 +6,8 @@ import json
 import os
 import pickle
 import re
-import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -19,7 +17,7 @@ from transformers import AutoTokenizer
 
 from stride.scheduler.outputs import EngineError, RequestOutput
 from stride.scheduler.process import ForkingPickler
-from tests.server_harness import free_port
+from tests.server_harness import assert_sigterm_drains, free_port
 from tests.test_server import PROMPT_IDS, hf_greedy
 from tests.test_server_cli import LAUNCH, _wait_healthy
 
@@ -102,28 +100,7 @@ def test_disconnect_frees_the_kv_cache(served):
 
 def test_sigterm_drains_then_stops_the_engine_process(served):
     url, proc = served
-    results: list[list[str]] = [[] for _ in range(2)]
-    started = [threading.Event() for _ in range(2)]
-
-    def stream(i: int) -> None:
-        with httpx.stream("POST", f"{url}/v1/completions", json=SLOW, timeout=60) as r:
-            for line in r.iter_lines():
-                if line.startswith("data: "):
-                    results[i].append(line[6:])
-                    started[i].set()
-
-    threads = [threading.Thread(target=stream, args=(i,)) for i in range(2)]
-    for t in threads:
-        t.start()
-    for event in started:
-        assert event.wait(60)
-    proc.send_signal(signal.SIGTERM)
-    for t in threads:
-        t.join(timeout=60)
-    for events in results:  # every request in flight ran to its end
-        assert events[-1] == "[DONE]"
-        assert json.loads(events[-2])["choices"][0]["finish_reason"] == "length"
-    assert proc.wait(timeout=60) == 0
+    assert_sigterm_drains(url, proc, SLOW, 2)
 
 
 def test_outputs_cross_the_pipe_whole():
