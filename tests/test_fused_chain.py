@@ -25,6 +25,7 @@ from stride.scheduler import core as core_module
 from stride.scheduler.core import EngineCore
 from stride.scheduler.outputs import GenerateRequest
 from stride.scheduler.policy import SchedulerConfig
+from tests.test_fused_steps import record
 
 ABORTED = "r1"
 
@@ -130,14 +131,7 @@ def _run(
             for req in reqs[first:]:
                 core.add(req)  # arrive while a chain runs
         for out in outs + core.step():
-            tokens, text, _, _ = results.get(out.request_id, ((), "", None, None))
-            stats = out.decoder_stats
-            results[out.request_id] = (
-                tokens + tuple(out.token_ids),
-                text + out.text,
-                out.finish_reason,
-                stats and stats["forward_passes"] >= len(tokens) + len(out.token_ids),
-            )
+            record(results, out)
         _check_blocks(core)
         step += 1
     cache = core.engine.cache

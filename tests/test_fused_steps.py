@@ -40,6 +40,18 @@ def _core(tiny_dir, device: str, steps: int) -> EngineCore:
     return EngineCore(Engine(config), SchedulerConfig(max_num_seqs=8, fused_decode_steps=steps))
 
 
+def record(results: dict[str, tuple], out) -> None:
+    """Fold one output into its request's (tokens, text, finish reason, passes counted)."""
+    tokens, text, _, _ = results.get(out.request_id, ((), "", None, None))
+    stats = out.decoder_stats
+    results[out.request_id] = (
+        tokens + tuple(out.token_ids),
+        text + out.text,
+        out.finish_reason,
+        stats and stats["forward_passes"] >= len(tokens) + len(out.token_ids),
+    )
+
+
 def _run(core: EngineCore) -> tuple[dict[str, tuple], int]:
     calls = []
     decode_steps = core.engine.runner.decode_steps
@@ -59,14 +71,7 @@ def _run(core: EngineCore) -> tuple[dict[str, tuple], int]:
             for req in reqs[4:]:
                 core.add(req)  # arrive while others decode
         for out in core.step():
-            tokens, text, _, _ = results.get(out.request_id, ((), "", None, None))
-            stats = out.decoder_stats
-            results[out.request_id] = (
-                tokens + tuple(out.token_ids),
-                text + out.text,
-                out.finish_reason,
-                stats and stats["forward_passes"] >= len(tokens) + len(out.token_ids),
-            )
+            record(results, out)
         step += 1
     cache = core.engine.cache
     assert cache.num_free_blocks == cache.num_usable_blocks
