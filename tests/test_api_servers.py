@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -17,28 +14,14 @@ from transformers import AutoTokenizer
 
 from stride.server.cli import build_parser, default_api_servers, main, server_config
 from tests.server_harness import assert_sigterm_drains, free_port
+from tests.test_engine_process import serve_engine_process
 from tests.test_server import hf_greedy
-from tests.test_server_cli import LAUNCH, _wait_healthy
+from tests.test_server_cli import _wait_healthy
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPTS = [[5, 17, 42, 99, 7], [3, 1, 4, 1, 5, 9], [200, 100, 50], [7, 7, 7, 7]]
 NEW = 6
 SLOW = {"prompt": "x", "max_tokens": 40, "ignore_eos": True, "stream": True, "decoder": "slow"}
-
-
-def _serve(model_dir: Path, port: int) -> subprocess.Popen:
-    env = {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "STRIDE_ENGINE_SETUP": "tests.server_harness:register_test_decoders",
-        "STRIDE_API_SERVERS": "2",
-    }
-    cmd = [sys.executable, "-c", LAUNCH, "serve", "--model", str(model_dir), "--device", "cpu"]
-    cmd += ["--engine-process", "--kv-cache-memory", "8MiB", "--port", str(port)]
-    cmd += ["--shutdown-timeout", "60", "--log-level", "warning"]
-    return subprocess.Popen(
-        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
 
 
 def _descendants(pid: int) -> set[int]:
@@ -72,7 +55,7 @@ def _wait_gone(pids: set[int], timeout: float = 60) -> None:
 def served(tiny_dir):
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    proc = _serve(tiny_dir, port)
+    proc = serve_engine_process(tiny_dir, port, api_servers=2)
     try:
         _wait_healthy(url, proc)
         for _ in range(20):  # both API processes are up once fresh connections all see 200
@@ -153,7 +136,7 @@ def test_sigterm_drains_and_leaves_no_process(served):
 
 def test_killed_supervisor_leaves_no_process(tiny_dir):
     port = free_port()
-    proc = _serve(tiny_dir, port)
+    proc = serve_engine_process(tiny_dir, port, api_servers=2)
     try:
         _wait_healthy(f"http://127.0.0.1:{port}", proc)
         children = _descendants(proc.pid)

@@ -25,11 +25,13 @@ ROOT = Path(__file__).resolve().parent.parent
 SLOW = {"prompt": "x", "max_tokens": 40, "ignore_eos": True, "stream": True, "decoder": "slow"}
 
 
-def _serve(model_dir: Path, port: int) -> subprocess.Popen:
+def serve_engine_process(model_dir: Path, port: int, api_servers: int = 1) -> subprocess.Popen:
+    """`stride serve` on CPU with the engine in its own process (the test decoders in it)."""
     env = {
         **os.environ,
         "OMP_NUM_THREADS": "1",
         "STRIDE_ENGINE_SETUP": "tests.server_harness:register_test_decoders",
+        "STRIDE_API_SERVERS": str(api_servers),
     }
     cmd = [sys.executable, "-c", LAUNCH, "serve", "--model", str(model_dir), "--device", "cpu"]
     cmd += ["--engine-process", "--kv-cache-memory", "8MiB", "--port", str(port)]
@@ -43,7 +45,7 @@ def _serve(model_dir: Path, port: int) -> subprocess.Popen:
 def served(tiny_dir):
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    proc = _serve(tiny_dir, port)
+    proc = serve_engine_process(tiny_dir, port)
     try:
         _wait_healthy(url, proc)
         yield url, proc
