@@ -31,7 +31,7 @@ except ImportError:  # CPU-only installs: the decode kernel is simply not offere
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] flat cache slot each new token's K/V is written to
     q_index: torch.Tensor  # [B, Qmax] flat token index of each padded query row
-    q_valid: torch.Tensor  # [B, Qmax] which padded query rows are real
+    q_rows: torch.Tensor  # [T] each token's row in the padded [B * Qmax] query layout
     kv_slots: torch.Tensor  # [B, Lmax] flat cache slots of each sequence's context
     mask: torch.Tensor  # [B, 1, Qmax, Lmax] True where a query may attend
 
@@ -78,7 +78,8 @@ def attend(
         out = F.scaled_dot_product_attention(
             queries, keys, values, attn_mask=meta.mask, enable_gqa=True
         )
-    return out.transpose(1, 2)[meta.q_valid]
+    # An index gather, not a boolean mask: a mask would cost a host sync per layer (nonzero).
+    return out.transpose(1, 2).flatten(0, 1)[meta.q_rows]
 
 
 def _masked_attention(

@@ -250,7 +250,7 @@ class ModelRunner:
         meta = AttentionMetadata(
             slot_mapping=slots.to(dev, non_blocking=True),
             q_index=q_index.to(dev, non_blocking=True),
-            q_valid=q_valid.to(dev, non_blocking=True),
+            q_rows=q_valid.flatten().nonzero()[:, 0].to(dev, non_blocking=True),
             kv_slots=kv_slots.to(dev, non_blocking=True),
             mask=mask[:, None].to(dev, non_blocking=True),
         )
