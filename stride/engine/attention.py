@@ -72,32 +72,11 @@ def attend(
     keys = k_cache[meta.kv_slots].transpose(1, 2)  # [B, KV, L, D]
     values = v_cache[meta.kv_slots].transpose(1, 2)
     queries = q[meta.q_index].transpose(1, 2)  # [B, H, Q, D]
-    if q.is_cuda:
-        out = _masked_attention(queries, keys, values, meta.mask)
-    else:
-        out = F.scaled_dot_product_attention(
-            queries, keys, values, attn_mask=meta.mask, enable_gqa=True
-        )
+    out = F.scaled_dot_product_attention(
+        queries, keys, values, attn_mask=meta.mask, enable_gqa=True
+    )
     # An index gather, not a boolean mask: a mask would cost a host sync per layer (nonzero).
     return out.transpose(1, 2).flatten(0, 1)[meta.q_rows]
-
-
-def _masked_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
-) -> torch.Tensor:
-    """Masked GQA attention written out (what SDPA's math backend computes), softmax in fp32.
-
-    Used on CUDA for prefill chunks and proposals; decode steps take the paged kernel. It was
-    brought in while chasing NaN logits that turned out to come from NaN keys in block 0 (padded
-    graph rows with no context, since fixed); masked SDPA has not been re-measured here since.
-    Its scores are [B, H, Q, L] fp32, so very long prompt chunks cost memory.
-    """
-    group = q.shape[1] // k.shape[1]
-    k = k.repeat_interleave(group, dim=1)
-    v = v.repeat_interleave(group, dim=1)
-    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * q.shape[-1] ** -0.5
-    scores = scores.masked_fill(~mask, float("-inf"))
-    return torch.matmul(torch.softmax(scores, dim=-1), v.float()).to(q.dtype)
 
 
 def decode_kernel_supported(device: torch.device, head_dim: int) -> bool:
