@@ -109,7 +109,6 @@ def decode_attention(
     # lone sequence past ~1,000 tokens is slower than with long tiles.
     splits = max(1, min(16, 2 * _num_sms(q.device) // (b * kv)))
     splits, block_n, warps = launch or (splits, 16, 2)
-    on = pdl.enabled(q.device)
     out = torch.empty_like(q)
     partial = torch.empty(b, h, splits, d + 2, dtype=torch.float32, device=q.device)
     _decode_kernel[(b, kv, splits)](
@@ -136,8 +135,7 @@ def decode_attention(
         BLOCK_N=block_n,
         SPLIT=splits > 1,
         num_warps=warps,
-        PDL=on,
-        launch_pdl=on,
+        **pdl.launch_options(q.device),
     )
     if splits > 1:
         _merge_kernel[(b, h)](
@@ -148,8 +146,7 @@ def decode_attention(
             splits,
             HEAD_DIM=d,
             SPLITS_P2=max(triton.next_power_of_2(splits), 2),
-            PDL=on,
-            launch_pdl=on,
+            **pdl.launch_options(q.device),
         )
     return out
 

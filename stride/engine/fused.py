@@ -227,7 +227,7 @@ def _launch_gemv(
         KV_HEADS=attn.num_kv_heads if attn is not None else 0,
         HEAD_DIM=attn.head_dim if attn is not None else 0,
         **tile,
-        **_pdl(x),
+        **pdl.launch_options(x.device),
     )
 
 
@@ -252,12 +252,6 @@ def _gemv_tile(n: int, k: int, silu_mul: bool) -> dict[str, int]:
     return dict(BN=bn, BK=bk, num_warps=4, num_stages=3)
 
 
-def _pdl(x: torch.Tensor) -> dict[str, bool]:
-    """The launch option and the kernels' constexpr for programmatic dependent launch."""
-    on = pdl.enabled(x.device)
-    return dict(PDL=on, launch_pdl=on)
-
-
 def rms_norm(x: torch.Tensor, norm: torch.nn.Module, residual: torch.Tensor | None) -> torch.Tensor:
     """RMSNorm of x, or of residual += x (in place) when a residual is given."""
     rows, cols = x.shape
@@ -272,7 +266,7 @@ def rms_norm(x: torch.Tensor, norm: torch.nn.Module, residual: torch.Tensor | No
         HAS_RESIDUAL=residual is not None,
         BLOCK=triton.next_power_of_2(cols),
         num_warps=4 if cols <= 2048 else 8,
-        **_pdl(x),
+        **pdl.launch_options(x.device),
     )
     return out
 
@@ -313,7 +307,7 @@ def rope_and_cache(
         H_P2=triton.next_power_of_2(h),
         KV_P2=triton.next_power_of_2(kv),
         num_warps=4,
-        **_pdl(qkv),
+        **pdl.launch_options(qkv.device),
     )
     return q
 
@@ -324,7 +318,7 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty(rows, half, dtype=gate_up.dtype, device=gate_up.device)
     block = 1024
     _silu_mul_kernel[(rows, triton.cdiv(half, block))](
-        gate_up, out, half, BLOCK=block, **_pdl(gate_up)
+        gate_up, out, half, BLOCK=block, **pdl.launch_options(gate_up.device)
     )
     return out
 

@@ -38,3 +38,9 @@ def enabled(device: torch.device) -> bool:
     if index not in _HOPPER:
         _HOPPER[index] = torch.cuda.get_device_capability(index)[0] >= 9
     return _HOPPER[index] and os.environ.get("STRIDE_PDL", "1") != "0"
+
+
+def launch_options(device: torch.device) -> dict[str, bool]:
+    """A kernel launch's PDL arguments: the launch option and the kernel's `PDL` constexpr."""
+    on = enabled(device)
+    return dict(PDL=on, launch_pdl=on)

@@ -305,9 +305,8 @@ class _Pipes:
         assert self.owner is not None
         by_pipe: dict[int, list[RequestOutput]] = {i: [] for i in self.conns}
         for out in outs:
-            i = self.owner.pop(out.request_id, None) if out.finished else None
-            if i is None:
-                i = self.owner.get(out.request_id)
+            rid = out.request_id
+            i = self.owner.pop(rid, None) if out.finished else self.owner.get(rid)
             if i in by_pipe:
                 by_pipe[i].append(out)
         return by_pipe

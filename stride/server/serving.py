@@ -309,6 +309,8 @@ _PLACEHOLDER_JSON = encode_basestring(_PLACEHOLDER.text)  # as pydantic writes i
 class _View:
     """One response in the making: choices, usage, and the shape of its chunks."""
 
+    CHUNK: type  # the pydantic model of a streamed chunk
+
     def __init__(
         self, serving: Serving, body: s.SamplingFields, rid: str, prompts: list[list[int]]
     ):
@@ -319,6 +321,19 @@ class _View:
         self.choices = [Choice() for _ in range(len(prompts) * body.n)]
         self.created = int(time.time())  # every chunk carries the same, as OpenAI's do
         self._text_events: dict[int, tuple[str, str]] = {}  # choice -> around a text delta
+
+    def _chunk_of(self, choices: list, usage: s.Usage | None = None):
+        return self._envelope(self.CHUNK, choices, usage)
+
+    def _envelope(self, model: type, choices: list, usage: s.Usage | None):
+        """A response or chunk of this response: its id, creation time and model name."""
+        return model(
+            id=self.rid,
+            created=self.created,
+            model=self.serving.model_name,
+            choices=choices,
+            usage=usage,
+        )
 
     def usage(self) -> s.Usage:
         done = [c.last for c in self.choices if c.last is not None]
@@ -398,6 +413,8 @@ class _View:
 
 
 class _CompletionView(_View):
+    CHUNK = s.CompletionResponse  # a streamed chunk is shaped as the whole response
+
     def __init__(self, serving, body: s.CompletionRequest, rid, prompts, echo: list[str]):
         super().__init__(serving, body, rid, prompts)
         self.echo = echo
@@ -432,15 +449,6 @@ class _CompletionView(_View):
                 )
             )
         return self._chunk_of(choices, self.usage())
-
-    def _chunk_of(self, choices: list[s.CompletionChoice], usage=None) -> s.CompletionResponse:
-        return s.CompletionResponse(
-            id=self.rid,
-            created=self.created,
-            model=self.serving.model_name,
-            choices=choices,
-            usage=usage,
-        )
 
     @property
     def wants_logprobs(self) -> bool:
@@ -482,6 +490,7 @@ class _CompletionView(_View):
 
 
 class _ChatView(_View):
+    CHUNK = s.ChatCompletionChunk
     body: s.ChatCompletionRequest
 
     def response(self) -> s.ChatCompletionResponse:
@@ -495,22 +504,7 @@ class _ChatView(_View):
             )
             for i, c in enumerate(self.choices)
         ]
-        return s.ChatCompletionResponse(
-            id=self.rid,
-            created=self.created,
-            model=self.serving.model_name,
-            choices=choices,
-            usage=self.usage(),
-        )
-
-    def _chunk_of(self, choices: list[s.ChatChunkChoice], usage=None) -> s.ChatCompletionChunk:
-        return s.ChatCompletionChunk(
-            id=self.rid,
-            created=self.created,
-            model=self.serving.model_name,
-            choices=choices,
-            usage=usage,
-        )
+        return self._envelope(s.ChatCompletionResponse, choices, self.usage())
 
     @property
     def wants_logprobs(self) -> bool:
