@@ -121,6 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
     _flag(h, "api-servers", "HTTP processes in front of the engine process (default: 1 on CPU, "
           "on CUDA one per 4 cores, at most 4)", None, int)  # fmt: skip
     _flag(h, "log-level", "debug, info, warning or error", "info")
+    from stride.train.cli import add_parser as add_train_parser
+
+    add_train_parser(sub)
     return parser
 
 
@@ -265,6 +268,10 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "serve":
         return serve(args)
+    if args.command == "draft":
+        from stride.train.cli import main as train_main
+
+        return train_main(args)
     return 2
 
 

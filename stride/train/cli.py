@@ -1,0 +1,148 @@
+"""`stride draft train`: self-distil a draft head for a model, in one command.
+
+    stride draft train --out heads/mine                       # built-in prompts, default model
+    stride draft train --model my-llama --prompts traffic.jsonl --out heads/mine --seconds 900
+
+The engine answers the prompts (`stride.train.data`), the answers are kept in the output
+directory (`data.pt`, so a resumed run does not regenerate them), then the head trains for
+`--seconds` and is written there in the EAGLE-3 layout with `training.json` (data size, time,
+held-out accepted length). Running it again on the same directory resumes from the checkpoint.
+This module imports nothing heavy, so that `stride --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+from pathlib import Path
+
+log = logging.getLogger("stride.train")
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    draft = sub.add_parser("draft", help="train draft heads for speculative decoding")
+    actions = draft.add_subparsers(dest="draft_command", required=True)
+    p = actions.add_parser(
+        "train",
+        help="self-distil an EAGLE-3 draft head for a model",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--model", default=None, help="target model (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--out", type=Path, required=True, help="directory for the head (resumes)")
+    p.add_argument(
+        "--prompts",
+        type=Path,
+        default=None,
+        help='JSONL of {"messages": [...]} or {"prompt": "..."}: your traffic',
+    )
+    p.add_argument("--num-prompts", type=int, default=8000, help="built-in prompts (no --prompts)")
+    p.add_argument("--self-prompts", type=int, default=0,
+                   help="also this many prompts the model writes itself")  # fmt: skip
+    p.add_argument("--max-tokens", type=int, default=256, help="answer length cap")
+    p.add_argument("--sampled-share", type=float, default=0.3, help="share of sampled answers")
+    p.add_argument("--draft-vocab", type=int, default=8192, help="draft vocabulary size")
+    p.add_argument("--layers", type=int, default=1, help="decoder layers in the head")
+    p.add_argument("--depth", type=int, default=5, help="training-time-test steps")
+    p.add_argument("--seconds", type=float, default=300, help="training time budget")
+    p.add_argument("--time-limit", type=float, default=None,
+                   help="end training early enough that the whole run, answering prompts "
+                   "included, takes at most this many seconds")  # fmt: skip
+    p.add_argument("--max-steps", type=int, default=None, help="stop after this many steps")
+    p.add_argument("--lr", type=float, default=5e-4)
+    p.add_argument("--batch-tokens", type=int, default=16384, help="padded tokens per step")
+    p.add_argument("--device", default="auto", help="cpu, cuda or auto")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def main(args: argparse.Namespace) -> int:
+    import gc
+    import time
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from stride.engine.engine import Engine, EngineConfig
+    from stride.scheduler.core import EngineCore
+    from stride.scheduler.policy import SchedulerConfig
+    from stride.train import data, eagle, prompts
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    device = torch.device(
+        ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    )
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    started = time.monotonic()
+    out: Path = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    # The answers' KV cache: a few GiB are plenty for 256 streams of a few hundred tokens, and
+    # leave the GPU to training once the engine is gone.
+    kv = 6 << 30 if device.type == "cuda" else None
+    engine = Engine(EngineConfig(model=args.model, device=str(device), kv_cache_memory=kv))
+    data_file = out / "data.pt"
+    if data_file.exists():
+        saved = torch.load(data_file, weights_only=False)
+        samples = [data.Sample(*s) for s in saved["samples"]]
+        log.info("reusing %d answers from %s", len(samples), data_file)
+    else:
+        core = EngineCore(engine, SchedulerConfig(max_num_seqs=256, max_num_batched_tokens=8192))
+        todo = (
+            prompts.read_prompts(args.prompts)
+            if args.prompts
+            else prompts.builtin_prompts(args.num_prompts, args.seed)
+        )
+        if args.self_prompts:
+            todo += data.self_prompts(core, args.self_prompts, args.seed)
+        log.info("answering %d prompts with the target", len(todo))
+        samples = data.generate(core, todo, args.max_tokens, args.sampled_share, seed=args.seed)
+        torch.save(
+            {"samples": [(s.token_ids, s.num_prompt, s.greedy) for s in samples]}, data_file
+        )
+        del core
+    path, eos = engine.path, engine.eos_ids
+    del engine
+    gc.unfreeze()  # the engine core froze everything alive into the permanent generation
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+    target_model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
+    if (out / "model.safetensors").exists():
+        head = eagle.resume_head(out, target_model)
+    else:
+        vocab = target_model.config.vocab_size
+        size = min(args.draft_vocab, vocab)
+        head = eagle.new_head(
+            target_model, eagle.choose_draft_vocab(samples, size, vocab, eos), args.layers
+        )
+    head = head.float()
+    greedy = [s for s in samples if s.greedy]
+    held = greedy[: min(64, len(greedy) // 10)]
+    kept_out = {id(s) for s in held}
+    train_set = [s for s in samples if id(s) not in kept_out]
+    target = eagle.Target(target_model, head.config.aux_layers, head.draft_ids)
+    seconds = args.seconds
+    if args.time_limit is not None:  # keep a minute for the held-out measurement and saving
+        seconds = min(seconds, args.time_limit - (time.monotonic() - started) - 60)
+    config = eagle.TrainConfig(
+        depth=args.depth,
+        lr=args.lr,
+        batch_tokens=args.batch_tokens,
+        seconds=max(seconds, 1.0),
+        max_steps=args.max_steps,
+        seed=args.seed,
+    )
+    result = eagle.train(head, target, train_set, config, out, held)
+    answered = sum(len(s.token_ids) - s.num_prompt for s in samples)
+    in_vocab = set(head.draft_ids.tolist())
+    covered = sum(t in in_vocab for s in samples for t in s.token_ids[s.num_prompt :])
+    result.update(
+        samples=len(samples),
+        answer_tokens=answered,
+        draft_vocab_coverage=round(covered / max(answered, 1), 4),
+        draft_vocab=head.config.draft_vocab_size,
+        device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+    )
+    (out / "training.json").write_text(json.dumps(result, indent=2) + "\n")
+    log.info("head written to %s: %s", out, {k: v for k, v in result.items() if k != "history"})
+    return 0
