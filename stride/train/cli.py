@@ -21,13 +21,19 @@ log = logging.getLogger("stride.train")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
+    """`draft train` under the `stride` command."""
     draft = sub.add_parser("draft", help="train draft heads for speculative decoding")
     actions = draft.add_subparsers(dest="draft_command", required=True)
-    p = actions.add_parser(
-        "train",
-        help="self-distil an EAGLE-3 draft head for a model",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    configure(
+        actions.add_parser(
+            "train",
+            help="self-distil an EAGLE-3 draft head for a model",
+            formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        )
     )
+
+
+def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="target model (default: SmolLM2-135M-Instruct)")
     p.add_argument("--out", type=Path, required=True, help="directory for the head (resumes)")
     p.add_argument(
