@@ -60,23 +60,28 @@ TOKENS_PER_STEP_BUCKETS = tuple(float(2**i) for i in range(15))  # 1 .. 16384
 TOKENS_PER_PASS_BUCKETS = (1.0, 1.1, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 4.0, 5.0, 6.0, 8.0, 12.0, 16.0,
                            32.0, 64.0)  # fmt: skip
 
-SPEC_DRAFTS = ("ngram", "early_exit")  # any other draft name is the server's draft model
+SPEC_DRAFTS = ("ngram", "early_exit", "eagle")  # any other name is the server's draft model
 REFINE_METHODS = ("jacobi", "lookahead", "diffusion")
 
 
 def strategy(
-    decoder: str, options: Mapping[str, Any] | None = None, draft_model: bool = False
+    decoder: str,
+    options: Mapping[str, Any] | None = None,
+    draft_model: bool = False,
+    eagle: bool = False,
 ) -> str:
     """The `decoder` label of a request: its decoder and the variant its options choose.
 
-    `ar`, `speculative/{ngram,early_exit,draft_model}`, `refine/{jacobi,lookahead,diffusion}`.
-    Bounded whatever the options say: a draft model is never named by its path, and an unknown
-    method maps to `<decoder>/other` (validation refuses it anyway). `draft_model`: whether the
-    server has one, which makes it the default draft of speculative requests.
+    `ar`, `speculative/{ngram,early_exit,eagle,draft_model}`,
+    `refine/{jacobi,lookahead,diffusion}`. Bounded whatever the options say: a draft model is
+    never named by its path, and an unknown method maps to `<decoder>/other` (validation refuses
+    it anyway). `eagle`, `draft_model`: whether the server has an EAGLE head or a draft model,
+    which makes it the default draft of speculative requests (the head first).
     """
     options = options or {}
     if decoder == "speculative":
-        draft = options.get("draft", "draft_model" if draft_model else "ngram")
+        default = "eagle" if eagle else "draft_model" if draft_model else "ngram"
+        draft = options.get("draft", default)
         return f"speculative/{draft if draft in SPEC_DRAFTS else 'draft_model'}"
     if decoder == "refine":
         method = options.get("method", "jacobi")
@@ -101,9 +106,11 @@ class Metrics:
         users: str | Iterable[str] | None = None,
         registry: CollectorRegistry | None = None,
         draft_model: bool = False,
+        eagle: bool = False,
     ) -> None:
         self.model = model
         self.draft_model = draft_model
+        self.eagle = eagle
         self.users = parse_users(users)
         self.registry = registry if registry is not None else CollectorRegistry()
         self.multiprocess = bool(os.environ.get(MULTIPROC_ENV))
@@ -287,7 +294,8 @@ class Metrics:
 
         `decoder` and `options` are the request's parsed decoder spec; the label is its strategy.
         """
-        labels = (self.model, strategy(decoder, options, self.draft_model), self.user_label(user))
+        label = strategy(decoder, options, self.draft_model, self.eagle)
+        labels = (self.model, label, self.user_label(user))
         series = self._series.get(labels)
         if series is None:  # label sets are bounded: strategies x (allowlist + other + none)
             series = self._series[labels] = RequestSeries(self, labels)

@@ -8,7 +8,7 @@ import torch
 
 from stride.engine import attention, fused
 from stride.engine.engine import Engine, EngineConfig
-from stride.engine.runner import Chunk
+from stride.engine.runner import Chunk, prepare
 from stride.engine.sequence import SamplingParams, Sequence
 from stride.scheduler.core import EngineCore
 from stride.scheduler.outputs import GenerateRequest
@@ -144,7 +144,7 @@ def _chunks(engine: Engine, lengths: list[int]) -> list[Chunk]:
 
 def _hidden(engine: Engine, forward, chunks: list[Chunk]) -> tuple[torch.Tensor, torch.Tensor]:
     """Final hidden states of one pass over the chunks, and the keys it wrote."""
-    meta, tokens, positions, _ = engine.runner._prepare(chunks)
+    meta, tokens, positions, _ = prepare(chunks, engine.cache.block_size, engine.device)
     k, v = engine.cache.k.clone(), engine.cache.v.clone()
     with torch.inference_mode():
         hidden = forward(tokens, positions, (k, v), meta)

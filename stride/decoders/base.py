@@ -9,7 +9,11 @@ A step of the scheduler, for every running sequence whose uncached tail fits in 
 3. The engine scores tails and proposals of all sequences in one forward pass. Each sequence gets
    logits for its last tail token and every proposed token (`1 + len(proposal.tokens)` rows).
 4. `commit(seqs, proposals, logits)` returns, per sequence, the tokens it accepts and how many
-   proposed tokens keep their KV (`kv_keep`, a prefix); the rest is rolled back.
+   proposed tokens keep their KV (`kv_keep`, a prefix, or the ones `kv_from` names, moved to
+   the front: a draft tree keeps one path of its nodes); the rest is rolled back.
+
+`admit(seq)` runs once when a request is admitted, before its first pass (e.g. to ask the
+engine for the sequence's hidden states: `Sequence.features`).
 
 Fused decode steps: a small batch of greedy rows that propose nothing may run several decode
 steps back to back, each step's argmax fed to the next on the device. A decoder other than `ar`
@@ -47,7 +51,9 @@ class Proposal:
 class Commit:
     tokens: list[int]
     logprobs: list[TokenLogprob | None]
-    kv_keep: int = 0  # how many tokens scored after the tail (a prefix) keep their KV
+    kv_keep: int = 0  # how many tokens scored after the tail keep their KV
+    # Which scored tokens (indices after the tail) those are, in order; None: the first kv_keep.
+    kv_from: list[int] | None = None
     forward_passes: int = 1  # target passes that made these tokens (fused decode steps: several)
 
 
@@ -66,6 +72,7 @@ class DecodersConfig:
 
     default: str | dict[str, Any] = "ar"
     draft_model: str | None = None  # speculative: a causal LM sharing the target's tokenizer
+    draft_head: str | None = None  # speculative: an EAGLE head directory for the target
     num_speculative_tokens: int = 4  # speculative: default K (the adaptive policy may lower it)
     diffusion_model: str | None = None  # refine/diffusion: a masked diffusion LM
     trust_remote_code: bool = False  # diffusion models loaded through AutoModel need it
@@ -84,6 +91,9 @@ class Decoder:
         if options:
             raise DecoderError(f"decoder {self.name!r} takes no options, got {sorted(options)}")
         return options
+
+    def admit(self, seq: Sequence) -> None:
+        """`seq` was admitted: set up what must exist before its first forward pass."""
 
     def extra_tokens(self, seq: Sequence, cap: int) -> int:
         """How many tokens to propose after `seq`'s tail this step, at most `cap`."""

@@ -49,6 +49,9 @@ class Drafter:
     name: str = ""
     cost: float = 0.0  # one draft position for a batch, relative to one target forward
 
+    def admit(self, seq: Sequence) -> None:
+        """A sequence that this drafter will draft for was admitted (before its first pass)."""
+
     def available(self, seq: Sequence, k: int) -> int:
         """How many of k drafts this drafter can offer `seq` now (prompt lookup may find none)."""
         return k
@@ -56,8 +59,9 @@ class Drafter:
     def draft(self, seqs: list[Sequence], ks: list[int], eos_ids: set[int]) -> list[Draft]:
         raise NotImplementedError
 
-    def accepted(self, seq: Sequence, num_accepted: int) -> None:
-        """Verification kept `num_accepted` of the sequence's last draft: roll back the rest."""
+    def accepted(self, seq: Sequence, num_accepted: int, path: list[int] | None = None) -> None:
+        """Verification kept `num_accepted` of the sequence's last draft (`path`: which of a
+        tree's nodes, in order; default the first ones): roll back the rest."""
 
     def release(self, seq: Sequence) -> None:
         """The sequence finished or was preempted: free whatever the drafter holds for it."""
@@ -236,7 +240,7 @@ class DraftModelDrafter(Drafter):
             cache.trim(cur.kv)  # blocks reserved but not written (a sequence that drafted 0)
         return drafts
 
-    def accepted(self, seq: Sequence, num_accepted: int) -> None:
+    def accepted(self, seq: Sequence, num_accepted: int, path: list[int] | None = None) -> None:
         cur = self._cursors.get(seq.request_id)
         if cur is None:
             return

@@ -82,10 +82,12 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from stride import drafts
 from stride.decoders import sampling
 from stride.decoders.autoregressive import sample_one_each
 from stride.decoders.base import (
@@ -103,12 +105,23 @@ from stride.decoders.drafters import (
     EarlyExitDrafter,
     NgramDrafter,
 )
+from stride.decoders.eagle import EagleDrafter
+from stride.decoders.tree import Tree
 from stride.engine.engine import Engine
 from stride.engine.sequence import SamplingParams, Sequence
 
 MAX_K = 16
 _NOTHING = Proposal()  # shared by all sequences of a plain step: nobody mutates a proposal
-OPTIONS = ("draft", "num_speculative_tokens", "adaptive", "exit_layer", "ngram_max")
+OPTIONS = (
+    "draft",
+    "num_speculative_tokens",
+    "adaptive",
+    "exit_layer",
+    "ngram_max",
+    "tree_nodes",
+    "tree_topk",
+)
+MAX_TREE_NODES = 128
 
 
 def verify(
@@ -251,6 +264,7 @@ class _State:
     probing: bool = False  # this step's K is a probe (see _plan)
     born: int = 0  # the decoder's step count when this state was made: the probe phase
     drafts: dict[str, Any] = field(default_factory=dict)
+    tree: Tree | None = None  # this step's draft tree (greedy EAGLE requests with tree_nodes)
 
 
 class Speculative(Decoder):
@@ -272,11 +286,13 @@ class Speculative(Decoder):
         num_speculative_tokens: int = 4,
         saturation_tokens: float | None = None,
         measure_costs: bool = True,
+        draft_head: str | None = None,
     ) -> None:
         self.engine = engine
         self.default_k = num_speculative_tokens
         self.saturation = saturation_tokens or (256.0 if engine.device.type == "cuda" else 16.0)
         self.draft_model = DraftModelDrafter(engine, draft_model) if draft_model else None
+        self.eagle = EagleDrafter(engine, Path(draft_head)) if draft_head else None
         self.measure_costs = measure_costs
         self._drafters: dict[tuple, Drafter] = {}
         self._prior: dict[str, list[float]] = {}  # drafter name → rates over all sequences
@@ -298,20 +314,24 @@ class Speculative(Decoder):
 
     @classmethod
     def from_config(cls, engine: Engine, config: DecodersConfig) -> Speculative:
-        return cls(engine, config.draft_model, config.num_speculative_tokens)
+        head, model = drafts.pick(config.draft_head, config.draft_model, engine.name)
+        return cls(engine, model, config.num_speculative_tokens, draft_head=head)
 
     # ---- admission ------------------------------------------------------------------------
 
     @property
     def drafter_names(self) -> list[str]:
         names = ["ngram", "early_exit"]
-        return names + ([self.draft_model.name] if self.draft_model else [])
+        names += [self.draft_model.name] if self.draft_model else []
+        return names + (["eagle"] if self.eagle else [])
 
     def validate(self, params: SamplingParams, options: dict[str, Any]) -> dict[str, Any]:
         unknown = sorted(set(options) - set(OPTIONS))
         if unknown:
             raise DecoderError(f"unknown speculative options {unknown}; valid: {list(OPTIONS)}")
-        default_draft = self.draft_model.name if self.draft_model else "ngram"
+        default_draft = (
+            "eagle" if self.eagle else self.draft_model.name if self.draft_model else "ngram"
+        )
         draft = options.get("draft", default_draft)
         if draft not in self.drafter_names:
             raise DecoderError(
@@ -339,10 +359,27 @@ class Speculative(Decoder):
             out["ngram_max"] = n
         elif "ngram_max" in options:
             raise DecoderError("ngram_max applies to draft 'ngram' only")
+        if draft == "eagle":
+            nodes = options.get("tree_nodes", 0)
+            if not isinstance(nodes, int) or isinstance(nodes, bool):
+                raise DecoderError(f"tree_nodes must be an integer in [0, {MAX_TREE_NODES}]")
+            if not 0 <= nodes <= MAX_TREE_NODES:
+                raise DecoderError(f"tree_nodes must be an integer in [0, {MAX_TREE_NODES}]")
+            topk = options.get("tree_topk", 8)
+            if not isinstance(topk, int) or isinstance(topk, bool) or not 1 <= topk <= 16:
+                raise DecoderError("tree_topk must be an integer in [1, 16]")
+            # Trees verify greedy requests; a sampled one drafts chains (exact rejection rule).
+            out["tree_nodes"] = nodes if params.greedy else 0
+            out["tree_topk"] = topk
+        elif {"tree_nodes", "tree_topk"} & set(options):
+            raise DecoderError("tree_nodes and tree_topk apply to draft 'eagle' only")
         return out
 
     def _drafter(self, options: dict[str, Any]) -> Drafter:
         draft = options["draft"]
+        if draft == "eagle":
+            assert self.eagle is not None
+            return self.eagle
         if draft == "ngram":
             key: tuple = ("ngram", options["ngram_max"])
         elif draft == "early_exit":
@@ -357,6 +394,9 @@ class Speculative(Decoder):
                 else EarlyExitDrafter(self.engine, key[1])
             )
         return self._drafters[key]
+
+    def admit(self, seq: Sequence) -> None:
+        self._drafter(seq.decoder_options).admit(seq)
 
     def _state(self, seq: Sequence) -> _State:
         if seq.decoder_state is None:
@@ -507,6 +547,9 @@ class Speculative(Decoder):
             self._planned = True
         k = min(k, cap)
         state.reserved = state.drafter.available(seq, k) if k else 0
+        nodes = seq.decoder_options.get("tree_nodes", 0)
+        if state.reserved and nodes:  # a tree of depth k: its nodes are scored
+            state.reserved = min(max(nodes, k), cap)
         self._reserved = self._reserved or state.reserved > 0
         return state.reserved
 
@@ -529,7 +572,7 @@ class Speculative(Decoder):
         ks = [
             min(st.reserved, self._plan(s, st, len(seqs))) if st.reserved else 0
             for s, st in zip(seqs, states, strict=True)
-        ]
+        ]  # (for a tree: its depth; it scores up to `reserved` nodes)
         if any(ks) and not self._step_pays(seqs, states, ks):
             ks = [0] * len(seqs)
             # No drafts at this batch size for a while. In a large batch each check that fails
@@ -553,7 +596,8 @@ class Speculative(Decoder):
             if not positions:
                 continue
             start = time.perf_counter()
-            made = drafter.draft([seqs[i] for i in idx], [ks[i] for i in idx], ctx.eos_ids)
+            made = self._draft(drafter, [seqs[i] for i in idx], [states[i] for i in idx],
+                               [ks[i] for i in idx], ctx)  # fmt: skip
             plain_s = self._timings_at(len(seqs)).plain_s
             if plain_s:
                 per_position = (time.perf_counter() - start) / positions
@@ -566,7 +610,51 @@ class Speculative(Decoder):
             st.drafts = {"tokens": d.tokens, "q": d.q}
         self._drafted = any(d.tokens for d in drafts)
         self._start_timing(seqs, len(seqs) + sum(len(d.tokens) for d in drafts), self._drafted)
-        return [Proposal(list(d.tokens)) if d.tokens else _NOTHING for d in drafts]
+        return [self._proposal(s, st, d) for s, st, d in zip(seqs, states, drafts, strict=True)]
+
+    def _draft(
+        self,
+        drafter: Drafter,
+        seqs: list[Sequence],
+        states: list[_State],
+        ks: list[int],
+        ctx: StepContext,
+    ) -> list[Draft]:
+        """One drafter's drafts for its sequences: chains, and EAGLE trees where asked for."""
+        trees = [
+            i for i, (s, k) in enumerate(zip(seqs, ks, strict=True))
+            if k and s.decoder_options.get("tree_nodes")
+        ]  # fmt: skip
+        for st in states:
+            st.tree = None
+        if not trees:
+            return drafter.draft(seqs, ks, ctx.eos_ids)
+        assert isinstance(drafter, EagleDrafter)
+        chains = [0 if i in trees else k for i, k in enumerate(ks)]
+        drafts = [Draft([]) for _ in seqs]
+        if any(chains):
+            drafts = drafter.draft(seqs, chains, ctx.eos_ids)
+        sub = [seqs[i] for i in trees]
+        depths = [ks[i] for i in trees]
+        budgets = [states[i].reserved for i in trees]
+        # Each level's expansion rows take `topk` scratch slots past the reserved ones' start.
+        room = min(b // max(d - 1, 1) for b, d in zip(budgets, depths, strict=True))
+        topk = max(1, min(room, *(s.decoder_options["tree_topk"] for s in sub)))
+        for i, tree in zip(trees, drafter.draft_trees(sub, depths, budgets, topk), strict=True):
+            states[i].tree = tree
+            drafts[i] = Draft(tree.tokens)
+        return drafts
+
+    @staticmethod
+    def _proposal(seq: Sequence, state: _State, draft: Draft) -> Proposal:
+        if not draft.tokens:
+            return _NOTHING
+        tree = state.tree
+        if tree is None:
+            return Proposal(list(draft.tokens))
+        start = seq.num_cached  # the root's position
+        positions = [start + d for d in tree.depths()]
+        return Proposal(list(tree.tokens), positions, tree.mask())
 
     def plain_steps(self, seqs: list[Sequence]) -> int:
         """For how many steps, this one first, `seqs` decode exactly as `ar` (see
@@ -615,30 +703,34 @@ class Speculative(Decoder):
             return commits
         states = [self._state(s) for s in seqs]
         drafts = [st.drafts["tokens"] for st in states]
+        trees = [st.tree or Tree.chain(d) for st, d in zip(states, drafts, strict=True)]
+        # Each row's pending tokens: the drafts on the path from the root to it.
         rows = [
-            sampling.Row(s, list(d[:j]))
-            for s, d in zip(seqs, drafts, strict=True)
-            for j in range(len(d) + 1)
+            sampling.Row(s, pending)
+            for s, tree in zip(seqs, trees, strict=True)
+            for pending in _paths(tree)
         ]
         raw = torch.cat(logits)
         adjusted = sampling.adjust(raw, rows, ctx.eos_ids)
         if all(s.params.greedy for s in seqs):
-            accepted, last = self._verify_greedy(adjusted, drafts)
-        else:
+            paths, last = self._verify_greedy(adjusted, trees)
+        else:  # (sampled requests draft chains only)
             accepted, last = self._verify_sampled(adjusted, rows, seqs, states, ctx)
+            paths = [list(range(n)) for n in accepted]
 
         commits = []
         offset = 0
-        for seq, st, d, n_acc, token in zip(seqs, states, drafts, accepted, last, strict=True):
-            tokens = list(d[:n_acc]) + [token]
-            lps = sampling.logprobs(
-                raw[offset : offset + n_acc + 1], tokens, rows[offset : offset + n_acc + 1]
-            )
-            offset += len(d) + 1
-            self._record(seq, st, len(d), n_acc)
-            st.drafter.accepted(seq, n_acc)
-            st.drafts = {}
-            commits.append(Commit(tokens, lps, kv_keep=n_acc))
+        for seq, st, tree, path, token in zip(seqs, states, trees, paths, last, strict=True):
+            n_acc = len(path)
+            tokens = [tree.tokens[i] for i in path] + [token]
+            picked = [offset] + [offset + 1 + i for i in path]
+            lps = sampling.logprobs(raw[picked], tokens, [rows[r] for r in picked])
+            offset += len(tree) + 1
+            self._record(seq, st, len(tree) if st.tree is None else max(tree.depths()), n_acc)
+            chain = st.tree is None
+            st.drafter.accepted(seq, n_acc, None if chain else path)
+            st.drafts, st.tree = {}, None
+            commits.append(Commit(tokens, lps, kv_keep=n_acc, kv_from=None if chain else path))
         self._time_step()  # a drafting step's per-row commit is part of its cost
         self._quiet = self._quiet_at(self._last_batch)
         return commits
@@ -665,19 +757,18 @@ class Speculative(Decoder):
         self._choices.clear()
 
     def _verify_greedy(
-        self, adjusted: torch.Tensor, drafts: list[list[int]]
-    ) -> tuple[list[int], list[int]]:
-        """Greedy: accept while the draft equals the target's argmax; then take the argmax."""
+        self, adjusted: torch.Tensor, trees: list[Tree]
+    ) -> tuple[list[list[int]], list[int]]:
+        """Greedy: follow the nodes equal to the target's argmax; then take the argmax."""
         best = adjusted.argmax(-1).tolist()
-        accepted, last, offset = [], [], 0
-        for d in drafts:
-            n = 0
-            while n < len(d) and d[n] == best[offset + n]:
-                n += 1
-            accepted.append(n)
-            last.append(best[offset + n])
-            offset += len(d) + 1
-        return accepted, last
+        paths, last, offset = [], [], 0
+        for tree in trees:
+            rows = best[offset : offset + len(tree) + 1]
+            path = tree.accept_greedy(rows)
+            paths.append(path)
+            last.append(rows[path[-1] + 1 if path else 0])
+            offset += len(tree) + 1
+        return paths, last
 
     def _verify_sampled(
         self,
@@ -734,3 +825,11 @@ class Speculative(Decoder):
         if seq.decoder_state is not None:
             seq.decoder_state.drafter.release(seq)
         seq.decoder_state = None
+
+
+def _paths(tree: Tree) -> list[list[int]]:
+    """For the root and each node: the draft tokens from the root down to it."""
+    out: list[list[int]] = [[]]
+    for token, parent in zip(tree.tokens, tree.parents, strict=True):
+        out.append(out[parent + 1] + [token])
+    return out

@@ -40,8 +40,10 @@ class DecodeGraphs:
         cache: KVCache,
         max_batch: int,
         max_blocks: int,
+        aux: tuple[int, ...] = (),
     ) -> None:
-        """`forward` has `CausalLM.forward`'s signature (the model itself or `FusedForward`)."""
+        """`forward` has `CausalLM.forward`'s signature (the model itself or `FusedForward`);
+        `aux`: layers whose outputs every replay also leaves in `self.aux` (rows as in logits)."""
         self.model = model
         self.forward = forward
         self.cache = cache
@@ -59,6 +61,9 @@ class DecodeGraphs:
         self._steps_inputs: torch.Tensor | None = None
         vocab = model.lm_head.weight.shape[0]
         self._logits = torch.empty(max_batch, vocab, dtype=torch.float32, device=device)
+        self._aux_layers = aux
+        width = model.config.hidden_size * len(aux)
+        self.aux = torch.empty(max_batch, width, dtype=model.lm_head.weight.dtype, device=device)
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._capture()
 
@@ -74,7 +79,12 @@ class DecodeGraphs:
             context_lens=x[:, _LENGTH].contiguous(),  # once per step, not once per layer
             block_size=self.cache.block_size,
         )
-        hidden = self.forward(x[:, _TOKEN], x[:, _POSITION], (self.cache.k, self.cache.v), meta)
+        tokens, positions, kv = x[:, _TOKEN], x[:, _POSITION], (self.cache.k, self.cache.v)
+        if self._aux_layers:
+            hidden, aux = self.forward(tokens, positions, kv, meta, aux=self._aux_layers)
+            self.aux[:batch].copy_(aux)
+        else:
+            hidden = self.forward(tokens, positions, kv, meta)
         self._logits[:batch].copy_(self.model.logits(hidden))
 
     @torch.inference_mode()

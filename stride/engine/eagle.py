@@ -37,7 +37,9 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from stride.engine.attention import AttentionMetadata, DecodeMetadata, paged_attention
+from stride.engine.kv_cache import KVCache
 from stride.engine.model import MLP, CausalLM, RMSNorm, rotate
+from stride.engine.runner import Chunk, prepare
 
 EAGLE3 = "LlamaForCausalLMEagle3"
 EAGLE1 = "EagleLlama"  # what Stride calls the EAGLE-1/2 layout (its config names LlamaForCausalLM)
@@ -384,3 +386,31 @@ def save_head(head: EagleHead, path: Path, with_lm_head: bool = False) -> None:
         state["lm_head.weight"] = head.head_weight().detach().to("cpu", torch.bfloat16).contiguous()
     save_file(state, path / "model.safetensors")
     (path / "config.json").write_text(json.dumps(head.config.to_json(), indent=2) + "\n")
+
+
+class HeadRunner:
+    """A head's batched forward over a KV cache of its own, in the target's slot layout.
+
+    Rows come as `runner.Chunk`s of the target's sequences: a chunk's `offset` (from the
+    sequence's `num_cached`) says at which position its rows start, and its mask, like the
+    target's, may restrict what they see of the last slots (tree drafts see only their
+    ancestors). Position p of the head lives in the slot of position p of the target, so the
+    target's block tables serve the head too, and whatever the target gives back the head loses
+    with it; the head only ever attends to positions it wrote since (see `EagleDrafter`).
+    """
+
+    def __init__(self, head: EagleHead, cache: KVCache) -> None:
+        self.head = head
+        self.block_size = cache.block_size
+        layer = head.layers[0]
+        shape = (len(head.layers), cache.k.shape[1], layer.num_kv_heads, layer.head_dim)
+        dtype, device = head.fc.weight.dtype, cache.k.device
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+
+    @torch.inference_mode()
+    def forward(self, chunks: list[Chunk], hidden: torch.Tensor) -> torch.Tensor:
+        """The head's outputs g [rows, H] for the chunks' rows (packed in chunk order), each
+        reading its token and its `hidden` row (a projected feature or an earlier output)."""
+        meta, tokens, positions, _ = prepare(chunks, self.block_size, self.k.device)
+        return self.head(tokens, hidden, positions, (self.k, self.v), meta)

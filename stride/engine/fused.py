@@ -78,7 +78,8 @@ class FusedForward:
         kv: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata | DecodeMetadata,
         num_layers: int | None = None,
-    ) -> torch.Tensor:
+        aux: tuple[int, ...] = (),
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         model = self.model
         layers = model.model.layers[:num_layers]
         residual = model.model.embed_tokens(token_ids)
@@ -89,10 +90,14 @@ class FusedForward:
             cos, sin = cos[0].to(residual.dtype), sin[0].to(residual.dtype)
             positions = torch.arange(len(positions), device=positions.device)
         rope = (cos, sin, positions)
+        captured: dict[int, torch.Tensor] = {}  # the residual stream after the `aux` layers
         if residual.shape[0] == 1:
             for i, layer in enumerate(layers):
                 self._one_row_layer(i, layer, residual, rope, kv, meta)
-            return rms_norm(residual, model.model.norm, None)
+                if i in aux:
+                    captured[i] = residual.clone()
+            out = rms_norm(residual, model.model.norm, None)
+            return (out, torch.cat([captured[i] for i in aux], -1)) if aux else out
         h = rms_norm(residual, layers[0].input_layernorm, None)
         for i, layer in enumerate(layers):
             a = layer.self_attn
@@ -106,7 +111,9 @@ class FusedForward:
             d = F.linear(up, layer.mlp.down_proj.weight)
             after = layers[i + 1].input_layernorm if i + 1 < len(layers) else model.model.norm
             h = rms_norm(d, after, residual)
-        return h
+            if i in aux:
+                captured[i] = residual.clone()
+        return (h, torch.cat([captured[i] for i in aux], -1)) if aux else h
 
     def _one_row_layer(
         self, i: int, layer: torch.nn.Module, residual: torch.Tensor, rope, kv, meta

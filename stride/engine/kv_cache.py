@@ -84,6 +84,16 @@ class KVCache:
         seq.block_table.clear()
         seq.num_cached = 0
 
+    def move(self, seq: Sequence, src: list[int], dst: list[int]) -> None:
+        """Copy the keys and values of positions `src` to positions `dst` (every layer); all
+        sources are read before any destination is written."""
+        bs, table = self.block_size, seq.block_table
+        device = self.k.device
+        frm = torch.tensor([table[p // bs] * bs + p % bs for p in src], device=device)
+        to = torch.tensor([table[p // bs] * bs + p % bs for p in dst], device=device)
+        self.k[:, to] = self.k[:, frm]
+        self.v[:, to] = self.v[:, frm]
+
     def slots(self, seq: Sequence, start: int, end: int) -> list[int]:
         """Flat slot ids of positions [start, end) of `seq`'s cache."""
         bs, table = self.block_size, seq.block_table

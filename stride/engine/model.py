@@ -110,7 +110,10 @@ class Backbone(nn.Module):
 class CausalLM(nn.Module):
     """Token ids and positions of a ragged batch in, final hidden states out.
 
-    `num_layers` lets a caller run only the first layers (the early-exit drafter).
+    `num_layers` lets a caller run only the first layers (the early-exit drafter). `aux` names
+    layers whose outputs (the residual stream after them) a caller also wants, concatenated per
+    token: what an EAGLE draft head reads (`engine.eagle`); then the forward returns
+    (hidden, aux states).
     """
 
     def __init__(self, config: PretrainedConfig) -> None:
@@ -138,12 +141,18 @@ class CausalLM(nn.Module):
         kv: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
         num_layers: int | None = None,
-    ) -> torch.Tensor:
+        aux: tuple[int, ...] = (),
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         x = self.model.embed_tokens(token_ids)
         cos, sin = self.rotary(x, positions[None])
         cos, sin = cos[0, :, None, :].to(x.dtype), sin[0, :, None, :].to(x.dtype)
-        for layer in self.model.layers[:num_layers]:
+        captured: dict[int, torch.Tensor] = {}
+        for i, layer in enumerate(self.model.layers[:num_layers]):
             x = layer(x, cos, sin, kv, meta)
+            if i in aux:
+                captured[i] = x
+        if aux:
+            return self.model.norm(x), torch.cat([captured[i] for i in aux], -1)
         return self.model.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -12,6 +12,10 @@ path: each of their tokens becomes one row of a decode step replayed as a CUDA g
 (`cuda_graphs.DecodeGraphs`), and whatever else the step holds (prefill chunks, lookahead's
 masked branches) runs eagerly beside them. Both write disjoint KV slots, so the split is
 invisible to callers.
+
+A sequence whose `features` list is set (an EAGLE-drafted one) also gets, for every token this
+pass scores, the residual stream after the layers `capture_features` named, appended to that
+list as one [tokens, width] tensor per pass: the draft head reads them without extra passes.
 """
 
 from __future__ import annotations
@@ -37,7 +41,9 @@ class Chunk:
     token_ids: list[int]
     num_logits: int  # logits for the last `num_logits` tokens (0 = none, mid-prefill)
     positions: list[int] | None = None  # default: num_cached, num_cached + 1, ...
-    mask: torch.Tensor | None = None  # [n, n] bool among this chunk's tokens; default causal
+    # [n, w] bool: what the chunk's n tokens see of the last w (>= n) slots of their context,
+    # which end with their own; the slots before those are seen whole. Default: causal.
+    mask: torch.Tensor | None = None
     offset: int = 0  # the tokens start this far past num_cached (a later step of decode_steps)
 
 
@@ -80,12 +86,27 @@ class ModelRunner:
         self.forward_fn = model
         if fused_kernels and fused.supported(model, device):
             self.forward_fn = fused.FusedForward(model)
+        self.aux_layers: tuple[int, ...] = ()  # see `capture_features`
         self.graphs: DecodeGraphs | None = None
         head_dim = model.model.layers[0].self_attn.head_dim
+        self._graph_args = None
         if cuda_graphs and decode_kernel_supported(device, head_dim):
             max_len = getattr(model.config, "max_position_embeddings", None) or max_graph_context
             max_blocks = -(-min(max_len, max_graph_context) // cache.block_size)
+            self._graph_args = (max_graph_batch, max_blocks)
             self.graphs = DecodeGraphs(model, self.forward_fn, cache, max_graph_batch, max_blocks)
+
+    def capture_features(self, layers: tuple[int, ...]) -> None:
+        """From now on, passes capture the outputs of `layers` for sequences with `features`
+        (the decode graphs are captured again to write them too)."""
+        if layers == self.aux_layers:
+            return
+        self.aux_layers = tuple(layers)
+        if self._graph_args is not None:
+            self.graphs = None  # free the old graphs' memory pool first
+            self.graphs = DecodeGraphs(
+                self.model, self.forward_fn, self.cache, *self._graph_args, aux=self.aux_layers
+            )
 
     @torch.inference_mode()
     def forward(self, chunks: list[Chunk], num_layers: int | None = None) -> list[torch.Tensor]:
@@ -171,11 +192,19 @@ class ModelRunner:
         self, chunks: list[Chunk], num_layers: int | None, tokens: torch.Tensor | None = None
     ) -> list[torch.Tensor]:
         """`tokens`, if given, replaces the chunks' token ids (already on the device)."""
-        meta, packed, positions, rows = self._prepare(chunks)
+        meta, packed, positions, rows = prepare(chunks, self.cache.block_size, self.device)
         tokens = packed if tokens is None else tokens
-        hidden = self.forward_fn(tokens, positions, (self.cache.k, self.cache.v), meta, num_layers)
+        kv = (self.cache.k, self.cache.v)
+        if num_layers is None and self._wants_features(chunks):
+            hidden, aux = self.forward_fn(tokens, positions, kv, meta, aux=self.aux_layers)
+            _hand_out(chunks, range(len(chunks)), aux)
+        else:
+            hidden = self.forward_fn(tokens, positions, kv, meta, num_layers)
         logits = self.model.logits(hidden[rows])
         return list(logits.split([c.num_logits for c in chunks]))
+
+    def _wants_features(self, chunks: list[Chunk]) -> bool:
+        return bool(self.aux_layers) and any(c.seq.features is not None for c in chunks)
 
     def _forward_graph(
         self, chunks: list[Chunk], group: list[int], out: list[torch.Tensor | None]
@@ -198,65 +227,80 @@ class ModelRunner:
             lengths += range(start + 1, start + n + 1)
             tables += [c.seq.block_table] * n
         logits = self.graphs.run(tokens, positions, lengths, tables)
+        if self._wants_features([chunks[i] for i in group]):
+            _hand_out(chunks, group, self.graphs.aux[: len(tokens)])
         offset = 0
         for i in group:
             c = chunks[i]
             offset += len(c.token_ids)
             out[i] = logits[offset - c.num_logits : offset]
 
-    def _prepare(self, chunks: list[Chunk]):
-        bs = self.cache.block_size
-        n_q = [len(c.token_ids) for c in chunks]
-        starts = [c.seq.num_cached + c.offset for c in chunks]
-        n_ctx = [s + n for s, n in zip(starts, n_q, strict=True)]
-        b, q_max, l_max = len(chunks), max(n_q), max(n_ctx)
 
-        tokens, positions, rows = [], [], []
-        offset = 0
-        for c, start, n in zip(chunks, starts, n_q, strict=True):
-            tokens.extend(c.token_ids)
-            positions.extend(c.positions or range(start, start + n))
-            rows.extend(range(offset + n - c.num_logits, offset + n))
-            offset += n
+def _hand_out(chunks: list[Chunk], which, aux: torch.Tensor) -> None:
+    """Append each listed chunk's rows of `aux` (packed in chunk order) to its sequence's
+    `features`, as a copy (a graph's buffer is overwritten by the next replay)."""
+    offset = 0
+    for i in which:
+        c = chunks[i]
+        n = len(c.token_ids)
+        if c.seq.features is not None:
+            c.seq.features.append(aux[offset : offset + n].clone())
+        offset += n
 
-        n_blocks = -(-l_max // bs)
-        table = torch.zeros(b, n_blocks, dtype=torch.long)
-        for i, c in enumerate(chunks):
-            used = c.seq.block_table[: -(-n_ctx[i] // bs)]
-            table[i, : len(used)] = torch.tensor(used, dtype=torch.long)
-        kv_slots = (table[:, :, None] * bs + torch.arange(bs)).view(b, -1)[:, :l_max]
 
-        n_q_t = torch.tensor(n_q)
-        starts_t = torch.tensor(starts)
-        q_pos = torch.arange(q_max)
-        q_valid = q_pos[None, :] < n_q_t[:, None]
-        first_token = torch.cumsum(n_q_t, 0) - n_q_t
-        q_index = torch.where(q_valid, first_token[:, None] + q_pos[None, :], 0)
-        place = starts_t[:, None] + q_pos[None, :]  # [B, Q]: each query's place in its context
-        # Each scored token's K/V goes to the slot of its place, chunk after chunk.
-        slots = kv_slots.gather(1, place.clamp(max=l_max - 1))[q_valid]
+def prepare(chunks: list[Chunk], bs: int, dev: torch.device):
+    """The padded attention layout of a ragged batch: (metadata, token ids, positions, the
+    rows whose logits are wanted). `bs` is the KV cache's block size."""
+    n_q = [len(c.token_ids) for c in chunks]
+    starts = [c.seq.num_cached + c.offset for c in chunks]
+    n_ctx = [s + n for s, n in zip(starts, n_q, strict=True)]
+    b, q_max, l_max = len(chunks), max(n_q), max(n_ctx)
 
-        # Causal by default: query i of a chunk sees cached slots and chunk tokens up to itself.
-        k_pos = torch.arange(l_max)
-        mask = k_pos[None, None, :] <= place[:, :, None]
-        for i, c in enumerate(chunks):
-            if c.mask is not None:
-                s, n = starts[i], n_q[i]
-                mask[i, :n, s : s + n] = c.mask
-        mask[~q_valid] = False
-        mask[~q_valid, 0] = True  # padded rows must see something, or SDPA returns NaN
+    tokens, positions, rows = [], [], []
+    offset = 0
+    for c, start, n in zip(chunks, starts, n_q, strict=True):
+        tokens.extend(c.token_ids)
+        positions.extend(c.positions or range(start, start + n))
+        rows.extend(range(offset + n - c.num_logits, offset + n))
+        offset += n
 
-        dev = self.device
-        meta = AttentionMetadata(
-            slot_mapping=slots.to(dev, non_blocking=True),
-            q_index=q_index.to(dev, non_blocking=True),
-            q_rows=q_valid.flatten().nonzero()[:, 0].to(dev, non_blocking=True),
-            kv_slots=kv_slots.to(dev, non_blocking=True),
-            mask=mask[:, None].to(dev, non_blocking=True),
-        )
-        return (
-            meta,
-            torch.tensor(tokens, dtype=torch.long).to(dev, non_blocking=True),
-            torch.tensor(positions, dtype=torch.long).to(dev, non_blocking=True),
-            torch.tensor(rows, dtype=torch.long).to(dev, non_blocking=True),
-        )
+    n_blocks = -(-l_max // bs)
+    table = torch.zeros(b, n_blocks, dtype=torch.long)
+    for i, c in enumerate(chunks):
+        used = c.seq.block_table[: -(-n_ctx[i] // bs)]
+        table[i, : len(used)] = torch.tensor(used, dtype=torch.long)
+    kv_slots = (table[:, :, None] * bs + torch.arange(bs)).view(b, -1)[:, :l_max]
+
+    n_q_t = torch.tensor(n_q)
+    starts_t = torch.tensor(starts)
+    q_pos = torch.arange(q_max)
+    q_valid = q_pos[None, :] < n_q_t[:, None]
+    first_token = torch.cumsum(n_q_t, 0) - n_q_t
+    q_index = torch.where(q_valid, first_token[:, None] + q_pos[None, :], 0)
+    place = starts_t[:, None] + q_pos[None, :]  # [B, Q]: each query's place in its context
+    # Each scored token's K/V goes to the slot of its place, chunk after chunk.
+    slots = kv_slots.gather(1, place.clamp(max=l_max - 1))[q_valid]
+
+    # Causal by default: query i of a chunk sees cached slots and chunk tokens up to itself.
+    k_pos = torch.arange(l_max)
+    mask = k_pos[None, None, :] <= place[:, :, None]
+    for i, c in enumerate(chunks):
+        if c.mask is not None:
+            end, n, w = n_ctx[i], n_q[i], c.mask.shape[1]
+            mask[i, :n, end - w : end] = c.mask
+    mask[~q_valid] = False
+    mask[~q_valid, 0] = True  # padded rows must see something, or SDPA returns NaN
+
+    meta = AttentionMetadata(
+        slot_mapping=slots.to(dev, non_blocking=True),
+        q_index=q_index.to(dev, non_blocking=True),
+        q_rows=q_valid.flatten().nonzero()[:, 0].to(dev, non_blocking=True),
+        kv_slots=kv_slots.to(dev, non_blocking=True),
+        mask=mask[:, None].to(dev, non_blocking=True),
+    )
+    return (
+        meta,
+        torch.tensor(tokens, dtype=torch.long).to(dev, non_blocking=True),
+        torch.tensor(positions, dtype=torch.long).to(dev, non_blocking=True),
+        torch.tensor(rows, dtype=torch.long).to(dev, non_blocking=True),
+    )

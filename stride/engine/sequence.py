@@ -105,6 +105,9 @@ class Sequence:
     status: Status = Status.WAITING
     generator: torch.Generator | None = None
     decoder_state: Any = None
+    # Set to a list by decoders that read the target's hidden states (EAGLE): the engine
+    # appends one [tokens, width] tensor per pass that scored tokens of this sequence.
+    features: list[torch.Tensor] | None = None
     stats: DecodeStats = field(default_factory=DecodeStats)
     first_scheduled_time: float | None = None
     first_token_time: float | None = None

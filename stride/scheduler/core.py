@@ -141,6 +141,7 @@ class EngineCore:
         self._detok[seq.request_id] = Detokenizer(
             self.engine.tokenizer, p.stop, p.skip_special_tokens
         )
+        decoder.admit(seq)
         if decoder.model_group(seq) is None:
             self.scheduler.enqueue(seq)
         else:  # a model of the decoder's own runs it (diffusion); see _step_groups
@@ -446,7 +447,11 @@ class EngineCore:
         give back blocks past the cached tokens (not while a chained burst writes into them).
         """
         token_ids = seq.token_ids
-        seq.num_cached = len(token_ids) + commit.kv_keep  # the whole tail was scored
+        cached = len(token_ids)  # the whole tail was scored
+        if commit.kv_from is not None and commit.kv_from != list(range(commit.kv_keep)):
+            src = [cached + i for i in commit.kv_from]
+            self.engine.cache.move(seq, src, list(range(cached, cached + commit.kv_keep)))
+        seq.num_cached = cached + commit.kv_keep
         if trim:
             self.engine.cache.trim(seq)
         seq.stats.forward_passes += commit.forward_passes

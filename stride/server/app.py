@@ -24,6 +24,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from stride import drafts
 from stride.decoders.registry import DecodersConfig, build_decoders
 from stride.engine.engine import Engine, EngineConfig
 from stride.engine.loader import served_name
@@ -198,8 +199,11 @@ def create_app(config: ServerConfig | None = None) -> FastAPI:
     app.state.serving = None
     # From the start, so /metrics shows the queue gauges (at 0) while the model loads.
     name = served_name(config.engine.model, config.engine.served_name)
-    has_draft = config.decoders.draft_model is not None
-    metrics = app.state.metrics = Metrics(name, config.metrics_users, draft_model=has_draft)
+    d = config.decoders
+    head, draft_model = drafts.pick(d.draft_head, d.draft_model, name)
+    metrics = app.state.metrics = Metrics(
+        name, config.metrics_users, draft_model=draft_model is not None, eagle=head is not None
+    )
     errors.install(app)
     app.add_exception_handler(ClientGone, _client_gone)
     app.add_middleware(_Gate, lifecycle=lifecycle)

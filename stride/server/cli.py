@@ -51,6 +51,33 @@ def parse_decoder(text: str) -> str | dict:
     return spec
 
 
+def parse_speculative_config(text: str) -> dict:
+    """vLLM's `--speculative-config` JSON → DecodersConfig fields (draft_head or draft_model,
+    num_speculative_tokens)."""
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from e
+    if not isinstance(raw, dict):
+        raise argparse.ArgumentTypeError("want a JSON object")
+    out: dict = {}
+    method, model = raw.get("method", "eagle3"), raw.get("model")
+    if method in ("eagle", "eagle3"):
+        out["draft_head"] = model
+    elif method == "draft_model":
+        out["draft_model"] = model
+    else:
+        raise argparse.ArgumentTypeError(f"method {method!r}: want eagle, eagle3 or draft_model")
+    if model is None:
+        raise argparse.ArgumentTypeError("the speculative config needs a 'model'")
+    k = raw.get("num_speculative_tokens")
+    if k is not None:
+        if not isinstance(k, int) or not 0 <= k <= 16:
+            raise argparse.ArgumentTypeError("num_speculative_tokens must be in [0, 16]")
+        out["num_speculative_tokens"] = k
+    return out
+
+
 def _flag(
     parser: argparse._ActionsContainer, name: str, help: str, default=None, type=str, **kw
 ) -> None:
@@ -107,7 +134,11 @@ def build_parser() -> argparse.ArgumentParser:
     _flag(
         d, "decoder", 'default decoder: a name or JSON like \'{"type": "ar"}\'', "ar", parse_decoder
     )
-    _flag(d, "draft-model", "speculative decoding's draft model")
+    _flag(d, "draft-model", "speculative decoding's draft model, or an EAGLE head directory "
+          "(default: the head shipped for the served model, if any)")  # fmt: skip
+    _flag(d, "speculative-config", 'vLLM\'s JSON, e.g. \'{"method": "eagle3", "model": DIR, '
+          '"num_speculative_tokens": 5}\' (method: eagle, eagle3 or draft_model)',
+          None, parse_speculative_config)  # fmt: skip
     _flag(d, "num-speculative-tokens", "speculative decoding's default K", 4, int)
     _flag(d, "diffusion-model", "a masked diffusion LM for the refine decoder")
 
@@ -128,6 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def server_config(args: argparse.Namespace) -> ServerConfig:
+    spec = args.speculative_config or {}
     return ServerConfig(
         engine=EngineConfig(
             model=args.model,
@@ -146,8 +178,9 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         ),
         decoders=DecodersConfig(
             default=args.decoder,
-            draft_model=args.draft_model,
-            num_speculative_tokens=args.num_speculative_tokens,
+            draft_model=spec.get("draft_model", args.draft_model),
+            draft_head=spec.get("draft_head"),
+            num_speculative_tokens=spec.get("num_speculative_tokens", args.num_speculative_tokens),
             diffusion_model=args.diffusion_model,
             trust_remote_code=args.trust_remote_code,
         ),
