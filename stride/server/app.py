@@ -27,7 +27,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from stride.decoders.registry import DecodersConfig, build_decoders
 from stride.engine.engine import Engine, EngineConfig
 from stride.engine.loader import served_name
-from stride.metrics import Metrics, MetricsMiddleware
+from stride.metrics import PROBES, Metrics, MetricsMiddleware
 from stride.scheduler.client import BaseClient, EngineClient
 from stride.scheduler.core import EngineCore
 from stride.scheduler.policy import SchedulerConfig
@@ -41,7 +41,6 @@ from stride.server.streaming import ClientGone
 
 log = logging.getLogger(__name__)
 
-PROBES = {"/health", "/metrics"}  # open while loading or draining, never counted as in flight
 
 
 @dataclass
@@ -75,6 +74,7 @@ class Lifecycle:
         self.error: str | None = None
         self.in_flight = 0
         self.on_failure: Callable[[str], None] | None = None  # e.g. the CLI exits
+        self.on_ready: Callable[[], None] | None = None  # e.g. the CLI's ready line
 
     def begin_drain(self) -> None:
         if self.phase is not Phase.FAILED:
@@ -172,7 +172,9 @@ def create_app(config: ServerConfig | None = None) -> FastAPI:
             app.state.serving = Serving(client, config.decoders.default, metrics)
             if lifecycle.phase is Phase.LOADING:
                 lifecycle.phase = Phase.READY
-            log.info("serving %s", client.model.name)
+            if lifecycle.on_ready is not None:  # before the loop serves anything more
+                lifecycle.on_ready()
+            log.debug("serving %s", client.model.name)  # the CLI says more once it listens
 
         def _failed(message: str) -> None:
             lifecycle.phase, lifecycle.error = Phase.FAILED, message
@@ -180,9 +182,12 @@ def create_app(config: ServerConfig | None = None) -> FastAPI:
                 lifecycle.on_failure(message)
 
         threading.Thread(target=load, name="stride-load", daemon=True).start()
+        stats = asyncio.create_task(metrics.log_stats()) if config.step_metrics else None
         try:
             yield
         finally:
+            if stats is not None:
+                stats.cancel()
             if lifecycle.client is not None:
                 lifecycle.client.shutdown()
 
@@ -198,8 +203,14 @@ def create_app(config: ServerConfig | None = None) -> FastAPI:
     app.state.serving = None
     # From the start, so /metrics shows the queue gauges (at 0) while the model loads.
     name = served_name(config.engine.model, config.engine.served_name)
-    has_draft = config.decoders.draft_model is not None
-    metrics = app.state.metrics = Metrics(name, config.metrics_users, draft_model=has_draft)
+    decoders = config.decoders
+    metrics = app.state.metrics = Metrics(
+        name,
+        config.metrics_users,
+        draft_model=decoders.draft_model is not None,
+        diffusion=decoders.diffusion_model is not None,
+        spec_tokens=decoders.num_speculative_tokens,
+    )
     errors.install(app)
     app.add_exception_handler(ClientGone, _client_gone)
     app.add_middleware(_Gate, lifecycle=lifecycle)
