@@ -49,6 +49,11 @@ def test_flags_and_environment(monkeypatch):
     assert config.decoders.default == {"type": "ar"} and config.decoders.trust_remote_code
     assert config.scheduler.max_waiting == 3 and config.scheduler.fused_decode_steps == 1
     assert parse_bytes("2GiB") == 2 << 30 and parse_bytes("1000") == 1000
+    monkeypatch.setenv("STRIDE_DECODER", "speculative")
+    monkeypatch.setenv("STRIDE_ENGINE_PROCESS", "off")
+    args = build_parser().parse_args(["serve"])
+    assert type(args.decoder) is str and args.decoder == "speculative"  # plain data: pickled
+    assert args.engine_process is False and args.trust_remote_code is True
 
 
 def test_an_unknown_decoder_is_a_one_line_error(capsys):

@@ -106,12 +106,19 @@ class EnvValue(str):
         return (EnvValue, (str(self), self.env))
 
 
+class EnvFlag(EnvValue):
+    """An on/off flag's value from a STRIDE_* variable, parsed by `Parser.parse_known_args`."""
+
+    def __reduce__(self):
+        return (EnvFlag, (str(self), self.env))
+
+
 def _typed(convert):
     """`convert`, with errors that say which STRIDE_* variable held a bad value."""
 
     def parse(text: str):
         try:
-            return convert(text)
+            return convert(str(text))  # a plain str: an EnvValue must not outlive parsing
         except (ValueError, argparse.ArgumentTypeError) as e:
             detail = str(e) if isinstance(e, argparse.ArgumentTypeError) else (
                 f"invalid {getattr(convert, '__name__', 'value')} value: {str(text)!r}"
@@ -146,7 +153,7 @@ def _flag(
         ) else str(default)
     if value is not None:
         shown = f"{value!r} from ${env}"
-        default = EnvValue(value, env)  # checked in Parser.parse_known_args / by `type`
+        default = (EnvFlag if flag else EnvValue)(value, env)  # parsed by `type` / the Parser
     if not flag:
         kw["type"] = _typed(type)
     help = f"{help} (default: {shown}) [${env}]" if shown else f"{help} [${env}]"
@@ -162,7 +169,7 @@ class Parser(argparse.ArgumentParser):
     def parse_known_args(self, args=None, namespace=None):
         namespace, rest = super().parse_known_args(args, namespace)
         for key, value in vars(namespace).items():
-            if isinstance(value, EnvValue) and not isinstance(value, bool):
+            if isinstance(value, EnvFlag):
                 if value.lower() not in TRUE | FALSE:
                     self.error(f"${value.env}={str(value)!r}: give 1/true/yes/on or 0/false/no/off")
                 setattr(namespace, key, value.lower() in TRUE)
