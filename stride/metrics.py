@@ -390,10 +390,9 @@ class RequestSeries:
         self.finished = {r: m.requests_finished.labels(*labels, r) for r in FINISH_REASONS}
         self.forward_passes = m.forward_passes.labels(*labels)
         self.tokens_per_pass = m.tokens_per_pass.labels(*labels[:2])
-        if labels[1].startswith("speculative"):  # drafts exist for speculative decoding only
-            self.spec_drafts = m.spec_drafts.labels(*labels)
-            self.spec_draft_tokens = m.spec_draft_tokens.labels(*labels)
-            self.spec_accepted_tokens = m.spec_accepted_tokens.labels(*labels)
+        if labels[1].startswith("speculative/"):  # only speculative decoding drafts
+            for counter in (m.spec_drafts, m.spec_draft_tokens, m.spec_accepted_tokens):
+                counter.labels(*labels)  # at 0 from the first scrape; fed in `_finish`
             for position in range(m.spec_tokens):
                 m.spec_accepted_by_position.labels(*labels[:2], str(position))
 

@@ -102,15 +102,9 @@ class EnvValue(str):
         self.env = env
         return self
 
-    def __reduce__(self):  # API processes get the parsed arguments pickled
-        return (EnvValue, (str(self), self.env))
-
 
 class EnvFlag(EnvValue):
     """An on/off flag's value from a STRIDE_* variable, parsed by `Parser.parse_known_args`."""
-
-    def __reduce__(self):
-        return (EnvFlag, (str(self), self.env))
 
 
 def _typed(convert):
@@ -148,9 +142,7 @@ def _flag(
     value = os.environ.get(env)
     flag = kw.get("action") in ("store_true", argparse.BooleanOptionalAction)
     if shown is None and default is not None:
-        shown = "on" if default is True else "off" if default is False else f"{default:g}" if (
-            isinstance(default, float)
-        ) else str(default)
+        shown = _show(default)
     if value is not None:
         shown = f"{value!r} from ${env}"
         default = (EnvFlag if flag else EnvValue)(value, env)  # parsed by `type` / the Parser
@@ -158,6 +150,12 @@ def _flag(
         kw["type"] = _typed(type)
     help = f"{help} (default: {shown}) [${env}]" if shown else f"{help} [${env}]"
     parser.add_argument(f"--{name}", default=default, help=help, **kw)
+
+
+def _show(default: object) -> str:
+    if isinstance(default, bool):
+        return "on" if default else "off"
+    return f"{default:g}" if isinstance(default, float) else str(default)
 
 
 class Parser(argparse.ArgumentParser):
