@@ -342,6 +342,7 @@ def test_http_metrics_exist_while_loading_and_label_requests_by_strategy(tiny_di
     )  # fmt: skip
     live = LiveServer(config, wait=False)
     try:
+        live.wait_listening()
         body = httpx.get(f"{live.url}/metrics", timeout=5).text
         for name in ("requests_running", "requests_waiting", "kv_cache_usage_ratio", "batch_size"):
             assert f'stride_{name}{{model="tiny"}} 0.0' in body, name
