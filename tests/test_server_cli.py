@@ -123,7 +123,7 @@ def test_readme_lists_every_flag_with_its_variable_and_default():
     section = readme.split("\n## Configuration\n")[1].split("\n## ")[0]
     rows = [line for line in section.splitlines() if line.startswith("| `--")]
     parser = build_parser()
-    (serve,) = [a for a in parser._subparsers._group_actions[0].choices.values()]
+    serve = parser._subparsers._group_actions[0].choices["serve"]
     for action in serve._actions:
         flag = next((o for o in action.option_strings if o.startswith("--")), None)
         if flag in (None, "--help"):
