@@ -20,6 +20,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from stride.engine.engine import Engine, EngineConfig  # noqa: E402
+from stride.engine.gguf_file import transformers_kwargs  # noqa: E402
 from stride.engine.sequence import SamplingParams  # noqa: E402
 from stride.scheduler.core import EngineCore  # noqa: E402
 from stride.scheduler.outputs import GenerateRequest  # noqa: E402
@@ -80,7 +81,9 @@ def main() -> None:
 
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(engine.path, dtype=engine.dtype).to(device).eval()
+    kwargs = transformers_kwargs(engine.path)
+    hf = AutoModelForCausalLM.from_pretrained(engine.path, **kwargs, dtype=engine.dtype)
+    hf = hf.to(device).eval()
     hf.generation_config.eos_token_id = None
     with torch.inference_mode():
         hf_tok_s(hf, prompts(1, 8, vocab, seed=0), 4, device)  # warm-up

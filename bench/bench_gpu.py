@@ -34,6 +34,7 @@ from stride.engine import engine as engine_mod  # noqa: E402
 from stride.engine import loader  # noqa: E402
 from stride.engine.cuda_graphs import DecodeGraphs  # noqa: E402
 from stride.engine.engine import Engine, EngineConfig  # noqa: E402
+from stride.engine.gguf_file import transformers_kwargs  # noqa: E402
 from stride.engine.model import CausalLM  # noqa: E402
 from stride.engine.runner import ModelRunner  # noqa: E402
 from stride.engine.sequence import SamplingParams  # noqa: E402
@@ -439,7 +440,9 @@ def greedy_check(model_dir: str, reference: Path) -> None:
 def divergence_gaps(path: Path, ref: dict, diverged: list[tuple[int, int, int]]) -> dict:
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(ARGS.device).eval()
+    kwargs = transformers_kwargs(path)
+    hf = AutoModelForCausalLM.from_pretrained(path, **kwargs, dtype=torch.float32)
+    hf = hf.to(ARGS.device).eval()
     gaps, ranks = [], []
     for i, n, token in diverged:
         ids = ref["prompt_ids"][i] + ref["cpu_fp32"][i][:n]

@@ -26,12 +26,12 @@ import time
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from stride.decoders.registry import DecodersConfig, build_decoders  # noqa: E402
-from stride.engine import loader  # noqa: E402
+from stride.engine import gguf_file, loader  # noqa: E402
 from stride.engine.engine import Engine, EngineConfig  # noqa: E402
 from stride.engine.sequence import SamplingParams  # noqa: E402
 from stride.scheduler.core import EngineCore  # noqa: E402
@@ -68,17 +68,17 @@ def truncated_copy(src: Path, layers: int) -> Path:
     if (out / "model.safetensors").exists():
         return out
     out.mkdir(exist_ok=True)
+    weights = {gguf_file.GGUF_LINK, gguf_file.INDEX}
     for f in src.iterdir():
-        if f.suffix != ".safetensors" and f.is_file():
+        if f.suffix != ".safetensors" and f.name not in weights and f.is_file():
             shutil.copy(f, out / f.name)
     config = json.loads((src / "config.json").read_text())
     config["num_hidden_layers"] = layers
     (out / "config.json").write_text(json.dumps(config, indent=2))
     state = {}
-    for f in src.glob("*.safetensors"):
-        for name, t in load_file(f).items():
-            if not name.startswith("model.layers.") or int(name.split(".")[2]) < layers:
-                state[name] = t.contiguous()
+    for name, t in loader.load_weights(src, torch.device("cpu"), torch.float32).items():
+        if not name.startswith("model.layers.") or int(name.split(".")[2]) < layers:
+            state[name] = t.contiguous()
     save_file(state, out / "model.safetensors", metadata={"format": "pt"})
     return out
 

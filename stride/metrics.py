@@ -8,7 +8,15 @@ only from a configured allowlist (anything else is `other`, no user is `none`), 
 is the request's strategy (`strategy`: `ar`, `speculative/ngram`, `refine/jacobi`, ...). The
 engine-state gauges carry `model` only and exist (at 0) as soon as `Metrics` does: autoscalers and
 the Gateway API Inference Extension's endpoint picker read one series per pod, idle pods included.
+Every series whose labels are known at start-up exists from the start, at 0, as Prometheus'
+naming guide recommends, so dashboards and `rate()` alerts have data from the first scrape: the
+decoders on offer (`Metrics.strategies`) x the users' labels, each finish and rejection reason,
+and the draft positions up to the server's default K.
 One `CollectorRegistry` per server, so tests can build many apps in a process.
+
+The HTTP edge also logs here, from the numbers it keeps anyway: one access line per request
+(`stride.access`: method, path, status, decoder, tokens, latency) and, every few seconds while
+there is work, one line of throughput and engine state (`stride.stats`), like vLLM's.
 
 Several API processes (`stride serve --api-servers N`) share their numbers through
 prometheus_client's multiprocess mode (PROMETHEUS_MULTIPROC_DIR, set by their parent): a scrape
@@ -19,6 +27,8 @@ across processes reads the engine's value. Process metrics (CPU, memory) are not
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import os
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -45,6 +55,11 @@ MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"  # read by prometheus_client when fir
 OTHER_USER = "other"
 NO_USER = "none"
 REJECT_REASONS = ("queue_full", "deadline", "auth", "validation", "unavailable", "internal")
+FINISH_REASONS = ("stop", "length", "abort", "deadline", "error")
+STATS_INTERVAL = 5.0  # seconds between two stats lines while busy (vLLM: 5 to 10)
+
+access_log = logging.getLogger("stride.access")
+stats_log = logging.getLogger("stride.stats")
 
 # Fine at the low end: CPU/GPU decode steps and inter-token gaps are often well under 10 ms.
 STEP_BUCKETS = (
@@ -60,7 +75,8 @@ TOKENS_PER_STEP_BUCKETS = tuple(float(2**i) for i in range(15))  # 1 .. 16384
 TOKENS_PER_PASS_BUCKETS = (1.0, 1.1, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 4.0, 5.0, 6.0, 8.0, 12.0, 16.0,
                            32.0, 64.0)  # fmt: skip
 
-SPEC_DRAFTS = ("ngram", "early_exit", "eagle")  # any other name is the server's draft model
+SPEC_DRAFTS = ("ngram", "early_exit")  # any other draft name is the server's draft model
+EAGLE = "eagle"  # the EAGLE head's draft, when the server has one
 REFINE_METHODS = ("jacobi", "lookahead", "diffusion")
 
 
@@ -74,19 +90,30 @@ def strategy(
 
     `ar`, `speculative/{ngram,early_exit,eagle,draft_model}`,
     `refine/{jacobi,lookahead,diffusion}`. Bounded whatever the options say: a draft model is
-    never named by its path, and an unknown method maps to `<decoder>/other` (validation refuses
-    it anyway). `eagle`, `draft_model`: whether the server has an EAGLE head or a draft model,
-    which makes it the default draft of speculative requests (the head first).
+    never named by its path, and an unknown method maps to `<decoder>/other` (validation
+    refuses it anyway). `eagle`, `draft_model`: whether the server has an EAGLE head or a draft
+    model, which makes it the default draft of speculative requests (the head first).
     """
     options = options or {}
     if decoder == "speculative":
-        default = "eagle" if eagle else "draft_model" if draft_model else "ngram"
+        default = EAGLE if eagle else "draft_model" if draft_model else "ngram"
         draft = options.get("draft", default)
-        return f"speculative/{draft if draft in SPEC_DRAFTS else 'draft_model'}"
+        known = SPEC_DRAFTS + ((EAGLE,) if eagle else ())
+        return f"speculative/{draft if draft in known else 'draft_model'}"
     if decoder == "refine":
         method = options.get("method", "jacobi")
         return f"refine/{method if method in REFINE_METHODS else 'other'}"
     return decoder
+
+
+def strategies(
+    draft_model: bool = False, diffusion: bool = False, eagle: bool = False
+) -> tuple[str, ...]:
+    """Every `decoder` label a server offers out of the box (its drafts and methods: the EAGLE
+    head, the draft model and masked diffusion only when the server has those models)."""
+    drafts = SPEC_DRAFTS + ((EAGLE,) if eagle else ()) + (("draft_model",) if draft_model else ())
+    methods = [m for m in REFINE_METHODS if m != "diffusion" or diffusion]
+    return ("ar", *(f"speculative/{d}" for d in drafts), *(f"refine/{m}" for m in methods))
 
 
 def parse_users(value: str | Iterable[str] | None) -> frozenset[str]:
@@ -106,11 +133,18 @@ class Metrics:
         users: str | Iterable[str] | None = None,
         registry: CollectorRegistry | None = None,
         draft_model: bool = False,
+        diffusion: bool = False,
+        spec_tokens: int = 0,
         eagle: bool = False,
     ) -> None:
+        """`draft_model`, `diffusion`, `eagle`: whether the server has those models (an EAGLE
+        head); `spec_tokens`: its default K (the draft positions whose series exist from the
+        start)."""
         self.model = model
         self.draft_model = draft_model
         self.eagle = eagle
+        self.strategies = strategies(draft_model, diffusion, eagle)
+        self.spec_tokens = spec_tokens
         self.users = parse_users(users)
         self.registry = registry if registry is not None else CollectorRegistry()
         self.multiprocess = bool(os.environ.get(MULTIPROC_ENV))
@@ -246,6 +280,9 @@ class Metrics:
         self._step_tokens = self.step_tokens.labels(model)
         self._series: dict[tuple[str, str, str], RequestSeries] = {}
         self._gauges: dict[Gauge, float] = {}  # last value set
+        for decoder in self.strategies:
+            for user in (*sorted(self.users), OTHER_USER, NO_USER):
+                self._series_of((model, decoder, user))
 
     # ---- labels ---------------------------------------------------------------------------
 
@@ -296,10 +333,49 @@ class Metrics:
         """
         label = strategy(decoder, options, self.draft_model, self.eagle)
         labels = (self.model, label, self.user_label(user))
+        return RequestTracker(self, self._series_of(labels))
+
+    def _series_of(self, labels: tuple[str, str, str]) -> RequestSeries:
         series = self._series.get(labels)
         if series is None:  # label sets are bounded: strategies x (allowlist + other + none)
             series = self._series[labels] = RequestSeries(self, labels)
-        return RequestTracker(self, series)
+        return series
+
+    async def log_stats(self, interval: float = STATS_INTERVAL) -> None:
+        """Every `interval` seconds while there is work, one line: prompt and generation
+        throughput (the whole server's, every API process's), running and waiting sequences
+        and KV-cache usage. Silent while idle."""
+        before, then = self._tokens(), time.monotonic()
+        while True:
+            await asyncio.sleep(interval)
+            now, at = self._tokens(), time.monotonic()
+            running = self._gauges.get(self._running, 0)
+            waiting = self._gauges.get(self._waiting, 0)
+            if now != before or running or waiting:
+                seconds = at - then
+                stats_log.info(
+                    "prompt %.1f tokens/s, generation %.1f tokens/s, running %d, waiting %d, "
+                    "KV cache %.1f%%",
+                    (now[0] - before[0]) / seconds,
+                    (now[1] - before[1]) / seconds,
+                    running,
+                    waiting,
+                    100 * self._gauges.get(self._kv, 0.0),
+                )
+            before, then = now, at
+
+    def _tokens(self) -> tuple[float, float]:
+        """Prompt and generated tokens so far (in multiprocess mode: of every API process)."""
+        registry = self.registry
+        if self.multiprocess:
+            registry = CollectorRegistry()
+            MultiProcessCollector(registry)
+        totals = {"stride_prompt_tokens_total": 0.0, "stride_generation_tokens_total": 0.0}
+        for family in registry.collect():
+            for sample in family.samples:
+                if sample.name in totals:
+                    totals[sample.name] += sample.value
+        return totals["stride_prompt_tokens_total"], totals["stride_generation_tokens_total"]
 
     def render(self) -> tuple[bytes, str]:
         """The exposition for `GET /metrics`: (body, content type); every API process's."""
@@ -324,6 +400,14 @@ class RequestSeries:
         self.queue_time = m.queue_time.labels(*labels)
         self.prefill_time = m.prefill_time.labels(*labels)
         self.decode_time = m.decode_time.labels(*labels)
+        self.finished = {r: m.requests_finished.labels(*labels, r) for r in FINISH_REASONS}
+        self.forward_passes = m.forward_passes.labels(*labels)
+        self.tokens_per_pass = m.tokens_per_pass.labels(*labels[:2])
+        if labels[1].startswith("speculative/"):  # only speculative decoding drafts
+            for counter in (m.spec_drafts, m.spec_draft_tokens, m.spec_accepted_tokens):
+                counter.labels(*labels)  # at 0 from the first scrape; fed in `_finish`
+            for position in range(m.spec_tokens):
+                m.spec_accepted_by_position.labels(*labels[:2], str(position))
 
 
 @dataclass
@@ -367,16 +451,22 @@ class RequestTracker:
         now = time.perf_counter()
         series = self.series
         s = self.streams.get(out.request_id)
+        http = self.http
         if s is None:
             s = self.streams[out.request_id] = _Stream()
-            if self.http is not None:  # admitted: its end is counted here, not as a rejection
-                self.http.admitted = True
+            if http is not None:  # admitted: its end is counted here, not as a rejection
+                http.admitted = True
+                http.decoder = series.labels[1]
         if not s.counted_prompt and out.num_prompt_tokens:
             series.prompt_tokens.inc(out.num_prompt_tokens)
             s.counted_prompt = True
+            if http is not None:
+                http.prompt_tokens += out.num_prompt_tokens
         k = len(out.token_ids)
         if k:
             series.generation_tokens.inc(k)
+            if http is not None:
+                http.completion_tokens += k
             if s.first_token is None:  # tokens arriving with the first one have no gap
                 series.ttft.observe(now - self.arrival)
                 s.first_token = now
@@ -413,8 +503,8 @@ class RequestTracker:
         stats = out.decoder_stats
         passes = int(stats.get("forward_passes", 0))
         if passes:
-            m.forward_passes.labels(*labels).inc(passes)
-            m.tokens_per_pass.labels(*labels[:2]).observe(float(stats["tokens_per_pass"]))
+            series.forward_passes.inc(passes)
+            series.tokens_per_pass.observe(float(stats["tokens_per_pass"]))
         drafted = int(stats.get("draft_tokens", 0))
         if drafted:
             m.spec_drafts.labels(*labels).inc(int(stats.get("drafts", 0)))
@@ -424,7 +514,10 @@ class RequestTracker:
                 m.spec_accepted_by_position.labels(*labels[:2], str(pos)).inc(n)
 
     def _count_finish(self, reason: str) -> None:
-        self.metrics.requests_finished.labels(*self.series.labels, reason).inc()
+        child = self.series.finished.get(reason)
+        if child is None:
+            child = self.metrics.requests_finished.labels(*self.series.labels, reason)
+        child.inc()
 
 
 # HTTP status of a refused generation request -> rejection reason. 504 (deadline) is counted by
@@ -432,11 +525,20 @@ class RequestTracker:
 STATUS_REASONS = {400: "validation", 404: "validation", 422: "validation", 401: "auth",
                   429: "queue_full", 500: "internal", 503: "unavailable"}  # fmt: skip
 GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+# Open while loading or draining, never counted as in flight, logged at debug only: orchestrators
+# and Prometheus call them every few seconds.
+PROBES = frozenset({"/health", "/metrics"})
 
 
 @dataclass
 class _HttpRequest:
+    """One HTTP request as the access line tells it (trackers fill in what they see)."""
+
     admitted: bool = False
+    status: int | None = None
+    decoder: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
 
 
 # The HTTP request being served (set by the middleware, seen by trackers made while serving it).
@@ -444,11 +546,13 @@ _current_http: ContextVar[_HttpRequest | None] = ContextVar("stride_http_request
 
 
 class MetricsMiddleware:
-    """ASGI middleware: counts generation requests received and refused (by status code).
+    """ASGI middleware: counts generation requests received and refused (by status code), and
+    writes the access line of every request.
 
     Sits outside authentication so that 401s are seen. A request that was admitted (its tracker
     saw an output) and failed later is counted by the tracker as finished with `error`, not here.
-    `get_metrics` may return None (no metrics: nothing is counted).
+    `get_metrics` may return None (no metrics: nothing is counted). Probes (/health, /metrics,
+    every few seconds from orchestrators and Prometheus) are logged at debug only.
     """
 
     def __init__(self, app: Any, get_metrics: Callable[[], Metrics | None]) -> None:
@@ -456,17 +560,21 @@ class MetricsMiddleware:
         self.get_metrics = get_metrics
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
-        metrics = self.get_metrics()
-        if metrics is None or scope["type"] != "http" or scope["path"] not in GENERATION_PATHS:
+        if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        metrics.received()
+        start = time.perf_counter()
+        metrics = self.get_metrics()
+        counted = metrics is not None and scope["path"] in GENERATION_PATHS
+        if counted:
+            metrics.received()
         http = _HttpRequest()
         token = _current_http.set(http)
 
         async def send_counting(message: dict) -> None:
-            if message["type"] == "http.response.start" and not http.admitted:
+            if message["type"] == "http.response.start":
+                http.status = message["status"]
                 reason = STATUS_REASONS.get(message["status"])
-                if reason is not None:
+                if counted and reason is not None and not http.admitted:
                     metrics.rejected(reason)
             await send(message)
 
@@ -474,3 +582,27 @@ class MetricsMiddleware:
             await self.app(scope, receive, send_counting)
         finally:
             _current_http.reset(token)
+            _log_access(scope, http, time.perf_counter() - start)
+
+
+def _log_access(scope: dict, http: _HttpRequest, seconds: float) -> None:
+    level = logging.DEBUG if scope["path"] in PROBES else logging.INFO
+    if not access_log.isEnabledFor(level):
+        return
+    client = scope.get("client")
+    tokens = ""
+    if http.decoder is not None:
+        tokens = (
+            f" decoder={http.decoder} prompt_tokens={http.prompt_tokens}"
+            f" completion_tokens={http.completion_tokens}"
+        )
+    access_log.log(
+        level,
+        '%s "%s %s" %s%s %.3fs',
+        client[0] if client else "-",
+        scope["method"],
+        scope["path"],
+        http.status if http.status is not None else "-",
+        tokens,
+        seconds,
+    )

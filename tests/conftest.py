@@ -50,5 +50,19 @@ def make_core(model_dir: Path | str | None, kv_bytes: int = 16 << 20, **sched) -
 
 @pytest.fixture(scope="session")
 def default_engine() -> Engine:
-    """The real SmolLM2-135M-Instruct (converted once into STRIDE_CACHE)."""
+    """The real SmolLM2-135M-Instruct (its tokenizer converted once into STRIDE_CACHE)."""
     return Engine(EngineConfig(device="cpu", kv_cache_memory=256 << 20))
+
+
+@pytest.fixture(scope="session")
+def default_hf(default_engine):
+    """transformers' own float32 load of the default model's GGUF file (its dequantizer, not
+    Stride's): the reference the default model's weights and outputs must equal exactly."""
+    from transformers import AutoModelForCausalLM
+
+    from stride.engine.gguf_file import transformers_kwargs
+
+    path = default_engine.path
+    return AutoModelForCausalLM.from_pretrained(
+        path, **transformers_kwargs(path), dtype=torch.float32
+    )

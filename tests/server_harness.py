@@ -95,6 +95,14 @@ class LiveServer:
         if wait:
             self.wait_ready()
 
+    def wait_listening(self, timeout: float = 30.0) -> None:
+        """Until uvicorn accepts connections (the model may still be loading)."""
+        deadline = time.monotonic() + timeout
+        while not self.server.started:
+            if time.monotonic() > deadline:
+                raise TimeoutError("server did not start listening")
+            time.sleep(0.01)
+
     def wait_ready(self, timeout: float = 180.0) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

@@ -66,12 +66,10 @@ def test_greedy_matches_generate(arch, tiny_dirs):
         assert got[str(i)] == hf_greedy(hf, p, 24)
 
 
-def test_default_model_chat_matches_generate(default_engine):
-    from transformers import AutoModelForCausalLM
-
+def test_default_model_chat_matches_generate(default_engine, default_hf):
     from stride.scheduler.core import EngineCore
 
-    hf = AutoModelForCausalLM.from_pretrained(default_engine.path, dtype=torch.float32).eval()
+    hf = default_hf.eval()
     tok = default_engine.tokenizer
     chats = ["What is the capital of France?", "Write a haiku about the sea.", "2+2="]
     prompts = [

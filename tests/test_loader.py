@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import json
+
+import numpy as np
 import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from stride.engine import loader
+from stride.engine import gguf_file, loader
 from stride.engine.engine import Engine, EngineConfig
 
 
@@ -19,12 +22,12 @@ def test_unsupported_architecture_names_the_supported_ones(tmp_path):
 
 
 def test_hub_id_offline_gives_a_clear_error():
-    with pytest.raises(RuntimeError, match="offline"):
+    with pytest.raises(loader.ModelNotFound, match="offline"):
         loader.resolve("no-such-org/no-such-model")
 
 
 def test_missing_path_is_not_mistaken_for_a_hub_id(tmp_path):
-    with pytest.raises(ValueError, match="neither"):
+    with pytest.raises(loader.ModelNotFound, match="neither"):
         loader.resolve(str(tmp_path / "absent"))
 
 
@@ -32,8 +35,33 @@ def test_gguf_path_is_converted_once_and_cached(default_engine):
     gguf = loader.default_gguf()
     first = loader.resolve(str(gguf))
     assert first == default_engine.path  # the default model is this very file, cached
-    assert (first / "model.safetensors").exists() and (first / "tokenizer.json").exists()
+    assert (first / "tokenizer.json").exists() and (first / gguf_file.GGUF_LINK).resolve() == gguf
+    assert not list(first.glob("*.safetensors"))  # the weights stay quantized, in the GGUF
+    config = json.loads((first / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"] and "quantization_config" not in config
     assert loader.resolve(str(gguf)) == first
+
+
+def test_gguf_weights_are_transformers_bit_for_bit(default_engine, default_hf):
+    """Stride dequantizes the GGUF's blocks itself (torch, at every start); in float32 every
+    weight equals what transformers' GGUF loader (gguf's numpy reference) makes of them."""
+    ours = default_engine.model.state_dict()
+    theirs = default_hf.state_dict()
+    assert set(theirs) <= set(ours)
+    for name, weight in theirs.items():
+        assert ours[name].dtype == torch.float32 and torch.equal(ours[name], weight), name
+
+
+@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0", "Q4_0", "Q5_1", "BF16"])
+def test_dequantize_is_the_reference_bit_for_bit(kind):
+    """Q4_1 and Q8_0 in torch, the other kinds through gguf's own numpy code."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize, quantize
+
+    values = np.random.default_rng(0).standard_normal((4, 256)).astype(np.float32)
+    blocks = quantize(values, GGMLQuantizationType[kind])
+    ours = gguf_file.dequantize(torch.from_numpy(blocks.reshape(-1)), kind, [4, 256])
+    assert torch.equal(ours, torch.from_numpy(dequantize(blocks, GGMLQuantizationType[kind])))
 
 
 def test_dtype_override(tiny_dir):

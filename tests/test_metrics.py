@@ -29,11 +29,12 @@ def value(m: Metrics, name: str, **labels: str) -> float:
 
 
 def label_values(m: Metrics, name: str, label: str) -> set[str]:
+    """The values of `label` in use: series above 0 (the known ones exist, at 0, from the start)."""
     return {
         s.labels[label]
         for family in m.registry.collect()
         for s in family.samples
-        if s.name == name and label in s.labels
+        if s.name == name and label in s.labels and s.value > 0
     }
 
 
@@ -341,6 +342,7 @@ def test_http_metrics_exist_while_loading_and_label_requests_by_strategy(tiny_di
     )  # fmt: skip
     live = LiveServer(config, wait=False)
     try:
+        live.wait_listening()
         body = httpx.get(f"{live.url}/metrics", timeout=5).text
         for name in ("requests_running", "requests_waiting", "kv_cache_usage_ratio", "batch_size"):
             assert f'stride_{name}{{model="tiny"}} 0.0' in body, name
@@ -354,8 +356,62 @@ def test_http_metrics_exist_while_loading_and_label_requests_by_strategy(tiny_di
             )
             assert reply.status_code == 200, reply.text
         body = httpx.get(f"{live.url}/metrics", timeout=5).text
-        found = set(re.findall(r'stride_generation_tokens_total\{[^}]*decoder="([^"]+)"', body))
-        assert found == {"refine/lookahead", "speculative/ngram", "ar"}
+        used = r'stride_generation_tokens_total\{[^}]*decoder="([^"]+)"[^}]*\} [1-9]'
+        assert set(re.findall(used, body)) == {"refine/lookahead", "speculative/ngram", "ar"}
     finally:
         gate.set()
         live.stop()
+
+
+def test_stats_line_while_busy_silence_while_idle(caplog):
+    """`log_stats`: a vLLM-style line per interval with tokens moving or sequences in the engine,
+    none while idle (the interval shortened for the test)."""
+    from stride.scheduler.outputs import StepStats
+
+    metrics = Metrics("m")
+
+    async def run() -> tuple[list[str], list[str]]:
+        task = asyncio.create_task(metrics.log_stats(interval=0.05))
+        await asyncio.sleep(0.2)
+        idle = [r.getMessage() for r in caplog.records if r.name == "stride.stats"]
+        metrics.on_step(StepStats(1, 2, 0.25, 1, 3, 0), 0.01, [])
+        tracker = metrics.track("ar", None)
+        tracker.observe(RequestOutput("a", token_ids=[1, 2, 3], num_prompt_tokens=5))
+        await asyncio.sleep(0.2)
+        task.cancel()
+        return idle, [r.getMessage() for r in caplog.records if r.name == "stride.stats"]
+
+    with caplog.at_level("INFO", logger="stride.stats"):
+        idle, busy = asyncio.run(run())
+    assert idle == []
+    assert busy and all("running 1, waiting 2, KV cache 25.0%" in line for line in busy)
+    assert re.search(r"prompt [1-9][\d.]* tokens/s, generation [1-9][\d.]* tokens/s", busy[0])
+
+
+def test_access_line_per_request(tiny_dir, caplog):
+    """One `stride.access` line per request at info: method, path, status, decoder, tokens and
+    latency; probes only at debug."""
+    from stride.engine.engine import EngineConfig
+    from stride.server.app import ServerConfig
+    from tests.server_harness import LiveServer
+
+    engine = EngineConfig(model=str(tiny_dir), device="cpu", kv_cache_memory=4 << 20)
+    with caplog.at_level("INFO", logger="stride.access"):
+        live = LiveServer(ServerConfig(engine=engine))
+        try:
+            body = {"prompt": "ab", "max_tokens": 3, "temperature": 0, "ignore_eos": True,
+                    "decoder": {"type": "refine", "method": "lookahead"}}  # fmt: skip
+            ok = live.post("/v1/completions", body)
+            bad = live.post("/v1/completions", {"prompt": "ab", "max_tokens": -1})
+        finally:
+            live.stop()
+    lines = [r.getMessage() for r in caplog.records if r.name == "stride.access"]
+    assert ok.status_code == 200 and bad.status_code == 400
+    prompt = ok.json()["usage"]["prompt_tokens"]
+    assert re.fullmatch(
+        rf'127\.0\.0\.1 "POST /v1/completions" 200 decoder=refine/lookahead '
+        rf"prompt_tokens={prompt} completion_tokens=3 \d+\.\d{{3}}s",
+        lines[-2],
+    ), lines
+    assert re.fullmatch(r'127\.0\.0\.1 "POST /v1/completions" 400 \d+\.\d{3}s', lines[-1])
+    assert not any("/health" in line for line in lines)

@@ -39,7 +39,7 @@ def defined_series() -> set[str]:
 
 
 def referenced(text: str) -> set[str]:
-    return set(re.findall(r"\bstride_[a-z_]+\b", text))
+    return set(re.findall(r"\bstride_[a-z0-9_]+\b", text))
 
 
 @pytest.mark.skipif(PROMTOOL is None, reason="promtool missing: apt-get install -y prometheus")
@@ -131,3 +131,86 @@ def test_compose_stack_is_wired_together():
     dashboard = json.loads(DASHBOARD.read_text())
     (ds_var,) = [v for v in dashboard["templating"]["list"] if v["name"] == "datasource"]
     assert ds_var["current"]["value"] == source["uid"]
+
+
+SELECTOR = re.compile(r"\b(stride_[a-z0-9_]+)(?:\{([^}]*)\})?")
+MATCHER = re.compile(r'(\w+)\s*(=~|!=|=)\s*"([^"]*)"')
+
+
+def queried_selectors() -> list[tuple[str, list[tuple[str, str, str]]]]:
+    """Every (metric, label matchers) the dashboard's panels and variables and the alert rules
+    query, with Grafana's variables left in ($model, $decoder, $user)."""
+    dashboard = json.loads(DASHBOARD.read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
+    exprs += [v["query"]["query"] for v in dashboard["templating"]["list"] if "query" in v
+              and isinstance(v["query"], dict)]  # fmt: skip
+    exprs += [r["expr"] for g in yaml.safe_load(ALERTS.read_text())["groups"] for r in g["rules"]]
+    return [
+        (name, MATCHER.findall(labels or ""))
+        for expr in exprs
+        for name, labels in SELECTOR.findall(expr)
+    ]
+
+
+def test_every_queried_series_exists_before_the_first_request(tiny_dir):
+    """Right after start-up, before any request, /metrics holds a series for every metric and
+    label combination the dashboard and alerts query, for each value of the dashboard's
+    variables: every model, decoder on offer (speculative ones for the stride_spec_ metrics)
+    and user label. So panels and rate() alerts have data from the first scrape."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from stride.engine.engine import EngineConfig
+    from stride.metrics import NO_USER, OTHER_USER
+    from stride.server.app import ServerConfig
+    from tests.server_harness import LiveServer
+
+    engine = EngineConfig(model=str(tiny_dir), served_name="tiny", device="cpu",
+                          kv_cache_memory=4 << 20)  # fmt: skip
+    live = LiveServer(ServerConfig(engine=engine, metrics_users="alice,bob"), wait=False)
+    try:
+        live.wait_listening()
+        body = httpx.get(f"{live.url}/metrics", timeout=5).text
+        decoders = live.app.state.metrics.strategies
+    finally:
+        live.stop()
+    series = [
+        (s.name, s.labels) for f in text_string_to_metric_families(body) for s in f.samples
+    ]
+    assert {"ar", "speculative/ngram", "refine/jacobi"} <= set(decoders)
+    variables = {
+        "model": ["tiny"],
+        "decoder": list(decoders),
+        "user": ["alice", "bob", OTHER_USER, NO_USER],
+    }
+    missing = []
+    selectors = queried_selectors()
+    assert len(selectors) >= 40
+    for name, matchers in selectors:
+        combos = [{}]
+        for var, values in variables.items():
+            if any(f"${var}" in value for _, _, value in matchers):
+                if var == "decoder" and name.startswith("stride_spec_"):
+                    values = [d for d in values if d.startswith("speculative/")]
+                combos = [{**c, var: v} for c in combos for v in values]
+        for combo in combos:
+            wanted = [(label, op, _fill(value, combo)) for label, op, value in matchers]
+            if not any(
+                got == name and all(_matches(labels.get(k, ""), op, v) for k, op, v in wanted)
+                for got, labels in series
+            ):
+                missing.append((name, wanted))
+    assert not missing, f"{len(missing)} queried series are absent at start-up: {missing[:10]}"
+
+
+def _fill(value: str, variables: dict[str, str]) -> str:
+    """A matcher's value with Grafana's $variables set (as regex-escaped literals)."""
+    return re.sub(r"\$(\w+)", lambda m: re.escape(variables[m[1]]), value)
+
+
+def _matches(value: str, op: str, wanted: str) -> bool:
+    if op == "=":
+        return value == wanted
+    if op == "!=":
+        return value != wanted
+    return re.fullmatch(wanted, value) is not None

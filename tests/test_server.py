@@ -416,6 +416,7 @@ def test_loading_then_draining_is_503(tiny_dir, monkeypatch):
     )
     live = LiveServer(tiny_config(tiny_dir), wait=False)
     try:
+        live.wait_listening()
         health = httpx.get(f"{live.url}/health", timeout=5)
         assert health.status_code == 503 and health.json()["status"] == "loading"
         error_of(live.post("/v1/completions", {"prompt": "x"}), 503, "model_loading")

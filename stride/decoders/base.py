@@ -12,6 +12,11 @@ A step of the scheduler, for every running sequence whose uncached tail fits in 
    proposed tokens keep their KV (`kv_keep`, a prefix, or the ones `kv_from` names, moved to
    the front: a draft tree keeps one path of its nodes); the rest is rolled back.
 
+Bursts: a decoder that can run several passes of its sequences on the device with no host
+round trip between them (EAGLE's greedy chains) offers them through `burst(seqs, passes)` when
+the whole step is its sequences' decodes and nobody waits; the core then commits what the
+returned `Burst` hands back instead of running a forward and calling `commit`.
+
 `admit(seq)` runs once when a request is admitted, before its first pass (e.g. to ask the
 engine for the sequence's hidden states: `Sequence.features`).
 
@@ -55,6 +60,7 @@ class Commit:
     # Which scored tokens (indices after the tail) those are, in order; None: the first kv_keep.
     kv_from: list[int] | None = None
     forward_passes: int = 1  # target passes that made these tokens (fused decode steps: several)
+    per_pass: list[int] | None = None  # tokens each pass made (default: 1 each, or all in one)
 
 
 @dataclass
@@ -129,9 +135,24 @@ class Decoder:
         """The sequence finished or was preempted: drop whatever state the decoder kept for it."""
         seq.decoder_state = None
 
+    def burst(self, seqs: list[Sequence], passes: int, ctx: StepContext) -> Burst | None:
+        """Run up to `passes` passes of `seqs` on the device, started now; None: not this step.
+
+        Asked instead of `propose` when every scheduled sequence is one of this decoder's and
+        decodes (its tail is its last token), and nobody waits."""
+        return None
+
     def model_group(self, seq: Sequence) -> ModelGroup | None:
         """The model group that runs `seq` instead of the target (a diffusion LM), if any."""
         return None
+
+
+class Burst:
+    """Passes a decoder started on the device (`Decoder.burst`)."""
+
+    def commits(self) -> list[Commit]:
+        """One commit per sequence of the burst, in order (waits for the device)."""
+        raise NotImplementedError
 
 
 class ModelGroup:

@@ -23,6 +23,7 @@ import torch
 from stride.decoders.drafters import Draft, Drafter, _run_drafts
 from stride.decoders.tree import Tree
 from stride.engine.eagle import HeadRunner, load_head
+from stride.engine.eagle_cycles import CycleResult, EagleCycles
 from stride.engine.engine import Engine
 from stride.engine.runner import Chunk
 from stride.engine.sequence import Sequence
@@ -32,6 +33,7 @@ from stride.engine.sequence import Sequence
 class _Cursor:
     done: int = 0  # the head holds real rows for positions [0, done)
     drafted: int = 0  # drafts of the pass in flight (their features are dropped if rejected)
+    root: torch.Tensor | None = None  # the output of the head's row at done - 1
 
 
 @dataclass(order=True)
@@ -57,6 +59,7 @@ class EagleDrafter(Drafter):
         per_step = own + self.head.head_weight().numel()
         self.cost = per_step / sum(p.numel() for p in engine.model.parameters())
         self._cursors: dict[str, _Cursor] = {}
+        self.cycles = EagleCycles(engine.runner, self.runner)
 
     def admit(self, seq: Sequence) -> None:
         seq.features = []
@@ -70,25 +73,46 @@ class EagleDrafter(Drafter):
     def _catch_up(self, seqs: list[Sequence]) -> torch.Tensor:
         """Real rows for every position scored since the last draft; returns each sequence's
         last row's output [B, H] (the one that read its last token)."""
-        chunks, feats = [], []
+        chunks, feats, todo = [], [], []
+        roots: list[torch.Tensor | None] = []
         for seq in seqs:
             cur = self._cursors.setdefault(seq.request_id, _Cursor())
-            rows = torch.cat(seq.features) if seq.features else None
+            cur.drafted = 0
             n = seq.num_cached - cur.done
-            if rows is None or len(rows) < n:  # (a pass without features: start over there)
-                n = 0 if rows is None else len(rows)
+            if n == 0 and cur.root is not None:  # caught up on the device (`burst`)
+                roots.append(cur.root)
+                continue
+            rows = torch.cat(seq.features) if seq.features else None
+            if rows is None or len(rows) < n:
+                raise RuntimeError(f"EAGLE lacks the target's features for {seq.request_id}")
             start = seq.num_cached - n
-            if n == 0:  # nothing new: recompute the last real row from the last features
-                raise RuntimeError(f"EAGLE has no target features for {seq.request_id}")
             feats.append(rows[-n:])
             seq.features.clear()
-            cur.done, cur.drafted = seq.num_cached, 0
+            cur.done = seq.num_cached
             tokens = seq.token_ids[start + 1 : seq.num_cached + 1]
             chunks.append(Chunk(seq, tokens, 0, offset=start - seq.num_cached))
-        hidden = self.head.project(torch.cat(feats))
-        g = self.runner.forward(chunks, hidden)
-        last = torch.cumsum(torch.tensor([len(c.token_ids) for c in chunks]), 0) - 1
-        return g[last.to(g.device)]
+            todo.append(len(roots))
+            roots.append(None)
+        if chunks:
+            g = self.runner.forward(chunks, self.head.project(torch.cat(feats)))
+            last = torch.cumsum(torch.tensor([len(c.token_ids) for c in chunks]), 0) - 1
+            for i, row in zip(todo, g[last.to(g.device)], strict=True):
+                roots[i] = row
+        for seq, root in zip(seqs, roots, strict=True):
+            self._cursors[seq.request_id].root = root
+        return torch.stack(roots)  # type: ignore[arg-type]
+
+    def burst(self, seqs: list[Sequence], k: int, cycles: int) -> CycleResult:
+        """`cycles` greedy chain cycles of K drafts on the device (`EagleCycles`); each
+        sequence needs KV slots for `num_cached + (cycles + 1) * (k + 1)` tokens."""
+        roots = self._catch_up(seqs)
+        return self.cycles.run(seqs, roots, k, cycles)
+
+    def burst_done(self, seq: Sequence, committed: int, root: torch.Tensor) -> None:
+        """A burst committed `committed` tokens of `seq` (not yet appended) and left the
+        head's output for its new last real row."""
+        cur = self._cursors[seq.request_id]
+        cur.done, cur.root, cur.drafted = seq.num_cached + committed, root, 0
 
     def _full(self, draft_logits: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary logits → target-vocabulary logits (-inf off the draft vocabulary)."""

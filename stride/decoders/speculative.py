@@ -89,8 +89,9 @@ import torch
 
 from stride import drafts
 from stride.decoders import sampling
-from stride.decoders.autoregressive import sample_one_each
+from stride.decoders.autoregressive import Autoregressive, sample_one_each
 from stride.decoders.base import (
+    Burst,
     Commit,
     Decoder,
     DecoderError,
@@ -107,7 +108,9 @@ from stride.decoders.drafters import (
 )
 from stride.decoders.eagle import EagleDrafter
 from stride.decoders.tree import Tree
+from stride.engine.eagle_cycles import CycleResult
 from stride.engine.engine import Engine
+from stride.engine.kv_cache import OutOfBlocks
 from stride.engine.sequence import SamplingParams, Sequence
 
 MAX_K = 16
@@ -656,6 +659,38 @@ class Speculative(Decoder):
         positions = [start + d for d in tree.depths()]
         return Proposal(list(tree.tokens), positions, tree.mask())
 
+    def burst(self, seqs: list[Sequence], passes: int, ctx: StepContext) -> Burst | None:
+        """EAGLE's greedy chains, several cycles per host sync (`EagleCycles`): when every
+        sequence drafts a chain of the same K with the head this step and decodes plainly
+        greedily (acceptance is the argmax, on the device)."""
+        eagle = self.eagle
+        if eagle is None or passes < 2:
+            return None
+        states = [self._state(s) for s in seqs]
+        ks = {st.reserved for st in states}
+        if len(ks) != 1:
+            return None
+        k = ks.pop()
+        for seq in seqs:
+            options = seq.decoder_options
+            if options["draft"] != "eagle" or options.get("tree_nodes") or not k:
+                return None
+            if not Autoregressive.fusable(seq):
+                return None
+        left = max(s.params.max_tokens - s.num_output_tokens for s in seqs)
+        room = min(self.engine.max_model_len - s.num_tokens for s in seqs) // (k + 1) - 1
+        cycles = min(passes, eagle.cycles.max_cycles, -(-left // (k + 1)), room)
+        if cycles < 1 or not eagle.cycles.fits(seqs, cycles, k):
+            return None
+        try:
+            for seq in seqs:
+                self.engine.cache.reserve(seq, seq.num_cached + (cycles + 1) * (k + 1))
+        except OutOfBlocks:
+            return None  # what was reserved goes back at commit (the core trims)
+        self._reserved = self._planned = False  # (what `propose` would have reset)
+        self._next_probe, self._drafted, self._timing = None, True, None
+        return _EagleBurst(self, seqs, states, k, eagle.burst(seqs, k, cycles))
+
     def plain_steps(self, seqs: list[Sequence]) -> int:
         """For how many steps, this one first, `seqs` decode exactly as `ar` (see
         `Decoder.plain_steps`): none if this step drafted; only this one if it is timed (a
@@ -825,6 +860,28 @@ class Speculative(Decoder):
         if seq.decoder_state is not None:
             seq.decoder_state.drafter.release(seq)
         seq.decoder_state = None
+
+
+class _EagleBurst(Burst):
+    def __init__(self, spec: Speculative, seqs, states, k: int, result: CycleResult) -> None:
+        self.spec, self.seqs, self.states, self.k, self.result = spec, seqs, states, k, result
+
+    def commits(self) -> list[Commit]:
+        spec, k = self.spec, self.k
+        out = []
+        per_seq = self.result.per_sequence()
+        spec._steps += len(per_seq[0]) if per_seq else 0
+        for i, (seq, st, cycles) in enumerate(zip(self.seqs, self.states, per_seq, strict=True)):
+            tokens = [t for cycle in cycles for t in cycle]
+            for cycle in cycles:
+                spec._record(seq, st, k, len(cycle) - 1)
+            spec.eagle.burst_done(seq, len(tokens), self.result.roots[i])
+            out.append(
+                Commit(tokens, [None] * len(tokens), kv_keep=len(tokens) - 1,
+                       forward_passes=len(cycles), per_pass=[len(c) for c in cycles])  # fmt: skip
+            )
+        spec._quiet = spec._quiet_at(spec._last_batch)
+        return out
 
 
 def _paths(tree: Tree) -> list[list[int]]:

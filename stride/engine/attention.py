@@ -68,6 +68,8 @@ def attend(
 ) -> torch.Tensor:
     """Attention of q [T, H, D] over caches that already hold this step's keys and values."""
     if isinstance(meta, DecodeMetadata):
+        if not q.is_cuda:  # (decode rows off the GPU: EAGLE's device cycles, run eagerly)
+            return decode_attention_reference(q, k_cache, v_cache, meta)
         return decode_attention(q, k_cache, v_cache, meta)
     keys = k_cache[meta.kv_slots].transpose(1, 2)  # [B, KV, L, D]
     values = v_cache[meta.kv_slots].transpose(1, 2)

