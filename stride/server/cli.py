@@ -26,7 +26,14 @@ from stride.decoders.base import DecoderError
 from stride.decoders.registry import DecodersConfig, parse_spec
 from stride.engine.engine import EngineConfig
 from stride.scheduler.policy import SchedulerConfig
-from stride.server.app import Lifecycle, ServerConfig, create_app, use_engine_process
+from stride.scheduler.supervision import SupervisionConfig
+from stride.server.app import (
+    MAX_REQUEST_BODY,
+    Lifecycle,
+    ServerConfig,
+    create_app,
+    use_engine_process,
+)
 
 log = logging.getLogger("stride")
 
@@ -94,6 +101,13 @@ def build_parser() -> argparse.ArgumentParser:
           "(default 8 with CUDA graphs; 1 = off, also for the chained 1-step bursts of larger "
           "greedy batches)", None, int)  # fmt: skip
 
+    _flag(e, "max-engine-restarts", "engine restarts allowed within --engine-restart-window; "
+          "one more and the server exits non-zero", 5, int)  # fmt: skip
+    _flag(e, "engine-restart-window", "seconds over which engine restarts are counted", 300.0,
+          float)  # fmt: skip
+    _flag(e, "watchdog-timeout", "seconds without an engine step, with requests in flight, "
+          "before /health says 503 (stuck)", 30.0, float)  # fmt: skip
+
     env = os.environ.get("STRIDE_ENGINE_PROCESS")
     e.add_argument(
         "--engine-process",
@@ -118,6 +132,8 @@ def build_parser() -> argparse.ArgumentParser:
     _flag(h, "protect-metrics", "require the API key on /metrics too", action="store_true")
     _flag(h, "metrics-users", "users with their own metrics label, e.g. a,b (others: other)")
     _flag(h, "shutdown-timeout", "seconds to drain requests in flight on SIGTERM", 30.0, float)
+    _flag(h, "max-request-body", "largest request body, e.g. 4MiB (beyond: 413)", MAX_REQUEST_BODY,
+          parse_bytes)  # fmt: skip
     _flag(h, "api-servers", "HTTP processes in front of the engine process (default: 1 on CPU, "
           "on CUDA one per 4 cores, at most 4)", None, int)  # fmt: skip
     _flag(h, "log-level", "debug, info, warning or error", "info")
@@ -152,6 +168,12 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         protect_metrics=args.protect_metrics,
         metrics_users=args.metrics_users,
         engine_process=args.engine_process,
+        supervision=SupervisionConfig(
+            max_restarts=args.max_engine_restarts,
+            restart_window=args.engine_restart_window,
+            watchdog_timeout=args.watchdog_timeout,
+        ),
+        max_request_body=args.max_request_body,
     )
 
 

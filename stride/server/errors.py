@@ -106,11 +106,21 @@ def _validation_error(exc: RequestValidationError) -> APIError:
     loc = [str(x) for x in first.get("loc", ()) if x != "body"]
     if "[key]" in loc:  # a bad key of an object (logit_bias): name the object
         loc = loc[: loc.index("[key]") - 1]
+    loc = [x for x in loc if not _union_tag(x)]
     param = ".".join(loc) or None
     more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
     where = f"{param}: " if param else ""
     code = "invalid_decoder" if first.get("type") == "invalid_decoder" else "invalid_request"
     return APIError(code, f"{where}{first.get('msg', 'invalid value')}{more}", param)
+
+
+def _union_tag(x: object) -> bool:
+    """A step of an error's location that names the member of a union that was tried (`str`,
+    `list[constrained-int]`), not a field: not part of `param`."""
+    return isinstance(x, str) and (x in _SCALARS or "[" in x or "-" in x)
+
+
+_SCALARS = frozenset({"str", "int", "float", "bool", "none", "dict", "list"})
 
 
 def _unparsable(exc: HTTPException) -> APIError:
