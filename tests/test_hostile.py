@@ -40,6 +40,8 @@ BAD_BODIES = [  # (body, code, param, words in the message)
     (b'{"prompt": "x", "logit_bias": {"-1": 1}}', "invalid_request", "logit_bias", ""),
     (b'{"prompt": "x", "seed": 1e30}', "invalid_request", "seed", ""),
     (b'{"prompt": "x", "n": 0}', "invalid_request", "n", ""),
+    (b'{"prompt": "x", "n": "2"}', "invalid_request", "n", "integer"),
+    (b'{"prompt": "x", "stream": 1}', "invalid_request", "stream", "boolean"),
     (b'{"prompt": [-1]}', "invalid_request", "prompt", ""),
     (b'{"prompt": "x", "stop": [""]}', "invalid_request", "stop", ""),
     (b"[1, 2]", "invalid_request", None, "dictionary"),

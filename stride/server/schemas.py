@@ -1,9 +1,10 @@
 """OpenAI's wire format as pydantic models: what requests may say, and what responses look like.
 
 Requests forbid unknown fields (as OpenAI does) so a typo is a 400 rather than silently ignored.
-Every field has a type and a range (numbers finite: NaN is no temperature), so bad input is a
-400 here and never reaches the engine; what depends on the loaded model (token ids below its
-vocabulary, the context length) is checked by `serving` before a request is submitted.
+Every field has a type (strictly: no `"2"` for 2) and a range (numbers finite: NaN is no
+temperature), so bad input is a 400 here and never reaches the engine; what depends on the
+loaded model (token ids below its vocabulary, the context length) is checked by `serving`
+before a request is submitted.
 Stride's extensions (top_k, min_p, decoder, timeout, ...) sit next to OpenAI's fields; the SDK
 sends them through `extra_body`. Responses add `usage.decoder` and `usage.timings`.
 """
@@ -21,8 +22,9 @@ from stride.decoders.registry import parse_spec, spec_schema
 
 INT32_MAX = 2**31 - 1  # a bound for counts and ids: nothing real comes near, nothing overflows
 Seed = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
-StopString = Annotated[str, Field(min_length=1)]
+NonEmpty = Annotated[str, Field(min_length=1)]
 TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
+TokenIds = Annotated[list[TokenId], Field(min_length=1)]
 TokenKey = Annotated[str, Field(pattern=r"^[0-9]{1,10}$")]  # a token id as a JSON object key
 Bias = Annotated[float, Field(ge=-100.0, le=100.0)]
 
@@ -59,7 +61,10 @@ DecoderSpec = Annotated[str | dict[str, Any], _RegisteredDecoder()]
 
 
 class Request(BaseModel):
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    """Strict: `"2"` is no integer and `1` no boolean (what the OpenAPI schema says is what is
+    accepted); numbers are finite."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
 class StreamOptions(Request):
@@ -76,7 +81,7 @@ class SamplingFields(Request):
     top_k: int = Field(0, ge=-1, le=INT32_MAX, description="0 or -1: no top-k")
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     seed: Seed | None = None
-    stop: StopString | Annotated[list[StopString], Field(max_length=16)] | None = None
+    stop: NonEmpty | Annotated[list[NonEmpty], Field(max_length=16)] | None = None
     stop_token_ids: Annotated[list[TokenId], Field(max_length=64)] | None = None
     min_tokens: int = Field(0, ge=0, le=INT32_MAX)
     ignore_eos: bool = False
@@ -102,9 +107,12 @@ class SamplingFields(Request):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[TokenId] | list[list[TokenId]] = Field(
-        ..., description="a string, strings, token ids, or lists of token ids"
-    )
+    prompt: (
+        NonEmpty
+        | Annotated[list[NonEmpty], Field(min_length=1)]
+        | TokenIds
+        | Annotated[list[TokenIds], Field(min_length=1)]
+    ) = Field(..., description="a string, strings, token ids, or lists of token ids")
     max_tokens: int | None = Field(16, ge=1, le=INT32_MAX)
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=20)
