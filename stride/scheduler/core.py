@@ -261,7 +261,7 @@ class EngineCore:
 
         What fails for some sequences (see the module docstring) leaves the plan without them.
         """
-        self._broken: dict[str, tuple[Exception, str]] = {}  # filled by the schedule's callbacks
+        self._broken = {}  # filled by the schedule's callbacks
         plan = self.scheduler.schedule(self._extra_tokens, self._release)
         for rid, (error, what) in self._broken.items():
             self._fail(self.seqs.get(rid), error, what)
@@ -605,27 +605,35 @@ class EngineCore:
         ids = [s.request_id for s in seqs if self._reset(s)]
         half = (len(ids) + 1) // 2
         rest = [g - set(ids) for g in self._suspects.get(key, [])]
-        groups = [set(ids[:half]), set(ids[half:]), *rest]
-        self._suspects[key] = [g for g in groups if g]
+        groups = [g for g in (set(ids[:half]), set(ids[half:]), *rest) if g]
+        if groups:
+            self._suspects[key] = groups
 
     def _passed(self, key: Hashable, seqs: list[Sequence]) -> None:
         """A batched call over `seqs` went through: they are suspects no more."""
         groups = self._suspects.get(key)
         if groups:
             ids = {s.request_id for s in seqs}
-            self._suspects[key] = [g - ids for g in groups if g - ids]
+            groups = [g - ids for g in groups if g - ids]
+            if groups:
+                self._suspects[key] = groups
+            else:
+                del self._suspects[key]
 
     def _active(self, key: Hashable, candidates: list[Sequence]) -> set[str] | None:
         """The suspect group of `key` that runs this step: the first one with a member among
         `candidates`; None: no suspects there, all of them run as usual."""
-        groups = [g & self.seqs.keys() for g in self._suspects.get(key, [])]
-        groups = [g for g in groups if g]
-        if not groups:
-            self._suspects.pop(key, None)
-            return None
-        self._suspects[key] = groups
         ids = {s.request_id for s in candidates}
-        return next((g for g in groups if g & ids), None)
+        return next((g for g in self._suspects.get(key, ()) if g & ids), None)
+
+    def _clear_suspect(self, request_id: str) -> None:
+        """A finished request is nobody's suspect (no suspects left: fused steps again)."""
+        for key in list(self._suspects):
+            groups = [g - {request_id} for g in self._suspects[key]]
+            if any(groups):
+                self._suspects[key] = [g for g in groups if g]
+            else:
+                del self._suspects[key]
 
     def _without_held(self, plan: list[Scheduled]) -> list[Scheduled]:
         """The plan without the sequences that a suspect group of their decoder holds back."""
@@ -742,6 +750,8 @@ class EngineCore:
         self.scheduler.remove(seq)
         del self.seqs[seq.request_id]
         self._grouped.pop(seq.request_id, None)
+        if self._suspects:
+            self._clear_suspect(seq.request_id)
         self._num_deadlines -= seq.deadline is not None
         if seq.decoder not in self._plain:
             self._unplain[seq.decoder] -= 1

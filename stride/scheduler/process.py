@@ -248,7 +248,11 @@ class ProcessEngineClient(BaseClient):
                 log.warning("restarting the engine process in %.1f s", delay)
                 if self._closing.wait(delay):
                     return False
-                self._process, (conn,) = start_engine_process(self._config)
+                try:
+                    self._process, (conn,) = start_engine_process(self._config)
+                except Exception:
+                    log.exception("starting the engine process failed")
+                    continue
             else:
                 return False
             try:
