@@ -494,7 +494,13 @@ class EngineCore:
                 continue
             self._passed(name, seqs)
             for seq, commit in zip(seqs, commits, strict=True):
-                self._apply_guarded(seq, commit, outputs, untexted)
+                try:  # (inline: a call per sequence and step is dear at 256 sequences)
+                    out = self._apply(seq, commit, untexted)
+                except Exception as e:
+                    self._fail(seq, e, "applying the tokens of")
+                    continue
+                if out is not None:
+                    outputs.append(out)
 
     def _commit_fused(
         self,
@@ -521,7 +527,13 @@ class EngineCore:
         for item, tokens in zip(plan, launched.tokens.per_sequence(), strict=True):
             if item.seq.status is not Status.FINISHED:
                 commit = Commit(tokens, [None] * steps, steps - 1, forward_passes=steps)
-                self._apply_guarded(item.seq, commit, outputs, untexted, trim=not chained)
+                try:
+                    out = self._apply(item.seq, commit, untexted, trim=not chained)
+                except Exception as e:
+                    self._fail(item.seq, e, "applying the tokens of")
+                    continue
+                if out is not None:
+                    outputs.append(out)
 
     def _step_groups(
         self, untexted: list[tuple[RequestOutput, Detokenizer]]
@@ -545,125 +557,14 @@ class EngineCore:
                 continue
             self._passed(group, seqs)
             for seq, commit in zip(seqs, commits, strict=True):
-                self._apply_guarded(seq, commit, outputs, untexted)
+                try:
+                    out = self._apply(seq, commit, untexted)
+                except Exception as e:
+                    self._fail(seq, e, "applying the tokens of")
+                    continue
+                if out is not None:
+                    outputs.append(out)
         return outputs
-
-    # ---- fault isolation (see the module docstring) -----------------------------------------
-
-    def _extra_tokens(self, seq: Sequence, cap: int) -> int:
-        """The scheduler's callback; a decoder failing here fails `seq` once scheduling ends."""
-        try:
-            return self.decoders[seq.decoder].extra_tokens(seq, cap)
-        except Exception as e:
-            self._broken.setdefault(seq.request_id, (e, "scheduling"))
-            return 0
-
-    def _release(self, seq: Sequence) -> None:
-        """The scheduler's callback on preemption (a failure fails `seq` once scheduling ends)."""
-        try:
-            self.decoders[seq.decoder].release(seq, self.ctx)
-        except Exception as e:
-            self._broken.setdefault(seq.request_id, (e, "preempting"))
-
-    def _reset(self, seq: Sequence) -> bool:
-        """Drop `seq`'s decoder state, as preemption does (the decoder rebuilds it from the
-        tokens); False if even that failed, which fails `seq`."""
-        try:
-            self.decoders[seq.decoder].release(seq, self.ctx)
-        except Exception as e:
-            self._fail(seq, e, "resetting the decoder of")
-            return False
-        return True
-
-    def _fail(self, seq: Sequence | None, error: Exception, what: str) -> None:
-        """`seq`'s request fails with `internal_error` (its output goes out with this step's)."""
-        if seq is None or seq.request_id not in self.seqs:
-            return
-        log.error("request %s failed while %s it", seq.request_id, what, exc_info=error)
-        message = f"internal error while {what} this request: {type(error).__name__}: {error}"
-        error_out = EngineError("internal_error", message[:500])
-        self._failed.append(self._finish(seq, "error", error=error_out))
-
-    def _batch_failed(
-        self, key: Hashable, seqs: list[Sequence], what: str, error: Exception
-    ) -> None:
-        """A batched call over `seqs` raised: fail the one sequence, or bisect several.
-
-        They start afresh (`_reset`) and are split in two suspect groups, which run before
-        anything else of `key`, one group per step (`_active`), until the one that fails alone.
-        """
-        if len(seqs) == 1:
-            self._fail(seqs[0], error, what)
-            return
-        log.warning(
-            "%s %d sequences failed (%s: %s); running them apart to find the one",
-            what,
-            len(seqs),
-            type(error).__name__,
-            error,
-        )
-        ids = [s.request_id for s in seqs if self._reset(s)]
-        half = (len(ids) + 1) // 2
-        rest = [g - set(ids) for g in self._suspects.get(key, [])]
-        groups = [g for g in (set(ids[:half]), set(ids[half:]), *rest) if g]
-        if groups:
-            self._suspects[key] = groups
-
-    def _passed(self, key: Hashable, seqs: list[Sequence]) -> None:
-        """A batched call over `seqs` went through: they are suspects no more."""
-        groups = self._suspects.get(key)
-        if groups:
-            ids = {s.request_id for s in seqs}
-            groups = [g - ids for g in groups if g - ids]
-            if groups:
-                self._suspects[key] = groups
-            else:
-                del self._suspects[key]
-
-    def _active(self, key: Hashable, candidates: list[Sequence]) -> set[str] | None:
-        """The suspect group of `key` that runs this step: the first one with a member among
-        `candidates`; None: no suspects there, all of them run as usual."""
-        ids = {s.request_id for s in candidates}
-        return next((g for g in self._suspects.get(key, ()) if g & ids), None)
-
-    def _clear_suspect(self, request_id: str) -> None:
-        """A finished request is nobody's suspect (no suspects left: fused steps again)."""
-        for key in list(self._suspects):
-            groups = [g - {request_id} for g in self._suspects[key]]
-            if any(groups):
-                self._suspects[key] = [g for g in groups if g]
-            else:
-                del self._suspects[key]
-
-    def _without_held(self, plan: list[Scheduled]) -> list[Scheduled]:
-        """The plan without the sequences that a suspect group of their decoder holds back."""
-        if not self._suspects:
-            return plan
-        active: dict[str, set[str] | None] = {}
-        for name in {item.seq.decoder for item in plan} & self._suspects.keys():
-            active[name] = self._active(name, [i.seq for i in plan if i.seq.decoder == name])
-        return [
-            item
-            for item in plan
-            if active.get(item.seq.decoder) is None
-            or item.seq.request_id in active[item.seq.decoder]
-        ]
-
-    def _apply_guarded(
-        self,
-        seq: Sequence,
-        commit: Commit,
-        outputs: list[RequestOutput],
-        untexted: list[tuple[RequestOutput, Detokenizer]],
-        trim: bool = True,
-    ) -> None:
-        try:
-            out = self._apply(seq, commit, untexted, trim)
-        except Exception as e:
-            self._fail(seq, e, "applying the tokens of")
-            return
-        if out is not None:
-            outputs.append(out)
 
     def _chunk(self, item: Scheduled, prop: Proposal | None) -> Chunk:
         seq = item.seq
@@ -800,6 +701,107 @@ class EngineCore:
                 outs.append(RequestOutput(seq.request_id, finish_reason="error", error=error))
                 self.seqs.pop(seq.request_id, None)
         return outs
+
+    # ---- fault isolation (see the module docstring) -----------------------------------------
+
+    def _extra_tokens(self, seq: Sequence, cap: int) -> int:
+        """The scheduler's callback; a decoder failing here fails `seq` once scheduling ends."""
+        try:
+            return self.decoders[seq.decoder].extra_tokens(seq, cap)
+        except Exception as e:
+            self._broken.setdefault(seq.request_id, (e, "scheduling"))
+            return 0
+
+    def _release(self, seq: Sequence) -> None:
+        """The scheduler's callback on preemption (a failure fails `seq` once scheduling ends)."""
+        try:
+            self.decoders[seq.decoder].release(seq, self.ctx)
+        except Exception as e:
+            self._broken.setdefault(seq.request_id, (e, "preempting"))
+
+    def _reset(self, seq: Sequence) -> bool:
+        """Drop `seq`'s decoder state, as preemption does (the decoder rebuilds it from the
+        tokens); False if even that failed, which fails `seq`."""
+        try:
+            self.decoders[seq.decoder].release(seq, self.ctx)
+        except Exception as e:
+            self._fail(seq, e, "resetting the decoder of")
+            return False
+        return True
+
+    def _fail(self, seq: Sequence | None, error: Exception, what: str) -> None:
+        """`seq`'s request fails with `internal_error` (its output goes out with this step's)."""
+        if seq is None or seq.request_id not in self.seqs:
+            return
+        log.error("request %s failed while %s it", seq.request_id, what, exc_info=error)
+        message = f"internal error while {what} this request: {type(error).__name__}: {error}"
+        error_out = EngineError("internal_error", message[:500])
+        self._failed.append(self._finish(seq, "error", error=error_out))
+
+    def _batch_failed(
+        self, key: Hashable, seqs: list[Sequence], what: str, error: Exception
+    ) -> None:
+        """A batched call over `seqs` raised: fail the one sequence, or bisect several.
+
+        They start afresh (`_reset`) and are split in two suspect groups, which run before
+        anything else of `key`, one group per step (`_active`), until the one that fails alone.
+        """
+        if len(seqs) == 1:
+            self._fail(seqs[0], error, what)
+            return
+        log.warning(
+            "%s %d sequences failed (%s: %s); running them apart to find the one",
+            what,
+            len(seqs),
+            type(error).__name__,
+            error,
+        )
+        ids = [s.request_id for s in seqs if self._reset(s)]
+        half = (len(ids) + 1) // 2
+        rest = [g - set(ids) for g in self._suspects.get(key, [])]
+        groups = [g for g in (set(ids[:half]), set(ids[half:]), *rest) if g]
+        if groups:
+            self._suspects[key] = groups
+
+    def _passed(self, key: Hashable, seqs: list[Sequence]) -> None:
+        """A batched call over `seqs` went through: they are suspects no more."""
+        groups = self._suspects.get(key)
+        if groups:
+            ids = {s.request_id for s in seqs}
+            groups = [g - ids for g in groups if g - ids]
+            if groups:
+                self._suspects[key] = groups
+            else:
+                del self._suspects[key]
+
+    def _active(self, key: Hashable, candidates: list[Sequence]) -> set[str] | None:
+        """The suspect group of `key` that runs this step: the first one with a member among
+        `candidates`; None: no suspects there, all of them run as usual."""
+        ids = {s.request_id for s in candidates}
+        return next((g for g in self._suspects.get(key, ()) if g & ids), None)
+
+    def _clear_suspect(self, request_id: str) -> None:
+        """A finished request is nobody's suspect (no suspects left: fused steps again)."""
+        for key in list(self._suspects):
+            groups = [g - {request_id} for g in self._suspects[key]]
+            if any(groups):
+                self._suspects[key] = [g for g in groups if g]
+            else:
+                del self._suspects[key]
+
+    def _without_held(self, plan: list[Scheduled]) -> list[Scheduled]:
+        """The plan without the sequences that a suspect group of their decoder holds back."""
+        if not self._suspects:
+            return plan
+        active: dict[str, set[str] | None] = {}
+        for name in {item.seq.decoder for item in plan} & self._suspects.keys():
+            active[name] = self._active(name, [i.seq for i in plan if i.seq.decoder == name])
+        return [
+            item
+            for item in plan
+            if active.get(item.seq.decoder) is None
+            or item.seq.request_id in active[item.seq.decoder]
+        ]
 
 
 def _by_decoder(plan: list[Scheduled]) -> dict[str, list[int]]:
