@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 
 import httpx
 import pytest
@@ -163,3 +164,15 @@ def test_more_sequences_than_the_queue_holds_is_400_not_429(server):
     ok = server.post("/v1/completions", {"prompt": "x", "n": 4, "max_tokens": 2})
     assert ok.status_code == 200 and len(ok.json()["choices"]) == 4
     server.wait_idle()
+
+
+def test_a_deadline_runs_from_arrival(server):
+    """A body that takes longer to arrive than the request's timeout is late already."""
+
+    def slowly():
+        yield b'{"prompt": "x", "max_tokens": 2, '
+        time.sleep(1.5)
+        yield b'"timeout": 1}'
+
+    error = error_of(raw(server, slowly()), 504, "deadline_exceeded")  # type: ignore[arg-type]
+    assert "before it could be admitted" in error["message"]

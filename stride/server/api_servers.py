@@ -141,15 +141,17 @@ class _Supervisor:
         if self.stopping:  # a signal came before they started
             self.stop()
         pending = {p.sentinel: p for p in self.servers}
+        engine_up = True
         restart_at: float | None = None  # when the dead engine's successor starts
         while pending:
-            watched = list(pending)
-            if restart_at is None:
-                watched.append(self.engine.sentinel)
+            watched = list(pending) + ([self.engine.sentinel] if engine_up else [])
             timeout = None if restart_at is None else max(0.0, restart_at - time.monotonic())
             for sentinel in wait(watched, timeout):
-                if sentinel == self.engine.sentinel:
-                    restart_at = self._engine_died()
+                if engine_up and sentinel == self.engine.sentinel:
+                    engine_up = False
+                    self.engine.join()  # reaped: no zombie
+                    log.error("the engine process exited with %s", self.engine.exitcode)
+                    restart_at = self._next_restart()
                     continue
                 p = pending.pop(sentinel)
                 p.join()
@@ -159,39 +161,38 @@ class _Supervisor:
             if restart_at is not None and time.monotonic() >= restart_at:
                 restart_at = None
                 if not self.stopping:
-                    self._restart_engine()
+                    engine_up = self._restart_engine()
+                    if not engine_up:
+                        restart_at = self._next_restart()
         return [p.exitcode for p in self.servers]
 
-    def _engine_died(self) -> float | None:
-        """Reap the dead engine; when to start the next one (None: not again)."""
-        self.engine.join()
+    def _next_restart(self) -> float | None:
+        """When to start the next engine (None: not again; the budget is spent: stop)."""
         if self.stopping:
             return None
         delay = self.budget.next_delay()
         if delay is None:
-            log.error(
-                "the engine process exited with %s; giving up on it: %s",
-                self.engine.exitcode,
-                self.budget.describe(),
-            )
+            log.error("giving up on the engine: %s", self.budget.describe())
             self.gave_up = True
             self.stop()
             return None
-        log.error(
-            "the engine process exited with %s; restarting it in %.1f s",
-            self.engine.exitcode,
-            delay,
-        )
+        log.error("restarting the engine process in %.1f s", delay)
         return time.monotonic() + delay
 
-    def _restart_engine(self) -> None:
-        self.engine, conns = start_engine_process(self.engine_config, len(self.servers))
+    def _restart_engine(self) -> bool:
+        """A new engine process, its pipes sent to the API processes; False if it failed."""
+        try:
+            self.engine, conns = start_engine_process(self.engine_config, len(self.servers))
+        except Exception:
+            log.exception("starting the engine process failed")
+            return False
         for ours, conn in zip(self.updates, conns, strict=True):
             try:
                 ours.send(conn)  # (a Connection travels as a duplicated descriptor)
             except (OSError, ValueError):  # that API process is gone
                 pass
             conn.close()
+        return True
 
 
 def _api_server(args: argparse.Namespace, config: ServerConfig, sock: socket.socket) -> None:
