@@ -20,6 +20,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from stride.scheduler import supervision
+from stride.server.cli import build_parser, server_config
 from tests.server_harness import (
     LiveServer,
     descendants,
@@ -90,6 +91,25 @@ def greedy_text(url: str, steps: int = 8) -> str:
     r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
     assert r.status_code == 200, r.text
     return r.json()["choices"][0]["text"]
+
+
+def test_flags_and_environment(monkeypatch):
+    monkeypatch.setenv("STRIDE_WATCHDOG_TIMEOUT", "7")
+    monkeypatch.setenv("STRIDE_MAX_REQUEST_BODY", "1MiB")
+    args = ["serve", "--max-engine-restarts", "2", "--engine-restart-window", "60"]
+    config = server_config(build_parser().parse_args(args))
+    assert config.supervision == supervision.SupervisionConfig(2, 60.0, 7.0)
+    assert config.max_request_body == 1 << 20
+    assert server_config(build_parser().parse_args(["serve"])).supervision.max_restarts == 5
+
+
+def test_restart_backoff_and_budget():
+    now = [0.0]
+    budget = supervision.RestartBudget(supervision.SupervisionConfig(3, 60.0), lambda: now[0])
+    assert [budget.next_delay() for _ in range(3)] == [0.5, 1.0, 2.0]
+    assert budget.next_delay() is None  # a fourth within the window: give up
+    now[0] = 61.0  # the window has passed: the backoff starts over
+    assert budget.next_delay() == 0.5
 
 
 # ---- thread mode ------------------------------------------------------------------------------

@@ -27,13 +27,7 @@ from stride.decoders.registry import DecodersConfig, parse_spec
 from stride.engine.engine import EngineConfig
 from stride.scheduler.policy import SchedulerConfig
 from stride.scheduler.supervision import SupervisionConfig
-from stride.server.app import (
-    MAX_REQUEST_BODY,
-    Lifecycle,
-    ServerConfig,
-    create_app,
-    use_engine_process,
-)
+from stride.server.app import Lifecycle, ServerConfig, create_app, use_engine_process
 
 log = logging.getLogger("stride")
 
@@ -132,8 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
     _flag(h, "protect-metrics", "require the API key on /metrics too", action="store_true")
     _flag(h, "metrics-users", "users with their own metrics label, e.g. a,b (others: other)")
     _flag(h, "shutdown-timeout", "seconds to drain requests in flight on SIGTERM", 30.0, float)
-    _flag(h, "max-request-body", "largest request body, e.g. 4MiB (beyond: 413)", MAX_REQUEST_BODY,
-          parse_bytes)  # fmt: skip
+    _flag(h, "max-request-body", "largest request body (beyond: 413)", "4MiB", parse_bytes)
     _flag(h, "api-servers", "HTTP processes in front of the engine process (default: 1 on CPU, "
           "on CUDA one per 4 cores, at most 4)", None, int)  # fmt: skip
     _flag(h, "log-level", "debug, info, warning or error", "info")
