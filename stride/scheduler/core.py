@@ -263,9 +263,11 @@ class EngineCore:
         """
         self._broken = {}  # filled by the schedule's callbacks
         plan = self.scheduler.schedule(self._extra_tokens, self._release)
-        for rid, (error, what) in self._broken.items():
-            self._fail(self.seqs.get(rid), error, what)
-        plan = self._without_held([item for item in plan if item.seq.status is Status.RUNNING])
+        if self._broken:
+            for rid, (error, what) in self._broken.items():
+                self._fail(self.seqs.get(rid), error, what)
+            plan = [item for item in plan if item.seq.status is Status.RUNNING]
+        plan = self._without_held(plan)
         self.last_batch_size = len(plan)
         if not plan:
             return None
@@ -307,22 +309,23 @@ class EngineCore:
             except Exception:  # the plain forward below tells whose fault it is
                 log.exception("fused decode steps failed; running a plain forward instead")
         self.last_num_tokens = sum(len(c.token_ids) for c in chunks)
-        scored = self._forward(chunks)
-        failed = {i: e for i, e in enumerate(scored) if isinstance(e, Exception)}
-        for i, error in failed.items():
-            self._fail(plan[i].seq, error, "scoring")
-        kept = [i for i in range(len(plan)) if i not in failed]
-        plan, proposals = [plan[i] for i in kept], [proposals[i] for i in kept]
-        logits: list[torch.Tensor] = [scored[i] for i in kept]  # type: ignore[misc]
+        logits, failed = self._forward(chunks)
         if failed:
+            for i, error in failed.items():
+                self._fail(plan[i].seq, error, "scoring")
+            kept = [i for i in range(len(plan)) if i not in failed]
+            plan, proposals = [plan[i] for i in kept], [proposals[i] for i in kept]
+            logits = [logits[i] for i in kept]
             by_decoder = _by_decoder(plan)
         return _Launched(plan, by_decoder, proposals, logits)
 
-    def _forward(self, chunks: list[Chunk]) -> list[torch.Tensor | Exception]:
-        """The step's forward pass; if it raises, each chunk again alone (what it raised then,
-        for a chunk that failed alone). Raises if none succeeds: the fault is the engine's."""
+    def _forward(self, chunks: list[Chunk]) -> tuple[list[torch.Tensor], dict[int, Exception]]:
+        """The step's forward pass: each chunk's logits, and what the chunks that fail alone
+        raised (none when the batch went through; their logits are placeholders). If the batch
+        raises, each chunk runs again alone; if none succeeds, the fault is the engine's: raise.
+        """
         try:
-            return list(self.engine.runner.forward(chunks))
+            return self.engine.runner.forward(chunks), {}
         except Exception as e:
             if len(chunks) == 1:
                 raise
@@ -332,15 +335,17 @@ class EngineCore:
                 type(e).__name__,
                 e,
             )
-            out: list[torch.Tensor | Exception] = []
-            for chunk in chunks:
+            logits: list[torch.Tensor] = []
+            failed: dict[int, Exception] = {}
+            for i, chunk in enumerate(chunks):
                 try:
-                    out.append(self.engine.runner.forward([chunk])[0])
+                    logits += self.engine.runner.forward([chunk])
                 except Exception as alone:
-                    out.append(alone)
-            if all(isinstance(x, Exception) for x in out):
+                    failed[i] = alone
+                    logits.append(torch.empty(0))
+            if len(failed) == len(chunks):
                 raise
-            return out
+            return logits, failed
 
     def _fused_steps_guarded(self, plan: list[Scheduled], by_decoder: dict[str, list[int]]) -> int:
         if self._suspects:
