@@ -168,6 +168,10 @@ class Metrics:
         self.preemptions = Counter(
             "stride_preemptions", "Sequences preempted for lack of KV cache.", m, registry=r
         )
+        self.engine_restarts = Counter(
+            "stride_engine_restarts", "Times the engine died and a restarted one served again.",
+            m, registry=r,
+        )  # fmt: skip
 
         # ---- requests (HTTP edge) ----
         self.requests_received = Counter(
@@ -260,6 +264,7 @@ class Metrics:
         self._received = self.requests_received.labels(model)
         self._rejected = {r: self.requests_rejected.labels(model, r) for r in REJECT_REASONS}
         self._preempted = self.preemptions.labels(model)
+        self._restarts = self.engine_restarts.labels(model)
         self._running = self.requests_running.labels(model)
         self._waiting = self.requests_waiting.labels(model)
         self._kv = self.kv_cache_usage.labels(model)
@@ -294,6 +299,12 @@ class Metrics:
         if preempted > 0:
             self._preempted.inc(preempted)
             self._preemptions_seen += preempted
+
+    def engine_restarted(self) -> None:
+        """The engine client's `on_restart`: a restarted engine serves (its gauges start at 0)."""
+        self._restarts.inc()
+        for gauge in (self._running, self._waiting, self._kv, self._batch):
+            self._put(gauge, 0)
 
     def _put(self, gauge: Gauge, value: float) -> None:
         """Set a gauge only when its value changed: most steps change none (a lock each)."""
@@ -507,10 +518,12 @@ class RequestTracker:
         child.inc()
 
 
-# HTTP status of a refused generation request -> rejection reason. 504 (deadline) is counted by
-# the request's tracker, which also sees deadlines that end a stream after its 200.
-STATUS_REASONS = {400: "validation", 404: "validation", 422: "validation", 401: "auth",
-                  429: "queue_full", 500: "internal", 503: "unavailable"}  # fmt: skip
+# HTTP status of a refused generation request -> rejection reason. A deadline that passed once
+# the request was admitted is counted by its tracker (which also sees deadlines that end a
+# stream after its 200), one that passed before by its 504 here.
+STATUS_REASONS = {400: "validation", 404: "validation", 413: "validation", 422: "validation",
+                  401: "auth", 429: "queue_full", 500: "internal", 503: "unavailable",
+                  504: "deadline"}  # fmt: skip
 GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 # Open while loading or draining, never counted as in flight, logged at debug only: orchestrators
 # and Prometheus call them every few seconds.

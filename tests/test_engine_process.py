@@ -25,7 +25,9 @@ ROOT = Path(__file__).resolve().parent.parent
 SLOW = {"prompt": "x", "max_tokens": 40, "ignore_eos": True, "stream": True, "decoder": "slow"}
 
 
-def serve_engine_process(model_dir: Path, port: int, api_servers: int = 1) -> subprocess.Popen:
+def serve_engine_process(
+    model_dir: Path, port: int, api_servers: int = 1, flags: tuple[str, ...] = ()
+) -> subprocess.Popen:
     """`stride serve` on CPU with the engine in its own process (the test decoders in it)."""
     env = {
         **os.environ,
@@ -35,7 +37,7 @@ def serve_engine_process(model_dir: Path, port: int, api_servers: int = 1) -> su
     }
     cmd = [sys.executable, "-c", LAUNCH, "serve", "--model", str(model_dir), "--device", "cpu"]
     cmd += ["--engine-process", "--kv-cache-memory", "8MiB", "--port", str(port)]
-    cmd += ["--shutdown-timeout", "60", "--log-level", "warning"]
+    cmd += ["--shutdown-timeout", "60", "--log-level", "warning", *flags]
     return subprocess.Popen(
         cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )

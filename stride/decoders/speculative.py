@@ -85,6 +85,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from pydantic import Field
 
 from stride.decoders import sampling
 from stride.decoders.autoregressive import sample_one_each
@@ -93,8 +94,10 @@ from stride.decoders.base import (
     Decoder,
     DecoderError,
     DecodersConfig,
+    Options,
     Proposal,
     StepContext,
+    parse_options,
 )
 from stride.decoders.drafters import (
     Draft,
@@ -107,8 +110,18 @@ from stride.engine.engine import Engine
 from stride.engine.sequence import SamplingParams, Sequence
 
 MAX_K = 16
+MAX_NGRAM = 8
 _NOTHING = Proposal()  # shared by all sequences of a plain step: nobody mutates a proposal
-OPTIONS = ("draft", "num_speculative_tokens", "adaptive", "exit_layer", "ngram_max")
+
+
+class SpeculativeOptions(Options):
+    """Types and ranges; which drafters exist and how many layers there are is the server's."""
+
+    draft: str | None = Field(None, description="ngram, early_exit or the --draft-model")
+    num_speculative_tokens: int | None = Field(None, ge=0, le=MAX_K)
+    adaptive: bool = True
+    exit_layer: int | None = Field(None, ge=1, description="early_exit: layers that draft")
+    ngram_max: int | None = Field(None, ge=1, le=MAX_NGRAM, description="ngram: longest suffix")
 
 
 def verify(
@@ -307,37 +320,34 @@ class Speculative(Decoder):
         names = ["ngram", "early_exit"]
         return names + ([self.draft_model.name] if self.draft_model else [])
 
+    options_model = SpeculativeOptions
+
     def validate(self, params: SamplingParams, options: dict[str, Any]) -> dict[str, Any]:
-        unknown = sorted(set(options) - set(OPTIONS))
-        if unknown:
-            raise DecoderError(f"unknown speculative options {unknown}; valid: {list(OPTIONS)}")
-        default_draft = self.draft_model.name if self.draft_model else "ngram"
-        draft = options.get("draft", default_draft)
+        opts = parse_options(SpeculativeOptions, options, "decoder 'speculative'")
+        draft = opts.draft
+        if draft is None:
+            draft = self.draft_model.name if self.draft_model else "ngram"
         if draft not in self.drafter_names:
             raise DecoderError(
                 f"unknown draft {draft!r}; valid drafters: {', '.join(self.drafter_names)}"
             )
-        k = options.get("num_speculative_tokens", self.default_k)
-        if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= MAX_K:
-            raise DecoderError(f"num_speculative_tokens must be an integer in [0, {MAX_K}]")
-        adaptive = options.get("adaptive", True)
-        if not isinstance(adaptive, bool):
-            raise DecoderError("adaptive must be true or false")
-        out: dict[str, Any] = {"draft": draft, "num_speculative_tokens": k, "adaptive": adaptive}
+        k = self.default_k if opts.num_speculative_tokens is None else opts.num_speculative_tokens
+        out: dict[str, Any] = {
+            "draft": draft,
+            "num_speculative_tokens": k,
+            "adaptive": opts.adaptive,
+        }
         layers = self.engine.model.num_layers
         if draft == "early_exit":
-            exit_layer = options.get("exit_layer", max(1, layers // 2))
-            if not isinstance(exit_layer, int) or not 1 <= exit_layer <= layers:
+            exit_layer = max(1, layers // 2) if opts.exit_layer is None else opts.exit_layer
+            if not exit_layer <= layers:
                 raise DecoderError(f"exit_layer must be an integer in [1, {layers}]")
             out["exit_layer"] = exit_layer
-        elif "exit_layer" in options:
+        elif opts.exit_layer is not None:
             raise DecoderError("exit_layer applies to draft 'early_exit' only")
         if draft == "ngram":
-            n = options.get("ngram_max", 3)
-            if not isinstance(n, int) or not 1 <= n <= 8:
-                raise DecoderError("ngram_max must be an integer in [1, 8]")
-            out["ngram_max"] = n
-        elif "ngram_max" in options:
+            out["ngram_max"] = 3 if opts.ngram_max is None else opts.ngram_max
+        elif opts.ngram_max is not None:
             raise DecoderError("ngram_max applies to draft 'ngram' only")
         return out
 

@@ -220,6 +220,12 @@ def build_parser() -> argparse.ArgumentParser:
           shown="8 with CUDA graphs, else 1")  # fmt: skip
     _flag(e, "engine-process", "run the step loop in its own process", None,
           shown="on for CUDA, off for CPU", action=argparse.BooleanOptionalAction)  # fmt: skip
+    _flag(e, "max-engine-restarts", "engine restarts allowed within --engine-restart-window; "
+          "one more and the server exits non-zero", 5, int)  # fmt: skip
+    _flag(e, "engine-restart-window", "seconds over which engine restarts are counted", 300.0,
+          float)  # fmt: skip
+    _flag(e, "watchdog-timeout", "seconds without an engine step, with requests in flight, "
+          "before /health says 503 (stuck)", 30.0, float)  # fmt: skip
 
     d = p.add_argument_group("decoders")
     _flag(d, "decoder", 'default decoder: a name or JSON like \'{"type": "speculative"}\'', "ar",
@@ -237,6 +243,7 @@ def build_parser() -> argparse.ArgumentParser:
     _flag(h, "metrics-users", "users with their own metrics label, e.g. a,b (others: other)",
           shown="none")  # fmt: skip
     _flag(h, "shutdown-timeout", "seconds to drain requests in flight on SIGTERM", 30.0, float)
+    _flag(h, "max-request-body", "largest request body (beyond: 413)", "4MiB", parse_bytes)
     _flag(h, "api-servers", "HTTP processes in front of the engine process", None, int,
           shown="1 on CPU; on CUDA one per 4 cores, at most 4")  # fmt: skip
     _flag(h, "log-level", "debug, info, warning or error (info: one line per request)", "info",
@@ -251,6 +258,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
     from stride.decoders.base import DecodersConfig
     from stride.engine.engine import EngineConfig
     from stride.scheduler.policy import SchedulerConfig
+    from stride.scheduler.supervision import SupervisionConfig
     from stride.server.app import ServerConfig
 
     return ServerConfig(
@@ -280,6 +288,12 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         protect_metrics=args.protect_metrics,
         metrics_users=args.metrics_users,
         engine_process=args.engine_process,
+        supervision=SupervisionConfig(
+            max_restarts=args.max_engine_restarts,
+            restart_window=args.engine_restart_window,
+            watchdog_timeout=args.watchdog_timeout,
+        ),
+        max_request_body=args.max_request_body,
     )
 
 
