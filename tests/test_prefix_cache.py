@@ -180,3 +180,194 @@ def test_the_flag_and_its_variable(monkeypatch):
     assert caching() and not caching("--no-enable-prefix-caching")
     monkeypatch.setenv("STRIDE_ENABLE_PREFIX_CACHING", "0")
     assert not caching() and caching("--enable-prefix-caching")
+
+
+# ---- the engine: the same outputs with caching on and off ---------------------------------------
+
+SYSTEM = [(7 * i + 3) % 330 + 20 for i in range(50)]  # a shared "system prompt": 3 full blocks
+DECODERS = [
+    ("ar", {}),
+    ("speculative", {"draft": "ngram", "num_speculative_tokens": 3, "adaptive": False}),
+    ("speculative", {"draft": "early_exit", "num_speculative_tokens": 2, "adaptive": False,
+                     "exit_layer": 1}),
+    ("refine", {"method": "jacobi", "window": 4}),
+    ("refine", {"method": "lookahead"}),
+]  # fmt: skip
+PER_BLOCK = KVCache.bytes_per_block(2, 2, 16, 16, torch.float32)  # the tiny model's
+
+
+def user(i: int, n: int = 6) -> list[int]:
+    return [(31 * i + 11 * j) % 300 + 40 for j in range(n)]
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+
+
+def make_core(model_dir, caching: bool, blocks: int, **sched) -> EngineCore:
+    engine = Engine(EngineConfig(model=str(model_dir), device="cpu", kv_cache_memory=blocks *
+                                 PER_BLOCK, enable_prefix_caching=caching))  # fmt: skip
+    return EngineCore(engine, SchedulerConfig(**sched))
+
+
+class Watch:
+    """Checks around every step: the accounting (`audit`), and that no slot of a sealed block
+    changes while it stays cached (a block evicted in the step may be rewritten)."""
+
+    def __init__(self, core: EngineCore) -> None:
+        self.core, self.cache = core, core.engine.cache
+        self.evictions = 0
+        self._evicted: set[int] = set()
+        evict = self.cache._evict
+
+        def counting() -> int:
+            block = evict()
+            self._evicted.add(block)
+            self.evictions += 1
+            return block
+
+        self.cache._evict = counting
+
+    def kv(self, block: int) -> torch.Tensor:
+        bs = self.cache.block_size
+        return torch.stack([self.cache.k[:, block * bs : (block + 1) * bs],
+                            self.cache.v[:, block * bs : (block + 1) * bs]])  # fmt: skip
+
+    def step(self):
+        cache = self.cache
+        before = {b: (h, self.kv(b)) for b, h in cache._hash_of.items()}  # (stack copies)
+        self._evicted.clear()
+        outs = self.core.step()
+        for b, (h, kv) in before.items():
+            if b not in self._evicted and cache._hash_of.get(b) == h:
+                assert torch.equal(self.kv(b), kv), f"sealed block {b} was written"
+        assert all(not s.block_table for s in self.core.scheduler.waiting)
+        audit(cache, self.core.scheduler.running)
+        return outs
+
+
+def run(core: EngineCore, arrivals: dict[int, list[GenerateRequest]], follow_up=None):
+    """Add each step's arrivals, step to the end under `Watch`; per request: (tokens, finish
+    reason, cached prompt tokens). `follow_up(request, tokens)` may answer a finished request
+    with a next one (a conversation's next turn), added before the next step."""
+    watch = Watch(core)
+    prompts = {r.request_id: r.prompt_ids for rs in arrivals.values() for r in rs}
+    arrivals = {k: list(v) for k, v in arrivals.items()}
+    results: dict[str, tuple[list[int], str | None, int]] = {}
+    step = 0
+    while arrivals or core.has_work:
+        for req in arrivals.pop(step, []):
+            core.add(req)
+            prompts[req.request_id] = req.prompt_ids
+        for out in watch.step():
+            tokens, _, _ = results.get(out.request_id, ([], None, 0))
+            tokens = tokens + out.token_ids
+            results[out.request_id] = (tokens, out.finish_reason, out.num_cached_tokens)
+            nxt = follow_up and out.finished and follow_up(out.request_id, prompts, tokens)
+            if nxt:
+                arrivals.setdefault(step + 1, []).append(nxt)
+        step += 1
+    cache = core.engine.cache
+    audit(cache, [])  # nothing referenced any more, everything accounted for
+    assert not any(cache._refs) and cache.num_free_blocks == cache.num_usable_blocks
+    return results, watch
+
+
+def mixed_workload() -> dict[int, list[GenerateRequest]]:
+    first = [
+        GenerateRequest(f"w1-{j}", SYSTEM + user(j), greedy(14), name, options)
+        for j, (name, options) in enumerate(DECODERS)
+    ]
+    sampled = GenerateRequest("n3", SYSTEM + user(9), SamplingParams(max_tokens=10, seed=5))
+    spec = dict(DECODERS[1][1])
+    spec_sampled = GenerateRequest(
+        "spec-sampled", SYSTEM + user(8), SamplingParams(max_tokens=10, seed=3), "speculative",
+        spec,
+    )  # fmt: skip
+    second = [
+        GenerateRequest(f"w2-{j}", SYSTEM + user(j), greedy(14), *DECODERS[(j + 1) % 5])
+        for j in range(len(DECODERS))
+    ]
+    return {
+        0: first + [child(sampled, f"n3-{k}", k) for k in range(3)],
+        3: [spec_sampled, GenerateRequest("long", SYSTEM + user(10, 40), greedy(8))],
+        8: second,
+    }
+
+
+def next_turn(request_id: str, prompts: dict, tokens: list[int]) -> GenerateRequest | None:
+    if not request_id.startswith("w1-"):
+        return None
+    j = int(request_id[3:])
+    return GenerateRequest(f"turn2-{j}", prompts[request_id] + tokens + user(20 + j), greedy(6),
+                           *DECODERS[j])  # fmt: skip
+
+
+def test_mixed_decoders_n_chunked_prefill_and_preemption_match_caching_off(tiny_dir):
+    """13 usable blocks of 16 tokens for up to 8 sequences of 60-100 tokens, a budget of 24
+    tokens a step: prefills are chunked and sequences preempted, with caching on and off."""
+    runs = {}
+    for caching in (False, True):
+        core = make_core(tiny_dir, caching, 14, max_num_batched_tokens=24, max_num_seqs=8)
+        results, _ = run(core, mixed_workload(), next_turn)
+        runs[caching] = (results, core.scheduler)
+    (off, off_sched), (on, on_sched) = runs[False], runs[True]
+    assert {r: (t, f) for r, (t, f, _) in on.items()} == {r: (t, f) for r, (t, f, _) in off.items()}
+    assert len(on) == 3 * len(DECODERS) + 3 + 2
+    assert off_sched.num_preemptions and on_sched.num_preemptions
+    assert not any(c for _, _, c in off.values()) and off_sched.prefix_cache_queries == 0
+    cached = {r: c for r, (_, _, c) in on.items()}
+    assert on_sched.prefix_cache_hits == sum(cached.values())
+    assert sum(c > 0 for c in cached.values()) >= len(cached) // 2
+    assert all(c % 16 == 0 for c in cached.values())
+
+
+def test_n_samples_compute_their_prompt_once(tiny_dir):
+    """Four samples of one 40-token prompt: the first computes it, the others wait a step for
+    its two full blocks and compute only their last 8 tokens."""
+    prompt = SYSTEM[:40]
+    req = GenerateRequest("n", prompt, SamplingParams(max_tokens=6, temperature=0.8, seed=1))
+    runs = {}
+    for caching in (False, True):
+        core = make_core(tiny_dir, caching, 64)
+        runs[caching] = run(core, {0: [child(req, f"n-{k}", k) for k in range(4)]})[0]
+        if caching:
+            assert core.scheduler.prefix_cache_queries == 4 * 40
+            assert core.scheduler.prefix_cache_hits == 3 * 32
+    assert [runs[True][f"n-{k}"][2] for k in range(4)] == [0, 32, 32, 32]
+    assert {r: t for r, (t, _, _) in runs[True].items()} == {
+        r: t for r, (t, _, _) in runs[False].items()
+    }
+
+
+def test_the_next_turn_reads_the_conversation_so_far(tiny_dir):
+    """A conversation's next turn (the last prompt, its answer, a new message) finds every full
+    block of the last turn cached, generated tokens included."""
+    core = make_core(tiny_dir, True, 64)
+    first = GenerateRequest("t1", SYSTEM + user(1), greedy(20))
+    results, _ = run(core, {0: [first]})
+    answer = results["t1"][0]
+    history = first.prompt_ids + answer
+    results, _ = run(core, {0: [GenerateRequest("t2", history + user(2), greedy(4))]})
+    assert results["t2"][2] == 16 * ((len(history) - 1) // 16) > len(first.prompt_ids)
+
+
+def test_eviction_under_memory_pressure_keeps_serving(tiny_dir):
+    """8 usable blocks for four 2-block system prompts and their users: cached prefixes are
+    evicted (least recently used first) to make room, and some are found again."""
+    systems = [user(100 + i, 32) for i in range(4)]
+    order = [(0, 0), (0, 1), (1, 0), (1, 1), (2, 0), (2, 1), (3, 0), (3, 1), (0, 2), (3, 2)]
+    arrivals = {
+        2 * i: [GenerateRequest(f"s{s}-u{u}", systems[s] + user(u, 5), greedy(8))]
+        for i, (s, u) in enumerate(order)
+    }
+    runs = {}
+    for caching in (False, True):
+        core = make_core(tiny_dir, caching, 9)
+        runs[caching], watch = run(core, arrivals)
+        if caching:
+            assert watch.evictions > 0 and core.scheduler.prefix_cache_hits > 0
+    assert {r: t for r, (t, _, _) in runs[True].items()} == {
+        r: t for r, (t, _, _) in runs[False].items()
+    }
+    assert runs[True]["s0-u1"][2] == 32 and runs[True]["s3-u2"][2] == 32
