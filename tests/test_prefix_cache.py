@@ -4,6 +4,9 @@ preemption and eviction, while no step ever writes into a sealed block."""
 
 from __future__ import annotations
 
+import re
+
+import httpx
 import pytest
 import torch
 
@@ -14,7 +17,9 @@ from stride.scheduler.client import child
 from stride.scheduler.core import EngineCore
 from stride.scheduler.outputs import GenerateRequest
 from stride.scheduler.policy import SchedulerConfig
+from stride.server.app import ServerConfig
 from stride.server.cli import build_parser, server_config
+from tests.server_harness import LiveServer
 
 BS = 4  # block size of the unit tests' caches
 
@@ -371,3 +376,74 @@ def test_eviction_under_memory_pressure_keeps_serving(tiny_dir):
         r: t for r, (t, _, _) in runs[False].items()
     }
     assert runs[True]["s0-u1"][2] == 32 and runs[True]["s3-u2"][2] == 32
+
+
+# ---- what clients and Prometheus see -----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def server(tiny_dir):
+    engine = EngineConfig(model=str(tiny_dir), device="cpu", kv_cache_memory=8 << 20)
+    live = LiveServer(ServerConfig(engine=engine))
+    yield live
+    live.stop()
+
+
+def _counter(url: str, name: str) -> float:
+    text = httpx.get(f"{url}/metrics").text
+    return float(re.search(rf"^{name}\{{[^}}]*\}} (\S+)$", text, re.M).group(1))
+
+
+def test_usage_and_prometheus_count_cached_tokens(server):
+    """Completions and chat, streamed and not: `usage.prompt_tokens_details.cached_tokens`
+    says how much of the prompt came from the cache, and Prometheus counts queries and hits in
+    tokens (each sample of n > 1 on its own, as `stride_prompt_tokens_total` does)."""
+    client = server.openai()
+    model = client.models.list().data[0].id
+    assert _counter(server.url, "stride_prefix_cache_queries_total") == 0
+    engine_tokens = {"queries": 0, "hits": 0}
+
+    def count(usage, samples: int = 1) -> int:
+        cached = usage.prompt_tokens_details.cached_tokens
+        assert 0 <= cached < usage.prompt_tokens and cached % 16 == 0
+        engine_tokens["queries"] += samples * usage.prompt_tokens
+        engine_tokens["hits"] += samples * cached
+        return cached
+
+    def complete(prompt: list[int], **kw):
+        return client.completions.create(model=model, prompt=prompt, max_tokens=3, **kw)
+
+    assert count(complete(SYSTEM + user(1)).usage) == 0
+    assert count(complete(SYSTEM + user(2)).usage) == 48
+    stream = complete(SYSTEM + user(3), stream=True, stream_options={"include_usage": True})
+    assert count([c for c in stream][-1].usage) == 48
+    assert count(complete(SYSTEM + user(4), n=3).usage, samples=3) == 48
+
+    system = "You are a terse assistant who answers in one line. " * 4  # 140 tokens
+
+    def chat(text: str, **kw):
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": text}]
+        return client.chat.completions.create(model=model, messages=messages, max_tokens=3, **kw)
+
+    assert count(chat("hi").usage) == 0
+    assert count(chat("hello there").usage) >= 128
+    stream = chat("good day", stream=True, stream_options={"include_usage": True})
+    assert count([c for c in stream][-1].usage) >= 128
+
+    server.wait_idle()
+    assert _counter(server.url, "stride_prefix_cache_queries_total") == engine_tokens["queries"]
+    assert _counter(server.url, "stride_prefix_cache_hits_total") == engine_tokens["hits"]
+
+
+def test_caching_off_reports_nothing_cached(tiny_dir):
+    engine = EngineConfig(model=str(tiny_dir), device="cpu", kv_cache_memory=8 << 20,
+                          enable_prefix_caching=False)  # fmt: skip
+    live = LiveServer(ServerConfig(engine=engine))
+    try:
+        for i in range(2):
+            r = live.post("/v1/completions", {"prompt": SYSTEM + user(i), "max_tokens": 2})
+            assert r.json()["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+        assert _counter(live.url, "stride_prefix_cache_queries_total") == 0
+        assert _counter(live.url, "stride_prefix_cache_hits_total") == 0
+    finally:
+        live.stop()
