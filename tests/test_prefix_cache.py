@@ -209,10 +209,23 @@ def greedy(n: int) -> SamplingParams:
     return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
 
 
-def make_core(model_dir, caching: bool, blocks: int, **sched) -> EngineCore:
-    engine = Engine(EngineConfig(model=str(model_dir), device="cpu", kv_cache_memory=blocks *
-                                 PER_BLOCK, enable_prefix_caching=caching))  # fmt: skip
-    return EngineCore(engine, SchedulerConfig(**sched))
+# On a GPU (fp32) the same runs also go through CUDA graphs: a tail after a hit replayed as
+# decode rows, fused greedy bursts and their chained continuations reserving blocks ahead.
+DEVICES = [
+    "cpu",
+    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")),
+]
+
+
+def make_core(model_dir, caching: bool, blocks: int, device: str = "cpu", **sched) -> EngineCore:
+    config = EngineConfig(
+        model=str(model_dir),
+        device=device,
+        dtype="float32",
+        kv_cache_memory=blocks * PER_BLOCK,
+        enable_prefix_caching=caching,
+    )
+    return EngineCore(Engine(config), SchedulerConfig(**sched))
 
 
 class Watch:
@@ -308,12 +321,13 @@ def next_turn(request_id: str, prompts: dict, tokens: list[int]) -> GenerateRequ
                            *DECODERS[j])  # fmt: skip
 
 
-def test_mixed_decoders_n_chunked_prefill_and_preemption_match_caching_off(tiny_dir):
+@pytest.mark.parametrize("device", DEVICES)
+def test_mixed_decoders_n_chunked_prefill_and_preemption_match_caching_off(tiny_dir, device):
     """13 usable blocks of 16 tokens for up to 8 sequences of 60-100 tokens, a budget of 24
     tokens a step: prefills are chunked and sequences preempted, with caching on and off."""
     runs = {}
     for caching in (False, True):
-        core = make_core(tiny_dir, caching, 14, max_num_batched_tokens=24, max_num_seqs=8)
+        core = make_core(tiny_dir, caching, 14, device, max_num_batched_tokens=24, max_num_seqs=8)
         results, _ = run(core, mixed_workload(), next_turn)
         runs[caching] = (results, core.scheduler)
     (off, off_sched), (on, on_sched) = runs[False], runs[True]
@@ -327,14 +341,15 @@ def test_mixed_decoders_n_chunked_prefill_and_preemption_match_caching_off(tiny_
     assert all(c % 16 == 0 for c in cached.values())
 
 
-def test_n_samples_compute_their_prompt_once(tiny_dir):
+@pytest.mark.parametrize("device", DEVICES)
+def test_n_samples_compute_their_prompt_once(tiny_dir, device):
     """Four samples of one 40-token prompt: the first computes it, the others wait a step for
     its two full blocks and compute only their last 8 tokens."""
     prompt = SYSTEM[:40]
     req = GenerateRequest("n", prompt, SamplingParams(max_tokens=6, temperature=0.8, seed=1))
     runs = {}
     for caching in (False, True):
-        core = make_core(tiny_dir, caching, 64)
+        core = make_core(tiny_dir, caching, 64, device)
         runs[caching] = run(core, {0: [child(req, f"n-{k}", k) for k in range(4)]})[0]
         if caching:
             assert core.scheduler.prefix_cache_queries == 4 * 40
@@ -357,7 +372,8 @@ def test_the_next_turn_reads_the_conversation_so_far(tiny_dir):
     assert results["t2"][2] == 16 * ((len(history) - 1) // 16) > len(first.prompt_ids)
 
 
-def test_eviction_under_memory_pressure_keeps_serving(tiny_dir):
+@pytest.mark.parametrize("device", DEVICES)
+def test_eviction_under_memory_pressure_keeps_serving(tiny_dir, device):
     """8 usable blocks for four 2-block system prompts and their users: cached prefixes are
     evicted (least recently used first) to make room, and some are found again."""
     systems = [user(100 + i, 32) for i in range(4)]
@@ -368,7 +384,7 @@ def test_eviction_under_memory_pressure_keeps_serving(tiny_dir):
     }
     runs = {}
     for caching in (False, True):
-        core = make_core(tiny_dir, caching, 9)
+        core = make_core(tiny_dir, caching, 9, device)
         runs[caching], watch = run(core, arrivals)
         if caching:
             assert watch.evictions > 0 and core.scheduler.prefix_cache_hits > 0
