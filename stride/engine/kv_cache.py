@@ -29,10 +29,13 @@ Ownership rules (block-aligned, so nothing is ever copied on write):
    hit `num_cached` is block-aligned and the first write opens a block of the sequence's own.
    (A fully cached prompt recomputes its last block rather than write into a shared one.)
 A cache of another model that shares these block tables (a draft head's own KV) follows the
-same rules: its slots of a block must hold their final values by the time the block is sealed,
-and be a function of the tokens its hash covers. One whose K/V at position t depends on token
-t + 1 breaks that at the last slot of each block (that token is in the next block, which a
-sharer may not have); it must keep that slot out of shared blocks, e.g. recompute it privately.
+same rules, and two more. A hash vouches for the target's K/V only: the writer of a block may
+never have run that other model (an `ar` request), so a sequence that took cached blocks must
+track for itself which of that cache's slots hold values, as the draft model's cursor does in
+`decoders.drafters`. And its values in a shared block must be a function of the tokens the hash
+covers: K/V at position t that depend on token t + 1 break that at the last slot of a block
+(that token is in the next block, which sharers need not have), so such a cache must keep that
+slot's value out of shared blocks (recompute it privately).
 """
 
 from __future__ import annotations
@@ -186,9 +189,9 @@ class KVCache:
         """Register the blocks that `seq`'s committed K/V now fill (call after every commit).
 
         A hash registered already keeps its block; this copy stays private to `seq`."""
-        if not self.prefix_caching:
-            return
         bs = self.block_size
+        if seq.num_cached < (seq.num_sealed + 1) * bs or not self.prefix_caching:
+            return  # most commits fill no block
         full = min(seq.num_cached, seq.num_tokens, len(seq.block_table) * bs) // bs
         if full <= seq.num_sealed:
             return
