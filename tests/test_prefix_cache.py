@@ -1,6 +1,8 @@
-"""Automatic prefix caching: the block hash chain and LRU eviction, and, fp32 on the CPU, the
-same outputs with caching on and off over every causal decoder, n > 1, chunked prefill, forced
-preemption and eviction, while no step ever writes into a sealed block."""
+"""Automatic prefix caching: the block hash chain and LRU eviction; fp32 on the CPU (and on a GPU,
+through CUDA graphs), the same outputs with caching on and off over every causal decoder, n > 1,
+chunked prefill, forced preemption (resuming on cached blocks) and eviction, while no step ever
+writes into a sealed block and the cache's accounting matches the block tables after every step;
+what clients (`usage.prompt_tokens_details.cached_tokens`) and Prometheus see."""
 
 from __future__ import annotations
 
@@ -235,16 +237,21 @@ class Watch:
     def __init__(self, core: EngineCore) -> None:
         self.core, self.cache = core, core.engine.cache
         self.evictions = 0
+        self.resumed_on_cached = 0  # preempted sequences that resumed on cached blocks
         self._evicted: set[int] = set()
-        evict = self.cache._evict
+        evict, take = self.cache._evict, self.cache.take_prefix
 
-        def counting() -> int:
+        def evicting() -> int:
             block = evict()
             self._evicted.add(block)
             self.evictions += 1
             return block
 
-        self.cache._evict = counting
+        def taking(seq: Sequence, blocks: list[int]) -> None:
+            self.resumed_on_cached += bool(seq.num_preemptions and blocks)
+            take(seq, blocks)
+
+        self.cache._evict, self.cache.take_prefix = evicting, taking
 
     def kv(self, block: int) -> torch.Tensor:
         bs = self.cache.block_size
@@ -328,8 +335,9 @@ def test_mixed_decoders_n_chunked_prefill_and_preemption_match_caching_off(tiny_
     runs = {}
     for caching in (False, True):
         core = make_core(tiny_dir, caching, 14, device, max_num_batched_tokens=24, max_num_seqs=8)
-        results, _ = run(core, mixed_workload(), next_turn)
+        results, watch = run(core, mixed_workload(), next_turn)
         runs[caching] = (results, core.scheduler)
+    assert watch.resumed_on_cached and watch.evictions  # resumed on cached blocks; evictions
     (off, off_sched), (on, on_sched) = runs[False], runs[True]
     assert {r: (t, f) for r, (t, f, _) in on.items()} == {r: (t, f) for r, (t, f, _) in off.items()}
     assert len(on) == 3 * len(DECODERS) + 3 + 2
