@@ -25,6 +25,7 @@ by rounding where the cached K/V were computed in another batch shape).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import statistics
@@ -259,7 +260,9 @@ def bench_shape(shape: str) -> None:
                     "same_greedy_outputs": f"{equal}/{len(off_tokens)}",
                 },
             )
-    del core, engine
+    del warm, core, engine
+    gc.unfreeze()  # (EngineCore froze the heap) so that the next shape finds the memory free
+    gc.collect()
     if ARGS.device == "cuda":
         torch.cuda.empty_cache()
 
