@@ -23,8 +23,9 @@ Ownership rules (block-aligned, so nothing is ever copied on write):
    alone. Everything that writes ahead and takes it back stays there: speculative drafts and
    their rollback (`kv_keep`), refine windows and branches, early-exit drafting, fused bursts
    and their chained continuations, and `trim`, which gives back blocks past `num_cached`.
-3. `num_cached` only grows while a sequence holds its blocks (a rollback undoes writes past the
-   committed tokens, never below them); `free` (finish, abort, preemption) resets it to 0.
+3. `num_cached` never drops below a sequence's committed tokens while it holds its blocks (a
+   rollback undoes writes past them; early-exit drafting moves it ahead and back within a step);
+   only `free` (finish, abort, preemption) resets it, and the sequence's blocks with it.
 4. A hit is whole blocks and leaves at least the sequence's last token to compute, so after a
    hit `num_cached` is block-aligned and the first write opens a block of the sequence's own.
    (A fully cached prompt recomputes its last block rather than write into a shared one.)
