@@ -1,7 +1,8 @@
 """Every Prometheus metric Stride emits, defined here and recorded where the event happens.
 
 Two feeders: the step loop calls `Metrics.on_step` after every engine step (gauges, step time,
-tokens per step, preemptions), and the HTTP edge wraps each request in `Metrics.track(...)`, which
+tokens per step, preemptions, prefix-cache queries and hits), and the HTTP edge wraps each
+request in `Metrics.track(...)`, which
 sees the request's outputs as they stream (tokens, TTFT, inter-token latency) and its last one
 (finish reason, engine-side timings, the decoder's summary). Labels stay bounded: `user` comes
 only from a configured allowlist (anything else is `other`, no user is `none`), and `decoder`
@@ -172,6 +173,16 @@ class Metrics:
             "stride_engine_restarts", "Times the engine died and a restarted one served again.",
             m, registry=r,
         )  # fmt: skip
+        self.prefix_cache_queries = Counter(
+            "stride_prefix_cache_queries",
+            "Prefix cache queries, in prompt tokens looked up (each request's first admission).",
+            m, registry=r,
+        )  # fmt: skip
+        self.prefix_cache_hits = Counter(
+            "stride_prefix_cache_hits",
+            "Prefix cache hits, in prompt tokens whose KV was reused instead of computed.",
+            m, registry=r,
+        )  # fmt: skip
 
         # ---- requests (HTTP edge) ----
         self.requests_received = Counter(
@@ -258,6 +269,7 @@ class Metrics:
             registry=r,
         )
         self._preemptions_seen = 0
+        self._totals: dict[Counter, int] = {}  # engine totals counted so far (`_advance`)
 
         # Children looked up once (labels() costs microseconds the step loop should not pay);
         # they also make these series exist from the start, so rates read 0, not "no data".
@@ -265,6 +277,8 @@ class Metrics:
         self._rejected = {r: self.requests_rejected.labels(model, r) for r in REJECT_REASONS}
         self._preempted = self.preemptions.labels(model)
         self._restarts = self.engine_restarts.labels(model)
+        self._prefix_queries = self.prefix_cache_queries.labels(model)
+        self._prefix_hits = self.prefix_cache_hits.labels(model)
         self._running = self.requests_running.labels(model)
         self._waiting = self.requests_waiting.labels(model)
         self._kv = self.kv_cache_usage.labels(model)
@@ -299,10 +313,21 @@ class Metrics:
         if preempted > 0:
             self._preempted.inc(preempted)
             self._preemptions_seen += preempted
+        self._advance(self._prefix_queries, stats.prefix_cache_queries)
+        self._advance(self._prefix_hits, stats.prefix_cache_hits)
+
+    def _advance(self, counter: Counter, total: int) -> None:
+        """Count what one of the engine's running totals grew by since it was last seen."""
+        seen = self._totals.get(counter, 0)
+        if total > seen:
+            counter.inc(total - seen)
+            self._totals[counter] = total
 
     def engine_restarted(self) -> None:
         """The engine client's `on_restart`: a restarted engine serves (its gauges start at 0)."""
         self._restarts.inc()
+        self._totals.clear()  # a new engine's running totals start again from 0
+        self._preemptions_seen = 0
         for gauge in (self._running, self._waiting, self._kv, self._batch):
             self._put(gauge, 0)
 

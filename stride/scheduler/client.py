@@ -165,6 +165,7 @@ def _joined(a: RequestOutput, b: RequestOutput) -> RequestOutput:
         stop_reason=b.stop_reason,
         num_prompt_tokens=b.num_prompt_tokens or a.num_prompt_tokens,
         num_output_tokens=b.num_output_tokens or a.num_output_tokens,
+        num_cached_tokens=b.num_cached_tokens or a.num_cached_tokens,
         decoder_stats=b.decoder_stats or a.decoder_stats,
         timings=b.timings or a.timings,
     )

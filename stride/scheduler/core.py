@@ -210,6 +210,8 @@ class EngineCore:
             batch_size=self.last_batch_size,
             num_tokens=self.last_num_tokens,
             num_preemptions=self.scheduler.num_preemptions,
+            prefix_cache_queries=self.scheduler.prefix_cache_queries,
+            prefix_cache_hits=self.scheduler.prefix_cache_hits,
         )
 
     # ---- the step ---------------------------------------------------------------------------
@@ -479,9 +481,11 @@ class EngineCore:
             self._commit_fused(launched, outputs, untexted, chained)
             return
         plan, proposals, logits = launched.plan, launched.proposals, launched.logits
+        cache = self.engine.cache
         for item in plan:
             if not item.completes_tail and item.seq.status is not Status.FINISHED:
                 item.seq.num_cached += item.num_tail
+                cache.seal(item.seq)
         for name, idx in launched.by_decoder.items():
             # Sequences aborted or expired since the launch lose their rows.
             idx = [i for i in idx if plan[i].seq.status is not Status.FINISHED]
@@ -628,6 +632,7 @@ class EngineCore:
                 reason = "length"
             if reason is not None:
                 break
+        self.engine.cache.seal(seq)  # before a finish frees them: the next turn may use them
         if commit.forward_passes == 1:
             seq.stats.committed_per_pass.append(n)
         else:  # fused decode steps: one token per pass
@@ -679,6 +684,7 @@ class EngineCore:
     def _fill_counts(self, seq: Sequence, out: RequestOutput) -> None:
         out.num_prompt_tokens = seq.num_prompt_tokens
         out.num_output_tokens = seq.num_output_tokens
+        out.num_cached_tokens = seq.cached_prompt_tokens
 
     def _expire_deadlines(self) -> list[RequestOutput]:
         if not self._num_deadlines:

@@ -218,6 +218,8 @@ def build_parser() -> argparse.ArgumentParser:
     _flag(e, "fused-decode-steps", "greedy decode steps per host sync for <= 8 streams; 1 = off, "
           "also for the chained 1-step bursts of larger greedy batches", None, int,
           shown="8 with CUDA graphs, else 1")  # fmt: skip
+    _flag(e, "enable-prefix-caching", "reuse the KV cache of prompts' shared leading blocks", True,
+          action=argparse.BooleanOptionalAction)  # fmt: skip
     _flag(e, "engine-process", "run the step loop in its own process", None,
           shown="on for CUDA, off for CPU", action=argparse.BooleanOptionalAction)  # fmt: skip
     _flag(e, "max-engine-restarts", "engine restarts allowed within --engine-restart-window; "
@@ -270,6 +272,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
             kv_cache_memory=args.kv_cache_memory,
             gpu_memory_utilization=args.gpu_memory_utilization,
             max_model_len=args.max_model_len,
+            enable_prefix_caching=args.enable_prefix_caching,
         ),
         scheduler=SchedulerConfig(
             max_num_seqs=args.max_num_seqs,

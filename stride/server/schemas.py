@@ -158,10 +158,17 @@ class Response(BaseModel):
     model_config = ConfigDict(extra="allow")
 
 
+class PromptTokensDetails(Response):
+    cached_tokens: int = Field(
+        0, description="prompt tokens whose keys and values came from the prefix cache"
+    )
+
+
 class Usage(Response):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
     decoder: dict[str, Any] | list[dict[str, Any]] | None = Field(
         None, description="what the decoder did (one dict per choice when n > 1)"
     )

@@ -458,9 +458,20 @@ class _View:
             prompt_tokens=prompt,
             completion_tokens=completion,
             total_tokens=prompt + completion,
+            prompt_tokens_details=s.PromptTokensDetails(cached_tokens=self.cached_tokens()),
             decoder=decoder[0] if len(decoder) == 1 else decoder,
             timings=timings[0] if len(timings) == 1 else timings,
         )
+
+    def cached_tokens(self) -> int:
+        """Prompt tokens read from the prefix cache, each prompt counted once (as in
+        `prompt_tokens`): for the sample of it that found the fewest."""
+        n = self.body.n
+        total = 0
+        for i in range(len(self.prompts)):
+            samples = [c.last for c in self.choices[i * n : (i + 1) * n] if c.last is not None]
+            total += min((o.num_cached_tokens for o in samples), default=0)
+        return total
 
     async def collect(self, gen: Generation):
         try:
