@@ -1,7 +1,8 @@
 """Every Prometheus metric Stride emits, defined here and recorded where the event happens.
 
 Two feeders: the step loop calls `Metrics.on_step` after every engine step (gauges, step time,
-tokens per step, preemptions), and the HTTP edge wraps each request in `Metrics.track(...)`, which
+tokens per step, preemptions, prefix-cache queries and hits), and the HTTP edge wraps each
+request in `Metrics.track(...)`, which
 sees the request's outputs as they stream (tokens, TTFT, inter-token latency) and its last one
 (finish reason, engine-side timings, the decoder's summary). Labels stay bounded: `user` comes
 only from a configured allowlist (anything else is `other`, no user is `none`), and `decoder`
@@ -180,6 +181,20 @@ class Metrics:
         self.preemptions = Counter(
             "stride_preemptions", "Sequences preempted for lack of KV cache.", m, registry=r
         )
+        self.engine_restarts = Counter(
+            "stride_engine_restarts", "Times the engine died and a restarted one served again.",
+            m, registry=r,
+        )  # fmt: skip
+        self.prefix_cache_queries = Counter(
+            "stride_prefix_cache_queries",
+            "Prefix cache queries, in prompt tokens looked up (each request's first admission).",
+            m, registry=r,
+        )  # fmt: skip
+        self.prefix_cache_hits = Counter(
+            "stride_prefix_cache_hits",
+            "Prefix cache hits, in prompt tokens whose KV was reused instead of computed.",
+            m, registry=r,
+        )  # fmt: skip
 
         # ---- requests (HTTP edge) ----
         self.requests_received = Counter(
@@ -266,12 +281,16 @@ class Metrics:
             registry=r,
         )
         self._preemptions_seen = 0
+        self._totals: dict[Counter, int] = {}  # engine totals counted so far (`_advance`)
 
         # Children looked up once (labels() costs microseconds the step loop should not pay);
         # they also make these series exist from the start, so rates read 0, not "no data".
         self._received = self.requests_received.labels(model)
         self._rejected = {r: self.requests_rejected.labels(model, r) for r in REJECT_REASONS}
         self._preempted = self.preemptions.labels(model)
+        self._restarts = self.engine_restarts.labels(model)
+        self._prefix_queries = self.prefix_cache_queries.labels(model)
+        self._prefix_hits = self.prefix_cache_hits.labels(model)
         self._running = self.requests_running.labels(model)
         self._waiting = self.requests_waiting.labels(model)
         self._kv = self.kv_cache_usage.labels(model)
@@ -306,6 +325,23 @@ class Metrics:
         if preempted > 0:
             self._preempted.inc(preempted)
             self._preemptions_seen += preempted
+        self._advance(self._prefix_queries, stats.prefix_cache_queries)
+        self._advance(self._prefix_hits, stats.prefix_cache_hits)
+
+    def _advance(self, counter: Counter, total: int) -> None:
+        """Count what one of the engine's running totals grew by since it was last seen."""
+        seen = self._totals.get(counter, 0)
+        if total > seen:
+            counter.inc(total - seen)
+            self._totals[counter] = total
+
+    def engine_restarted(self) -> None:
+        """The engine client's `on_restart`: a restarted engine serves (its gauges start at 0)."""
+        self._restarts.inc()
+        self._totals.clear()  # a new engine's running totals start again from 0
+        self._preemptions_seen = 0
+        for gauge in (self._running, self._waiting, self._kv, self._batch):
+            self._put(gauge, 0)
 
     def _put(self, gauge: Gauge, value: float) -> None:
         """Set a gauge only when its value changed: most steps change none (a lock each)."""
@@ -520,10 +556,12 @@ class RequestTracker:
         child.inc()
 
 
-# HTTP status of a refused generation request -> rejection reason. 504 (deadline) is counted by
-# the request's tracker, which also sees deadlines that end a stream after its 200.
-STATUS_REASONS = {400: "validation", 404: "validation", 422: "validation", 401: "auth",
-                  429: "queue_full", 500: "internal", 503: "unavailable"}  # fmt: skip
+# HTTP status of a refused generation request -> rejection reason. A deadline that passed once
+# the request was admitted is counted by its tracker (which also sees deadlines that end a
+# stream after its 200), one that passed before by its 504 here.
+STATUS_REASONS = {400: "validation", 404: "validation", 413: "validation", 422: "validation",
+                  401: "auth", 429: "queue_full", 500: "internal", 503: "unavailable",
+                  504: "deadline"}  # fmt: skip
 GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 # Open while loading or draining, never counted as in flight, logged at debug only: orchestrators
 # and Prometheus call them every few seconds.

@@ -2,18 +2,23 @@
 
 `LiveServer` runs the app in a thread of the test process, so tests can look at the engine
 (`server.core`) while talking HTTP to it. `slow` (a sleep per step) makes requests last long
-enough to be cancelled, timed out or drained; `broken` kills the step loop mid-stream.
+enough to be cancelled, timed out or drained; `broken` fails its request mid-stream (a fault
+the engine pins on that request); `crash` breaks the engine itself (its next forward pass
+fails for everyone, as after a lost device), so that the engine dies and is restarted.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import os
+import re
 import signal
 import socket
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import openai
@@ -55,7 +60,20 @@ class Broken(Autoregressive):
         return super().commit(seqs, proposals, logits, ctx)
 
 
-TEST_DECODERS = {cls.name: cls for cls in (Slow, Broken)}
+class Crash(Autoregressive):
+    """Commits its first token, and breaks the engine's forward pass for good."""
+
+    name = "crash"
+
+    def commit(self, seqs, proposals, logits, ctx) -> list[Commit]:
+        def lost(*args, **kwargs):
+            raise RuntimeError("injected device loss")
+
+        ctx.engine.runner.forward = lost
+        return super().commit(seqs, proposals, logits, ctx)
+
+
+TEST_DECODERS = {cls.name: cls for cls in (Slow, Broken, Crash)}
 
 
 def register_test_decoders() -> None:
@@ -64,12 +82,57 @@ def register_test_decoders() -> None:
 
 @contextlib.contextmanager
 def extra_decoders() -> Iterator[None]:
+    """The test decoders, registered for the block (and left if an outer block registered them:
+    requests are checked against the registry as they arrive)."""
+    added = [name for name in TEST_DECODERS if name not in DECODERS]
     register_test_decoders()
     try:
         yield
     finally:
-        for name in TEST_DECODERS:
+        for name in added:
             DECODERS.pop(name, None)
+
+
+def descendants(pid: int) -> set[int]:
+    found: set[int] = set()
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        for child in map(int, (task / "children").read_text().split()):
+            found |= {child} | descendants(child)
+    return found
+
+
+def engine_pid(server_pid: int) -> int:
+    """The engine process of `stride serve --engine-process` (with any --api-servers): the one
+    spawned process that holds no listening socket (API processes hold the port's)."""
+    engines = []
+    for pid in descendants(server_pid):
+        if b"spawn_main" not in Path(f"/proc/{pid}/cmdline").read_bytes():
+            continue  # e.g. multiprocessing's resource tracker
+        links = [os.readlink(fd) for fd in Path(f"/proc/{pid}/fd").iterdir()]
+        sockets = {link[8:-1] for link in links if link.startswith("socket:[")}
+        listening = any(
+            line.split()[3] == "0A" and line.split()[9] in sockets
+            for line in Path("/proc/net/tcp").read_text().splitlines()[1:]
+        )
+        if not listening:
+            engines.append(pid)
+    assert len(engines) == 1, engines
+    return engines[0]
+
+
+def reaped(pid: int) -> bool:
+    """Gone for good: neither running nor a zombie waiting for its parent."""
+    return not Path(f"/proc/{pid}").exists()
+
+
+def scrape(url: str, family: str, **labels: str) -> float:
+    """The sum of a metric's samples with these labels, from a scrape of `url`/metrics."""
+    total = 0.0
+    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+        m = re.fullmatch(rf"{family}\{{([^}}]*)\}} (\S+)", line)
+        if m and all(f'{k}="{v}"' in m.group(1) for k, v in labels.items()):
+            total += float(m.group(2))
+    return total
 
 
 def free_port() -> int:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import re
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -13,7 +12,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from stride.server.cli import build_parser, default_api_servers, main, server_config
-from tests.server_harness import assert_sigterm_drains, free_port
+from tests.server_harness import assert_sigterm_drains, descendants, free_port, scrape
 from tests.test_engine_process import serve_engine_process
 from tests.test_server import hf_greedy
 from tests.test_server_cli import _wait_healthy
@@ -22,14 +21,6 @@ ROOT = Path(__file__).resolve().parent.parent
 PROMPTS = [[5, 17, 42, 99, 7], [3, 1, 4, 1, 5, 9], [200, 100, 50], [7, 7, 7, 7]]
 NEW = 6
 SLOW = {"prompt": "x", "max_tokens": 40, "ignore_eos": True, "stream": True, "decoder": "slow"}
-
-
-def _descendants(pid: int) -> set[int]:
-    found: set[int] = set()
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        for child in map(int, (task / "children").read_text().split()):
-            found |= {child} | _descendants(child)
-    return found
 
 
 def _alive(pids: set[int]) -> set[int]:
@@ -65,16 +56,6 @@ def served(tiny_dir):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-
-
-def _sample(url: str, family: str, **labels: str) -> float:
-    """The sum of a metric's samples with these labels, from a scrape on a fresh connection."""
-    total = 0.0
-    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
-        m = re.fullmatch(rf"{family}\{{([^}}]*)\}} (\S+)", line)
-        if m and all(f'{k}="{v}"' in m.group(1) for k, v in labels.items()):
-            total += float(m.group(2))
-    return total
 
 
 def _complete(url: str, ids: list[int], stream: bool) -> list[str]:
@@ -113,22 +94,22 @@ def test_concurrent_requests_match_transformers(served, tiny_hf, tiny_dir):
 
 def test_metrics_count_every_process(served):
     url, _ = served
-    sent = _sample(url, "stride_requests_received_total")
-    tokens = _sample(url, "stride_generation_tokens_total")
+    sent = scrape(url, "stride_requests_received_total")
+    tokens = scrape(url, "stride_generation_tokens_total")
     ids = PROMPTS[0]
     with ThreadPoolExecutor(8) as pool:
         list(pool.map(lambda i: _complete(url, ids, i % 2 == 0), range(16)))
     for _ in range(8):  # each scrape on a fresh connection: either process may answer
-        assert _sample(url, "stride_requests_received_total") == sent + 16
-        assert _sample(url, "stride_generation_tokens_total") == tokens + 16 * NEW
-        assert _sample(url, "stride_engine_step_duration_seconds_count") > 0
-        assert _sample(url, "stride_requests_running") == 0
-        assert _sample(url, "stride_kv_cache_usage_ratio") == 0
+        assert scrape(url, "stride_requests_received_total") == sent + 16
+        assert scrape(url, "stride_generation_tokens_total") == tokens + 16 * NEW
+        assert scrape(url, "stride_engine_step_duration_seconds_count") > 0
+        assert scrape(url, "stride_requests_running") == 0
+        assert scrape(url, "stride_kv_cache_usage_ratio") == 0
 
 
 def test_sigterm_drains_and_leaves_no_process(served):
     url, proc = served
-    children = _descendants(proc.pid)
+    children = descendants(proc.pid)
     assert len(children) >= 3  # the engine and two API processes
     assert_sigterm_drains(url, proc, SLOW, 4)
     _wait_gone(children, timeout=10)
@@ -139,7 +120,7 @@ def test_killed_supervisor_leaves_no_process(tiny_dir):
     proc = serve_engine_process(tiny_dir, port, api_servers=2)
     try:
         _wait_healthy(f"http://127.0.0.1:{port}", proc)
-        children = _descendants(proc.pid)
+        children = descendants(proc.pid)
         proc.kill()
         proc.wait()
         _wait_gone(children)

@@ -122,6 +122,34 @@ def test_no_mask_token_reaches_the_output(engine):
         assert len(tokens) == 10 and MASK not in tokens
 
 
+def test_a_failing_group_step_fails_only_its_culprit(engine):
+    """A model group's batched step is bisected like a decoder's calls (see core)."""
+    core = oracle_core(engine)
+    group = core.decoders["refine"].diffusion
+    step = group.step
+
+    def tripped(seqs, ctx):
+        if any(s.prompt_ids[0] == 3 for s in seqs):
+            raise RuntimeError("injected group failure")
+        return step(seqs, ctx)
+
+    group.step = tripped
+    prompts = {str(i): [5, 6, 7, 8][: 1 + i % 4] for i in range(5)}
+    reqs = [diffusion(rid, p, greedy(6), block_size=4) for rid, p in prompts.items()]
+    for r in [*reqs, diffusion("poisoned", [3, 4], greedy(6), block_size=4)]:
+        core.add(r)
+    tokens, ends = {}, {}
+    while core.has_work:
+        for out in core.step():
+            tokens.setdefault(out.request_id, []).extend(out.token_ids)
+            if out.finished:
+                ends[out.request_id] = out
+    assert ends.pop("poisoned").error.code == "internal_error"
+    for rid, p in prompts.items():
+        assert ends[rid].finish_reason == "length"
+        assert tokens[rid] == [oracle_token(q) for q in range(len(p), len(p) + 6)]
+
+
 @pytest.fixture(scope="module")
 def bert_dir(tmp_path_factory) -> Path:
     return make_diffusion_dir(tmp_path_factory.mktemp("bert"))

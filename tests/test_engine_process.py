@@ -25,7 +25,9 @@ ROOT = Path(__file__).resolve().parent.parent
 SLOW = {"prompt": "x", "max_tokens": 40, "ignore_eos": True, "stream": True, "decoder": "slow"}
 
 
-def serve_engine_process(model_dir: Path, port: int, api_servers: int = 1) -> subprocess.Popen:
+def serve_engine_process(
+    model_dir: Path, port: int, api_servers: int = 1, flags: tuple[str, ...] = ()
+) -> subprocess.Popen:
     """`stride serve` on CPU with the engine in its own process (the test decoders in it)."""
     env = {
         **os.environ,
@@ -35,7 +37,7 @@ def serve_engine_process(model_dir: Path, port: int, api_servers: int = 1) -> su
     }
     cmd = [sys.executable, "-c", LAUNCH, "serve", "--model", str(model_dir), "--device", "cpu"]
     cmd += ["--engine-process", "--kv-cache-memory", "8MiB", "--port", str(port)]
-    cmd += ["--shutdown-timeout", "60", "--log-level", "warning"]
+    cmd += ["--shutdown-timeout", "60", "--log-level", "warning", *flags]
     return subprocess.Popen(
         cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
@@ -86,6 +88,19 @@ def test_streaming_matches_the_full_response(served):
     assert chunks[-1]["usage"]["completion_tokens"] == 12
 
 
+def test_prefix_cache_hits_cross_the_pipe(served):
+    """The engine process reports cached prompt tokens with each request and in its totals."""
+    url, _ = served
+    shared = list(range(40, 90))  # 3 full blocks of 16
+    cached = []
+    for last in (7, 8):
+        body = {"prompt": shared + [last], "max_tokens": 2}
+        usage = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()["usage"]
+        cached.append(usage["prompt_tokens_details"]["cached_tokens"])
+    assert cached == [0, 48]
+    assert _gauge(url, "stride_prefix_cache_hits_total") == 48
+
+
 def test_disconnect_frees_the_kv_cache(served):
     url, _ = served
     steps = _gauge(url, "stride_engine_step_duration_seconds_count")
@@ -108,6 +123,6 @@ def test_sigterm_drains_then_stops_the_engine_process(served):
 def test_outputs_cross_the_pipe_whole():
     """The engine process pickles outputs as their field values in order: none is lost."""
     out = RequestOutput("r", [1, 2], "ab", [None, None], "stop", "x", EngineError("c", "m"))
-    out.num_prompt_tokens, out.num_output_tokens = 3, 2
+    out.num_prompt_tokens, out.num_output_tokens, out.num_cached_tokens = 3, 2, 16
     out.decoder_stats, out.timings = {"forward_passes": 2}, {"e2e": 0.5}
     assert pickle.loads(ForkingPickler.dumps([out])) == [out]

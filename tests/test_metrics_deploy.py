@@ -77,7 +77,7 @@ def test_dashboard_structure():
     titles = " ".join(p["title"] for p in d["panels"]).lower()
     for needed in ("time to first token", "inter-token", "throughput", "by user", "by decoder",
                    "acceptance rate", "accepted length", "per forward pass", "running and waiting",
-                   "kv cache", "batch size", "error rate"):  # fmt: skip
+                   "kv cache", "batch size", "error rate", "prefix cache hit rate"):  # fmt: skip
         assert needed in titles, needed
 
 

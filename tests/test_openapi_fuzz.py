@@ -1,8 +1,11 @@
-"""Property-based fuzzing of the completions and chat routes from the server's own /openapi.json.
+"""Property-based fuzzing of every POST route from the server's own /openapi.json.
 
-Schemathesis generates bodies from the published schema (valid ones and, in negative mode,
-invalid ones); every answer must be a non-5xx status the schema documents, with a body that
-conforms to it. Generation is kept small (few examples, few tokens) so the run stays fast.
+Schemathesis generates bodies from the published schema: its coverage phase (boundary values of
+every field: minimum, maximum, one past each, empty and missing, wrong types; valid and invalid)
+and then random ones (positive and, in negative mode, schema-violating), at least 1,000 cases
+per route in all. Every answer must be a non-5xx status the schema documents, with a body that
+conforms to it; schema-violating bodies must be refused. Generation is kept cheap (a few tokens
+and samples) so the run stays fast.
 """
 
 from __future__ import annotations
@@ -29,6 +32,9 @@ CHECKS = [
     response_schema_conformance,
 ]
 MAX_TOKENS = 4
+ROUTES = ["/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"]
+CASES_PER_ROUTE = 1000
+FUZZED_PER_MODE = 400  # random cases per generation mode, on top of the coverage phase's
 
 
 @pytest.fixture(scope="module")
@@ -37,6 +43,11 @@ def server(tiny_dir):
     live = LiveServer(ServerConfig(engine=engine))
     yield live
     live.stop()
+
+
+@pytest.fixture(scope="module")
+def schema(server):
+    return schemathesis.openapi.from_url(f"{server.url}/openapi.json")
 
 
 def bounded(body):
@@ -57,26 +68,42 @@ def bounded(body):
     return body
 
 
-@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
-@pytest.mark.parametrize("mode", [GenerationMode.POSITIVE, GenerationMode.NEGATIVE])
-def test_fuzz(server, path, mode):
-    schema = schemathesis.openapi.from_url(f"{server.url}/openapi.json")
+def call(server, case) -> None:
+    case.body = bounded(case.body)
+    response = case.call(base_url=server.url, timeout=60)
+    negative = case.meta.generation.mode is GenerationMode.NEGATIVE
+    case.validate_response(response, checks=CHECKS + ([negative_data_rejection] * negative))
+
+
+@pytest.mark.parametrize("path", ROUTES)
+def test_fuzz(server, schema, path):
     operation = schema[path]["POST"]
-    checks = CHECKS + ([negative_data_rejection] if mode is GenerationMode.NEGATIVE else [])
-
-    @settings(
-        max_examples=25,
-        deadline=None,
-        derandomize=True,
-        database=None,
-        phases=[Phase.explicit, Phase.generate],
-        suppress_health_check=list(HealthCheck),
+    config = schema.config.generation_for(operation=operation)
+    coverage = list(
+        schema.iter_coverage_cases(
+            operation, generation_modes=list(GenerationMode), generation_config=config
+        )
     )
-    @given(case=operation.as_strategy(generation_mode=mode))
-    def check(case):
-        case.body = bounded(case.body)
-        response = case.call(base_url=server.url, timeout=60)
-        case.validate_response(response, checks=checks)
+    for case in coverage:  # boundary values, valid and not
+        call(server, case)
+    fuzzed = 0
+    per_mode = max(FUZZED_PER_MODE, (CASES_PER_ROUTE - len(coverage) + 1) // 2)
+    for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
 
-    check()
+        @settings(
+            max_examples=per_mode,
+            deadline=None,
+            derandomize=True,
+            database=None,
+            phases=[Phase.explicit, Phase.generate],
+            suppress_health_check=list(HealthCheck),
+        )
+        @given(case=operation.as_strategy(generation_mode=mode))
+        def check(case):
+            nonlocal fuzzed
+            fuzzed += 1
+            call(server, case)
+
+        check()
+    assert len(coverage) + fuzzed >= CASES_PER_ROUTE
     server.wait_idle()

@@ -3,8 +3,9 @@
 Prometheus (Debian's package, installed by the test command) runs on a free loopback port with
 deploy/prometheus/prometheus.yml, retargeted at a live uvicorn server on a tiny model and scraping
 every second. Traffic mixes every registered decoder, listed, unlisted and absent users, streaming
-and not, and errors (bad key, bad body, unknown decoder, deadline). Then each PromQL expression of
-the Grafana dashboard and of the alert rules is evaluated through Prometheus' HTTP API.
+and not, prompts that share a preamble (prefix-cache hits), and errors (bad key, bad body,
+unknown decoder, deadline). Then each PromQL expression of the Grafana dashboard and of the alert
+rules is evaluated through Prometheus' HTTP API.
 """
 
 from __future__ import annotations
@@ -138,6 +139,7 @@ def decoder_body(name: str, i: int) -> str | dict:
 
 
 GREEDY_ONLY = {"refine"}
+PREAMBLE = "You are a storyteller who writes one line at a time. " * 3  # prefix-cache hits
 
 
 ERRORS = [  # requests that must fail: (rejection reason, body, headers)
@@ -157,6 +159,7 @@ class Traffic:
         self.tokens = 0
         self.stats: list[dict] = []  # usage.decoder of every finished response
         self.timings: list[dict] = []  # usage.timings of every finished response
+        self.cached = 0  # usage.prompt_tokens_details.cached_tokens, summed
         self.failures: dict[str, int] = {}
         self.served: set[str] = set()
 
@@ -170,7 +173,7 @@ class Traffic:
             return self.fail(client, *next(bad))
         name = self.decoders[i % len(self.decoders)]
         body = {
-            "prompt": f"Once upon a time {i}",
+            "prompt": f"{PREAMBLE if i % 2 else ''}Once upon a time {i}",
             "max_tokens": 6 + i % 7,
             "temperature": 0.0 if i % 2 or name in GREEDY_ONLY else 0.8,
             "seed": i,
@@ -187,6 +190,7 @@ class Traffic:
         self.tokens += usage["completion_tokens"]
         self.stats.append(usage["decoder"])
         self.timings.append(usage["timings"])
+        self.cached += usage["prompt_tokens_details"]["cached_tokens"]
         self.served.add(name)
 
     def _complete(self, client: httpx.Client, body: dict) -> dict | None:
@@ -281,6 +285,8 @@ def test_counters_add_up_in_prometheus(prometheus, traffic):
         assert got == [sum(s[key] for s in spec)], key
     (passes,) = values(query(prometheus, "sum(stride_decoder_forward_passes_total)"))
     assert passes == sum(s["forward_passes"] for s in traffic.stats)
+    (hits,) = values(query(prometheus, "sum(stride_prefix_cache_hits_total)"))
+    assert hits == traffic.cached > 0
 
     users = {r["metric"]["user"] for r in query(prometheus, "stride_generation_tokens_total")}
     assert users == {"alice", "bob", "other", "none"}

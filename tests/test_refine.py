@@ -193,7 +193,9 @@ def test_stop_rules_hold(core):
         (SamplingParams(temperature=1.0), {"method": "lookahead"}, "greedy"),
         (greedy(4), {"method": "beam"}, "unknown refine method"),
         (greedy(4), {"method": "jacobi", "window": 0}, "window"),
-        (greedy(4), {"method": "jacobi", "ngram": 3}, "takes only"),
+        (greedy(4), {"method": "jacobi", "ngram": 3}, "no option .ngram.; valid options: window"),
+        (greedy(4), {"method": ["jacobi"]}, "unknown refine method"),
+        (greedy(4), {"method": {"name": "jacobi"}}, "unknown refine method"),
         (greedy(4), {"method": "diffusion"}, "--diffusion-model"),
     ],
 )

@@ -368,7 +368,10 @@ def test_invalid_options_are_rejected_naming_valid_drafters(tiny_dir):
         ({"adaptive": "yes"}, "adaptive"),
         ({"draft": "ngram", "exit_layer": 1}, "exit_layer"),
         ({"draft": "early_exit", "exit_layer": 9}, "exit_layer"),
-        ({"colour": 1}, "unknown speculative options"),
+        ({"colour": 1}, "has no option 'colour'; valid options: draft, num_speculative_tokens"),
+        ({"draft": ["ngram"]}, "draft"),
+        ({"num_speculative_tokens": True}, "num_speculative_tokens"),
+        ({"ngram_max": 4.0}, "ngram_max"),
     ]
     for options, message in bad:
         with pytest.raises(RequestRejected, match=message):

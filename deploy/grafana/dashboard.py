@@ -211,6 +211,13 @@ def build() -> dict:
     )  # fmt: skip
     d.add("Engine step duration", quantiles("stride_engine_step_duration_seconds", MODEL), "s")
     d.add("Preemptions/s", [(f"sum({rate('stride_preemptions_total', MODEL)})", "preemptions")])
+    d.add(
+        "Prefix cache hit rate",
+        [(f"sum({rate('stride_prefix_cache_hits_total', MODEL)}) / "
+          f"sum({rate('stride_prefix_cache_queries_total', MODEL)})", "cached / prompt tokens")],
+        "percentunit",
+        description="Share of admitted prompt tokens whose KV came from the prefix cache.",
+    )  # fmt: skip
 
     d.row("Errors")
     failed = MODEL + ',finish_reason="error"'

@@ -32,9 +32,10 @@ Adding a strategy is one new module implementing `Decoder` plus one line in the 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar, TypeVar
 
 import torch
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from stride.decoders.sampling import TokenLogprob
 from stride.engine.engine import Engine
@@ -43,6 +44,34 @@ from stride.engine.sequence import SamplingParams, Sequence
 
 class DecoderError(ValueError):
     """A request asked a decoder for something it cannot do; the server answers 400."""
+
+
+class Options(BaseModel):
+    """A decoder's request options: their names, types and ranges, checkable without an engine.
+
+    The HTTP edge checks a request's `decoder` against them (a bad option is a 400 before the
+    engine sees it, and the OpenAPI schema lists them); `Decoder.validate` checks them again at
+    admission, then what depends on the server (its draft model, the model's layers, the
+    request's sampling). Strict: `"4"` is no integer and `true` no number. None: the default.
+    """
+
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+
+OptionsT = TypeVar("OptionsT", bound=Options)
+
+
+def parse_options(model: type[OptionsT], options: dict[str, Any], what: str) -> OptionsT:
+    """`options` as `model`, or a DecoderError that names the bad option (and the valid ones)."""
+    try:
+        return model.model_validate(options)
+    except ValidationError as e:
+        error = e.errors()[0]
+        key = ".".join(str(x) for x in error["loc"])
+        if error["type"] == "extra_forbidden":
+            valid = ", ".join(model.model_fields) or "none"
+            raise DecoderError(f"{what} has no option {key!r}; valid options: {valid}") from None
+        raise DecoderError(f"{what}: option {key!r}: {error['msg']}") from None
 
 
 @dataclass
@@ -86,17 +115,30 @@ class DecodersConfig:
 
 class Decoder:
     name: str = ""
+    options_model: ClassVar[type[Options]] = Options  # what `{"type": name, ...}` may add
 
     @classmethod
     def from_config(cls, engine: Engine, config: DecodersConfig) -> Decoder:
         """The server's instance; decoders with models or settings of their own override this."""
         return cls()
 
+    @classmethod
+    def check_options(cls, options: dict[str, Any]) -> Options:
+        """The options' names, types and ranges (no engine needed), or DecoderError."""
+        return parse_options(cls.options_model, options, f"decoder {cls.name!r}")
+
+    @classmethod
+    def options_schemas(cls) -> list[dict[str, Any]]:
+        """JSON schemas of the options object (one per variant), for the OpenAPI document."""
+        return [cls.options_model.model_json_schema()]
+
     def validate(self, params: SamplingParams, options: dict[str, Any]) -> dict[str, Any]:
-        """Check a request's options at admission; return them normalised or raise DecoderError."""
-        if options:
-            raise DecoderError(f"decoder {self.name!r} takes no options, got {sorted(options)}")
-        return options
+        """Check a request's options at admission; return them normalised or raise DecoderError.
+
+        Never raises anything else: what the schema let through (`check_options`) plus what
+        depends on this server is checked here, before the request reaches a step.
+        """
+        return self.check_options(options).model_dump()
 
     def admit(self, seq: Sequence) -> None:
         """`seq` was admitted: set up what must exist before its first forward pass."""

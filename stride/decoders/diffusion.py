@@ -16,13 +16,22 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from pydantic import Field
 
 from stride.decoders import sampling
-from stride.decoders.base import Commit, DecoderError, ModelGroup, StepContext
+from stride.decoders.base import Commit, ModelGroup, Options, StepContext, parse_options
 from stride.engine.diffusion import DiffusionModel
 from stride.engine.sequence import SamplingParams, Sequence
 
 MAX_BLOCK = 1024
+
+
+class DiffusionOptions(Options):
+    block_size: int = Field(32, ge=1, le=MAX_BLOCK, description="mask tokens per block")
+    threshold: float = Field(0.9, gt=0.0, le=1.0, description="confidence that unmasks")
+    max_iterations: int | None = Field(
+        None, ge=1, le=MAX_BLOCK, description="passes per block at most (default: block_size)"
+    )
 
 
 @dataclass
@@ -56,28 +65,14 @@ class DiffusionGroup(ModelGroup):
         return cls(model, vocab_limit=len(target_tokenizer))
 
     def validate(self, params: SamplingParams, options: dict[str, Any]) -> dict[str, Any]:
-        unknown = set(options) - {"block_size", "threshold", "max_iterations"}
-        if unknown:
-            raise DecoderError(
-                "refine method 'diffusion' takes 'block_size', 'threshold' and 'max_iterations', "
-                f"got {sorted(unknown)}"
-            )
-        block = options.get("block_size", 32)
-        if not isinstance(block, int) or isinstance(block, bool) or not 1 <= block <= MAX_BLOCK:
-            raise DecoderError(f"refine option 'block_size' must be an integer in [1, {MAX_BLOCK}]")
-        threshold = options.get("threshold", 0.9)
-        if isinstance(threshold, bool) or not isinstance(threshold, int | float):
-            raise DecoderError("refine option 'threshold' must be a number in (0, 1]")
-        if not 0.0 < threshold <= 1.0:
-            raise DecoderError("refine option 'threshold' must be a number in (0, 1]")
-        iters = options.get("max_iterations", block)
-        if not isinstance(iters, int) or isinstance(iters, bool) or iters < 1:
-            raise DecoderError("refine option 'max_iterations' must be a positive integer")
+        opts = parse_options(DiffusionOptions, options, "refine method 'diffusion'")
         return {
             "method": "diffusion",
-            "block_size": block,
-            "threshold": float(threshold),
-            "max_iterations": iters,
+            "block_size": opts.block_size,
+            "threshold": float(opts.threshold),
+            "max_iterations": opts.block_size
+            if opts.max_iterations is None
+            else opts.max_iterations,
         }
 
     def step(self, seqs: list[Sequence], ctx: StepContext) -> list[Commit]:

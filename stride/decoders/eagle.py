@@ -10,6 +10,11 @@ the most likely nodes level by level and keep the best `budget` of them.
 
 Drafted rows are scratch: they sit in slots past the target's cached ones, which the next
 catch-up overwrites with real rows, so nothing rolls back but the features of rejected drafts.
+
+A prompt prefix found in the prefix cache was never scored for this sequence, so the head has no
+features for it: it starts at the first position scored, and its attention over the prefix
+reads whatever head rows those shared blocks hold (another sequence's, or stale ones). That
+costs drafts some accuracy, never correctness: the target verifies every draft.
 """
 
 from __future__ import annotations
@@ -83,8 +88,10 @@ class EagleDrafter(Drafter):
                 roots.append(cur.root)
                 continue
             rows = torch.cat(seq.features) if seq.features else None
-            if rows is None or len(rows) < n:
-                raise RuntimeError(f"EAGLE lacks the target's features for {seq.request_id}")
+            if rows is None or len(rows) < n:  # a prompt prefix found in the prefix cache
+                n = 0 if rows is None else len(rows)
+            if n == 0:
+                raise RuntimeError(f"EAGLE has no target features for {seq.request_id}")
             start = seq.num_cached - n
             feats.append(rows[-n:])
             seq.features.clear()

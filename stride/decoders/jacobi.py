@@ -15,9 +15,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from pydantic import Field
 
 from stride.decoders import sampling
-from stride.decoders.base import Commit, Decoder, DecoderError, Proposal, StepContext
+from stride.decoders.base import (
+    Commit,
+    Decoder,
+    DecoderError,
+    Options,
+    Proposal,
+    StepContext,
+    parse_options,
+)
 from stride.engine.sequence import SamplingParams, Sequence
 
 MAX_WINDOW = 64
@@ -101,11 +110,8 @@ def check_greedy(params: SamplingParams, method: str) -> None:
         )
 
 
-def check_int(options: dict[str, Any], key: str, default: int, low: int, high: int) -> int:
-    value = options.get(key, default)
-    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
-        raise DecoderError(f"refine option {key!r} must be an integer in [{low}, {high}]")
-    return value
+class JacobiOptions(Options):
+    window: int | None = Field(None, ge=1, le=MAX_WINDOW, description="guesses per pass")
 
 
 @dataclass
@@ -120,12 +126,12 @@ class Jacobi(Decoder):
     name = "jacobi"
     default_window = 8
 
+    options_model = JacobiOptions
+
     def validate(self, params: SamplingParams, options: dict[str, Any]) -> dict[str, Any]:
         check_greedy(params, self.name)
-        unknown = set(options) - {"window"}
-        if unknown:
-            raise DecoderError(f"refine method 'jacobi' takes only 'window', got {sorted(unknown)}")
-        return {"window": check_int(options, "window", self.default_window, 1, MAX_WINDOW)}
+        window = parse_options(JacobiOptions, options, "refine method 'jacobi'").window
+        return {"window": self.default_window if window is None else window}
 
     def state(self, seq: Sequence) -> JacobiState:
         if seq.decoder_state is None:

@@ -18,18 +18,23 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from pydantic import Field
 
-from stride.decoders.base import Commit, DecoderError, Proposal, StepContext
+from stride.decoders.base import Commit, Proposal, StepContext, parse_options
 from stride.decoders.jacobi import (
-    MAX_WINDOW,
     Jacobi,
+    JacobiOptions,
     JacobiState,
     Verdict,
     check_greedy,
-    check_int,
     verify,
 )
 from stride.engine.sequence import SamplingParams, Sequence
+
+
+class LookaheadOptions(JacobiOptions):
+    ngram: int | None = Field(None, ge=2, le=16, description="length of the n-grams guessed")
+    candidates: int | None = Field(None, ge=0, le=32, description="n-grams verified per pass")
 
 
 class NgramPool:
@@ -72,18 +77,15 @@ class Lookahead(Jacobi):
     default_ngram = 4
     default_candidates = 4
 
+    options_model = LookaheadOptions
+
     def validate(self, params: SamplingParams, options: dict[str, Any]) -> dict[str, Any]:
         check_greedy(params, self.name)
-        unknown = set(options) - {"window", "ngram", "candidates"}
-        if unknown:
-            raise DecoderError(
-                "refine method 'lookahead' takes 'window', 'ngram' and 'candidates', "
-                f"got {sorted(unknown)}"
-            )
+        opts = parse_options(LookaheadOptions, options, "refine method 'lookahead'")
         return {
-            "window": check_int(options, "window", self.default_window, 1, MAX_WINDOW),
-            "ngram": check_int(options, "ngram", self.default_ngram, 2, 16),
-            "candidates": check_int(options, "candidates", self.default_candidates, 0, 32),
+            "window": self.default_window if opts.window is None else opts.window,
+            "ngram": self.default_ngram if opts.ngram is None else opts.ngram,
+            "candidates": self.default_candidates if opts.candidates is None else opts.candidates,
         }
 
     def state(self, seq: Sequence) -> LookaheadState:

@@ -18,16 +18,23 @@ from stride.decoders.base import (
     DecoderError,
     DecodersConfig,
     ModelGroup,
+    Options,
     Proposal,
     StepContext,
+    parse_options,
 )
-from stride.decoders.diffusion import DiffusionGroup
-from stride.decoders.jacobi import Jacobi
-from stride.decoders.lookahead import Lookahead
+from stride.decoders.diffusion import DiffusionGroup, DiffusionOptions
+from stride.decoders.jacobi import Jacobi, JacobiOptions
+from stride.decoders.lookahead import Lookahead, LookaheadOptions
 from stride.engine.engine import Engine
 from stride.engine.sequence import SamplingParams, Sequence
 
-METHODS = ("jacobi", "lookahead", "diffusion")
+METHODS: dict[str, type[Options]] = {
+    "jacobi": JacobiOptions,
+    "lookahead": LookaheadOptions,
+    "diffusion": DiffusionOptions,
+}
+DEFAULT_METHOD = "jacobi"
 
 
 class Refine(Decoder):
@@ -50,9 +57,25 @@ class Refine(Decoder):
         )
         return cls(group)
 
+    @classmethod
+    def check_options(cls, options: dict[str, Any]) -> Options:
+        method, rest = _method(options)
+        return parse_options(METHODS[method], rest, f"refine method {method!r}")
+
+    @classmethod
+    def options_schemas(cls) -> list[dict[str, Any]]:
+        """One object per method, told apart by `method` (which the default may leave out)."""
+        out = []
+        for method, model in METHODS.items():
+            schema = model.model_json_schema()
+            schema["properties"] = {"method": {"const": method}, **schema["properties"]}
+            if method != DEFAULT_METHOD:
+                schema["required"] = ["method", *schema.get("required", [])]
+            out.append(schema)
+        return out
+
     def validate(self, params: SamplingParams, options: dict[str, Any]) -> dict[str, Any]:
-        options = dict(options)
-        method = options.pop("method", "jacobi")
+        method, options = _method(options)
         if method == "diffusion":
             if self.diffusion is None:
                 raise DecoderError(
@@ -60,8 +83,6 @@ class Refine(Decoder):
                     "--diffusion-model PATH"
                 )
             return self.diffusion.validate(params, options)
-        if method not in self.causal:
-            raise DecoderError(f"unknown refine method {method!r}; valid: {', '.join(METHODS)}")
         return {"method": method, **self.causal[method].validate(params, options)}
 
     def model_group(self, seq: Sequence) -> ModelGroup | None:
@@ -96,6 +117,14 @@ class Refine(Decoder):
 
     def _of(self, seq: Sequence) -> Decoder:
         return self.causal[seq.decoder_options["method"]]
+
+
+def _method(options: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """The refine method a request names (a known one, or DecoderError), and its other options."""
+    method = options.get("method", DEFAULT_METHOD)
+    if not isinstance(method, str) or method not in METHODS:
+        raise DecoderError(f"unknown refine method {method!r}; valid: {', '.join(METHODS)}")
+    return method, {k: v for k, v in options.items() if k != "method"}
 
 
 def _by_method(seqs: list[Sequence]) -> dict[str, list[int]]:

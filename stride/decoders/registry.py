@@ -20,7 +20,11 @@ DECODERS: dict[str, type[Decoder]] = {
 def parse_spec(
     spec: str | dict[str, Any] | None, default: str | dict[str, Any]
 ) -> tuple[str, dict]:
-    """`"ar"` or `{"type": "ar", ...options}` (None: the server default) → (name, options)."""
+    """`"ar"` or `{"type": "ar", ...options}` (None: the server default) → (name, options).
+
+    Raises DecoderError for an unknown decoder, or options of the wrong name, type or range
+    (`Decoder.check_options`); what depends on the server is checked at admission.
+    """
     spec = default if spec is None else spec
     if isinstance(spec, str):
         name, options = spec, {}
@@ -33,7 +37,20 @@ def parse_spec(
         raise DecoderError("decoder must be a name or an object with a 'type' field")
     if name not in DECODERS:
         raise DecoderError(f"unknown decoder {name!r}; valid decoders: {', '.join(DECODERS)}")
+    DECODERS[name].check_options(options)
     return name, options
+
+
+def spec_schema() -> dict[str, Any]:
+    """The JSON schema of a `decoder` field: a name, or an object of a decoder's options."""
+    objects = []
+    for name, cls in DECODERS.items():
+        for schema in cls.options_schemas():
+            properties = {"type": {"const": name}, **schema.get("properties", {})}
+            required = ["type", *schema.get("required", [])]
+            shape = {k: v for k, v in schema.items() if k not in ("title", "description")}
+            objects.append({**shape, "properties": properties, "required": required})
+    return {"oneOf": [{"type": "string", "enum": list(DECODERS)}, *objects]}
 
 
 def build_decoders(engine: Engine, config: DecodersConfig | None = None) -> dict[str, Decoder]:

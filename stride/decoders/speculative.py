@@ -86,6 +86,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from pydantic import Field
 
 from stride import drafts
 from stride.decoders import sampling
@@ -96,8 +97,10 @@ from stride.decoders.base import (
     Decoder,
     DecoderError,
     DecodersConfig,
+    Options,
     Proposal,
     StepContext,
+    parse_options,
 )
 from stride.decoders.drafters import (
     Draft,
@@ -114,17 +117,29 @@ from stride.engine.kv_cache import OutOfBlocks
 from stride.engine.sequence import SamplingParams, Sequence
 
 MAX_K = 16
+MAX_NGRAM = 8
 _NOTHING = Proposal()  # shared by all sequences of a plain step: nobody mutates a proposal
-OPTIONS = (
-    "draft",
-    "num_speculative_tokens",
-    "adaptive",
-    "exit_layer",
-    "ngram_max",
-    "tree_nodes",
-    "tree_topk",
-)
 MAX_TREE_NODES = 128
+MAX_TREE_TOPK = 16
+
+
+class SpeculativeOptions(Options):
+    """Types and ranges; which drafters exist and how many layers there are is the server's."""
+
+    draft: str | None = Field(
+        None, description="ngram, early_exit, eagle (with an EAGLE head) or the --draft-model"
+    )
+    num_speculative_tokens: int | None = Field(None, ge=0, le=MAX_K)
+    adaptive: bool = True
+    exit_layer: int | None = Field(None, ge=1, description="early_exit: layers that draft")
+    ngram_max: int | None = Field(None, ge=1, le=MAX_NGRAM, description="ngram: longest suffix")
+    tree_nodes: int | None = Field(
+        None, ge=0, le=MAX_TREE_NODES,
+        description="eagle: draft a tree of this many nodes (0: a chain; greedy requests only)",
+    )  # fmt: skip
+    tree_topk: int | None = Field(
+        None, ge=1, le=MAX_TREE_TOPK, description="eagle: children expanded per tree node"
+    )
 
 
 def verify(
@@ -328,53 +343,42 @@ class Speculative(Decoder):
         names += [self.draft_model.name] if self.draft_model else []
         return names + (["eagle"] if self.eagle else [])
 
+    options_model = SpeculativeOptions
+
     def validate(self, params: SamplingParams, options: dict[str, Any]) -> dict[str, Any]:
-        unknown = sorted(set(options) - set(OPTIONS))
-        if unknown:
-            raise DecoderError(f"unknown speculative options {unknown}; valid: {list(OPTIONS)}")
-        default_draft = (
-            "eagle" if self.eagle else self.draft_model.name if self.draft_model else "ngram"
-        )
-        draft = options.get("draft", default_draft)
+        opts = parse_options(SpeculativeOptions, options, "decoder 'speculative'")
+        draft = opts.draft
+        if draft is None:
+            draft = self.draft_model.name if self.draft_model else "ngram"
+            draft = "eagle" if self.eagle else draft
         if draft not in self.drafter_names:
             raise DecoderError(
                 f"unknown draft {draft!r}; valid drafters: {', '.join(self.drafter_names)}"
             )
-        k = options.get("num_speculative_tokens", self.default_k)
-        if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= MAX_K:
-            raise DecoderError(f"num_speculative_tokens must be an integer in [0, {MAX_K}]")
-        adaptive = options.get("adaptive", True)
-        if not isinstance(adaptive, bool):
-            raise DecoderError("adaptive must be true or false")
-        out: dict[str, Any] = {"draft": draft, "num_speculative_tokens": k, "adaptive": adaptive}
+        k = self.default_k if opts.num_speculative_tokens is None else opts.num_speculative_tokens
+        out: dict[str, Any] = {
+            "draft": draft,
+            "num_speculative_tokens": k,
+            "adaptive": opts.adaptive,
+        }
         layers = self.engine.model.num_layers
         if draft == "early_exit":
-            exit_layer = options.get("exit_layer", max(1, layers // 2))
-            if not isinstance(exit_layer, int) or not 1 <= exit_layer <= layers:
+            exit_layer = max(1, layers // 2) if opts.exit_layer is None else opts.exit_layer
+            if not exit_layer <= layers:
                 raise DecoderError(f"exit_layer must be an integer in [1, {layers}]")
             out["exit_layer"] = exit_layer
-        elif "exit_layer" in options:
+        elif opts.exit_layer is not None:
             raise DecoderError("exit_layer applies to draft 'early_exit' only")
         if draft == "ngram":
-            n = options.get("ngram_max", 3)
-            if not isinstance(n, int) or not 1 <= n <= 8:
-                raise DecoderError("ngram_max must be an integer in [1, 8]")
-            out["ngram_max"] = n
-        elif "ngram_max" in options:
+            out["ngram_max"] = 3 if opts.ngram_max is None else opts.ngram_max
+        elif opts.ngram_max is not None:
             raise DecoderError("ngram_max applies to draft 'ngram' only")
         if draft == "eagle":
-            nodes = options.get("tree_nodes", 0)
-            if not isinstance(nodes, int) or isinstance(nodes, bool):
-                raise DecoderError(f"tree_nodes must be an integer in [0, {MAX_TREE_NODES}]")
-            if not 0 <= nodes <= MAX_TREE_NODES:
-                raise DecoderError(f"tree_nodes must be an integer in [0, {MAX_TREE_NODES}]")
-            topk = options.get("tree_topk", 8)
-            if not isinstance(topk, int) or isinstance(topk, bool) or not 1 <= topk <= 16:
-                raise DecoderError("tree_topk must be an integer in [1, 16]")
+            nodes = opts.tree_nodes or 0
             # Trees verify greedy requests; a sampled one drafts chains (exact rejection rule).
             out["tree_nodes"] = nodes if params.greedy else 0
-            out["tree_topk"] = topk
-        elif {"tree_nodes", "tree_topk"} & set(options):
+            out["tree_topk"] = 8 if opts.tree_topk is None else opts.tree_topk
+        elif opts.tree_nodes is not None or opts.tree_topk is not None:
             raise DecoderError("tree_nodes and tree_topk apply to draft 'eagle' only")
         return out
 

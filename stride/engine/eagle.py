@@ -345,7 +345,7 @@ def load_head(path: Path, target: CausalLM) -> EagleHead:
     if lm_head is not None:
         head.lm_head = lm_head.to(device=param.device, dtype=param.dtype)
     elif config.draft_vocab_size != config.vocab_size:  # the target's rows, gathered once
-        head.lm_head = param[head.draft_ids].contiguous()
+        head.lm_head = param.detach()[head.draft_ids].contiguous()
     with torch.device(param.device):  # fp32 angles, whatever the weights' dtype
         head.rotary = LlamaRotaryEmbedding(config.llama())
     return head.eval()

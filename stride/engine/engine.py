@@ -26,6 +26,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.85
     block_size: int = 16
     max_model_len: int | None = None
+    enable_prefix_caching: bool = True  # reuse the K/V of prompts' shared leading blocks
 
 
 class Engine:
@@ -78,6 +79,8 @@ class Engine:
             self.config.block_size,
             self.dtype,
             self.device,
+            prefix_caching=self.config.enable_prefix_caching,
+            model_key=f"{self.path}:{self.dtype}",
         )
 
 

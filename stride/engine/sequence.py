@@ -3,7 +3,10 @@
 A `Sequence` keeps one invariant that the whole design leans on: `token_ids[:num_cached]` have
 their keys and values in the KV cache, and the rest (`tail`) must be fed to the next forward pass.
 A decoder extends a step by proposing extra tokens after the tail and, on commit, says how many of
-the scored tokens keep their KV; anything it rejected is rolled back by lowering `num_cached`.
+the scored tokens keep their KV; anything it rejected is rolled back by lowering `num_cached`
+(never below the tokens committed before the step).
+With prefix caching, a sequence may start with `num_cached > 0`: the K/V of its first blocks were
+computed for another sequence with the same leading tokens (see `engine.kv_cache`).
 """
 
 from __future__ import annotations
@@ -98,10 +101,14 @@ class Sequence:
     priority: int = 0
     deadline: float | None = None  # time.monotonic() after which the request fails
     arrival_time: float = field(default_factory=time.monotonic)
+    cache_salt: str = ""  # what else, besides the model and tokens, shapes its K/V (an adapter)
 
     token_ids: list[int] = field(init=False)
     num_cached: int = 0
     block_table: list[int] = field(default_factory=list)
+    num_sealed: int = 0  # leading blocks of block_table that are full, committed and immutable
+    block_hashes: list[bytes] = field(default_factory=list)  # of token_ids' full blocks, memo
+    cached_prompt_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
     status: Status = Status.WAITING
     generator: torch.Generator | None = None
     decoder_state: Any = None

@@ -2,13 +2,26 @@
 
 `EngineCore` is single-threaded and synchronous; `client.EngineClient` runs it on its own thread
 and feeds it through queues. Every admitted request leaves through exactly one terminal output.
+
+Fault isolation: one request's failure is that request's error (`internal_error`), never the
+engine's. Work done per sequence (admission, a decoder's `extra_tokens`, applying a commit,
+detokenizing, finishing) fails the sequence it raised for. A batched call (a decoder's
+`propose` or `commit` over its sequences, a model group's step) that raises cannot be pinned on
+one of them: its sequences drop their decoder state (as on preemption), become suspects, and are
+run again in halves, one half per step with the decoder's other sequences held back, until the
+one that fails alone is found and failed (bisection: a few steps for one culprit). A forward
+pass that raises is retried one sequence at a time; sequences whose forward fails alone fail,
+and only if none succeeds does the step raise: then the engine is broken, and the client
+declares it dead (and restarts it).
 """
 
 from __future__ import annotations
 
 import gc
+import logging
 import time
 from collections import Counter, defaultdict
+from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +52,8 @@ from stride.scheduler.outputs import (
     StepStats,
 )
 from stride.scheduler.policy import Scheduled, Scheduler, SchedulerConfig
+
+log = logging.getLogger(__name__)
 
 FUSE_MAX_BATCH = 8  # bursts of several decode steps only for batches up to this size
 
@@ -86,6 +101,11 @@ class EngineCore:
         self._max_burst_batch = graphs.max_batch if graphs is not None else 1 << 30
         self.last_batch_size = 0
         self.last_num_tokens = 0
+        # Fault isolation: per batch (a decoder's name, a model group), groups of request ids
+        # to run apart, first group first; and failed requests' outputs for this step.
+        self._suspects: dict[Hashable, list[set[str]]] = {}
+        self._failed: list[RequestOutput] = []
+        self._broken: dict[str, tuple[Exception, str]] = {}  # during scheduling
         # Everything alive now (model, tokenizer, graphs, imported modules) lives as long as the
         # loop: keep it out of the cyclic collector, whose full passes over that heap would
         # otherwise stall a step for hundreds of ms every few dozen steps. Collect first, so that
@@ -96,7 +116,35 @@ class EngineCore:
     # ---- admission and cancellation ---------------------------------------------------------
 
     def add(self, req: GenerateRequest) -> None:
-        """Admit a request or raise RequestRejected / QueueFull; nothing else is touched then."""
+        """Admit a request or raise RequestRejected / QueueFull; nothing else is touched then.
+
+        An error of Stride's own while admitting (not the request's fault) is this request's
+        RequestRejected with code `internal_error`: nothing was added, the loop goes on.
+        """
+        try:
+            seq, detok, grouped = self._admissible(req)
+        except (QueueFull, RequestRejected):
+            raise
+        except Exception as e:
+            log.exception("admitting request %s failed", req.request_id)
+            raise RequestRejected(
+                f"internal error while admitting the request: {type(e).__name__}",
+                code="internal_error",
+            ) from e
+        self.seqs[seq.request_id] = seq
+        self._num_deadlines += seq.deadline is not None
+        if seq.decoder not in self._plain:
+            self._unplain[seq.decoder] += 1
+        self._detok[seq.request_id] = detok
+        if grouped:  # a model of the decoder's own runs it (diffusion); see _step_groups
+            seq.status = Status.RUNNING
+            self._grouped[seq.request_id] = seq
+        else:
+            self.scheduler.enqueue(seq)
+
+    def _admissible(self, req: GenerateRequest) -> tuple[Sequence, Detokenizer, bool]:
+        """Check `req` and build what admitting it adds: its sequence, detokenizer, and whether
+        a model group runs it. Touches nothing."""
         if req.request_id in self.seqs:
             raise RequestRejected(f"duplicate request id {req.request_id!r}")
         if len(self.scheduler.waiting) >= self.config.max_waiting:
@@ -125,12 +173,13 @@ class EngineCore:
         if decoder is None:
             raise RequestRejected(
                 f"unknown decoder {req.decoder!r}; valid decoders: {', '.join(self.decoders)}",
+                code="invalid_decoder",
                 param="decoder",
             )
         try:
             options = decoder.validate(p, req.decoder_options)
         except DecoderError as e:
-            raise RequestRejected(str(e), param="decoder") from e
+            raise RequestRejected(str(e), code="invalid_decoder", param="decoder") from e
 
         seq = Sequence(
             request_id=req.request_id,
@@ -143,19 +192,9 @@ class EngineCore:
         )
         if p.seed is not None:
             seq.generator = torch.Generator(self.engine.device).manual_seed(p.seed)
-        self.seqs[seq.request_id] = seq
-        self._num_deadlines += seq.deadline is not None
-        if seq.decoder not in self._plain:
-            self._unplain[seq.decoder] += 1
-        self._detok[seq.request_id] = Detokenizer(
-            self.engine.tokenizer, p.stop, p.skip_special_tokens
-        )
-        decoder.admit(seq)
-        if decoder.model_group(seq) is None:
-            self.scheduler.enqueue(seq)
-        else:  # a model of the decoder's own runs it (diffusion); see _step_groups
-            seq.status = Status.RUNNING
-            self._grouped[seq.request_id] = seq
+        decoder.admit(seq)  # (what the decoder sets up on the new sequence only)
+        detok = Detokenizer(self.engine.tokenizer, p.stop, p.skip_special_tokens)
+        return seq, detok, decoder.model_group(seq) is not None
 
     def abort(self, request_id: str) -> RequestOutput | None:
         seq = self.seqs.get(request_id)
@@ -181,6 +220,8 @@ class EngineCore:
             batch_size=self.last_batch_size,
             num_tokens=self.last_num_tokens,
             num_preemptions=self.scheduler.num_preemptions,
+            prefix_cache_queries=self.scheduler.prefix_cache_queries,
+            prefix_cache_hits=self.scheduler.prefix_cache_hits,
         )
 
     # ---- the step ---------------------------------------------------------------------------
@@ -193,13 +234,18 @@ class EngineCore:
         launched, self._launched = self._launched or self._launch(), None
         if launched is not None:
             # A fused burst whose plan goes on is followed on the device before it is committed.
-            self._launched = self._chain(launched)
+            self._launched = self._chain_guarded(launched)
             self._commit(launched, outputs, untexted, chained=self._launched is not None)
             if self._launched is None and self._may_launch_ahead():
                 self._launched = self._launch()
         # Decoding text last: with a forward launched ahead, this runs while the GPU computes.
         for out, detok in untexted:
-            out.text = detok.take(final=False)
+            try:
+                out.text = detok.take(final=False)
+            except Exception as e:
+                self._fail(self.seqs.get(out.request_id), e, "detokenizing")
+        outputs += self._failed
+        self._failed = []
         return outputs
 
     def _may_launch_ahead(self) -> bool:
@@ -210,48 +256,128 @@ class EngineCore:
         the next step's plan is the one it would pick itself, unless a request arrives (it joins
         a step later) or leaves (its row is dropped) in between.
         """
-        if not self.launch_ahead or self.scheduler.waiting or self._grouped:
+        if not self.launch_ahead or self.scheduler.waiting or self._grouped or self._suspects:
             return False
         for name, count in self._unplain.items():
             agrees = getattr(self.decoders[name], "may_launch_ahead", None)
-            if count and (agrees is None or not agrees()):
+            try:
+                if count and (agrees is None or not agrees()):
+                    return False
+            except Exception:
+                log.exception("decoder %s: may_launch_ahead failed", name)
                 return False
         return True
 
     def _launch(self) -> _Launched | None:
-        """Schedule, let decoders propose, and start the forward pass (asynchronous on a GPU)."""
+        """Schedule, let decoders propose, and start the forward pass (asynchronous on a GPU).
+
+        What fails for some sequences (see the module docstring) leaves the plan without them.
+        """
+        self._broken = {}  # filled by the schedule's callbacks
         plan = self.scheduler.schedule(self._extra_tokens, self._release)
+        if self._broken:
+            for rid, (error, what) in self._broken.items():
+                self._fail(self.seqs.get(rid), error, what)
+            plan = [item for item in plan if item.seq.status is Status.RUNNING]
+        plan = self._without_held(plan)
         self.last_batch_size = len(plan)
         if not plan:
             return None
-        # Plan indices of the sequences that complete their tail, by decoder.
-        by_decoder: dict[str, list[int]] = defaultdict(list)
-        for i, item in enumerate(plan):
-            if item.completes_tail:
-                by_decoder[item.seq.decoder].append(i)
+        by_decoder = _by_decoder(plan)
         proposals: list[Proposal | None] = [None] * len(plan)
         burst = self._burst(plan, by_decoder)
         if burst is not None:
             self.last_num_tokens = len(plan)
             return _Launched(plan, by_decoder, proposals, [], burst=burst)
+        dropped: set[int] = set()
         for name, idx in by_decoder.items():
-            props = self.decoders[name].propose([plan[i].seq for i in idx], self.ctx)
+            seqs = [plan[i].seq for i in idx]
+            try:
+                props = self.decoders[name].propose(seqs, self.ctx)
+                _check_count(name, "proposals", props, seqs)
+            except Exception as e:
+                self._batch_failed(name, seqs, "proposing for", e)
+                dropped.update(idx)
+                continue
             for i, prop in zip(idx, props, strict=True):
                 if len(prop.tokens) > plan[i].extra:
-                    raise RuntimeError(f"decoder {name} proposed more tokens than it reserved")
-                proposals[i] = prop
+                    error = RuntimeError(f"decoder {name} proposed more tokens than it reserved")
+                    self._fail(plan[i].seq, error, "proposing for")
+                    dropped.add(i)
+                else:
+                    proposals[i] = prop
+        if dropped:
+            kept = [i for i in range(len(plan)) if i not in dropped]
+            plan, proposals = [plan[i] for i in kept], [proposals[i] for i in kept]
+            by_decoder = _by_decoder(plan)
+            if not plan:
+                return None
 
         chunks = [self._chunk(item, prop) for item, prop in zip(plan, proposals, strict=True)]
-        steps = self._fused_steps(plan, by_decoder)
+        steps = self._fused_steps_guarded(plan, by_decoder)
         if steps:
             self.last_num_tokens = len(chunks) * steps
             seqs, tails = [c.seq for c in chunks], [c.token_ids[0] for c in chunks]
             sample = Autoregressive.device_sample
-            tokens = self.engine.runner.decode_steps(seqs, tails, steps, sample)
-            return _Launched(plan, by_decoder, proposals, [], tokens)
+            try:
+                tokens = self.engine.runner.decode_steps(seqs, tails, steps, sample)
+                return _Launched(plan, by_decoder, proposals, [], tokens)
+            except Exception:  # the plain forward below tells whose fault it is
+                log.exception("fused decode steps failed; running a plain forward instead")
         self.last_num_tokens = sum(len(c.token_ids) for c in chunks)
-        logits = self.engine.runner.forward(chunks)
+        logits, failed = self._forward(chunks)
+        if failed:
+            for i, error in failed.items():
+                self._fail(plan[i].seq, error, "scoring")
+            kept = [i for i in range(len(plan)) if i not in failed]
+            plan, proposals = [plan[i] for i in kept], [proposals[i] for i in kept]
+            logits = [logits[i] for i in kept]
+            by_decoder = _by_decoder(plan)
         return _Launched(plan, by_decoder, proposals, logits)
+
+    def _forward(self, chunks: list[Chunk]) -> tuple[list[torch.Tensor], dict[int, Exception]]:
+        """The step's forward pass: each chunk's logits, and what the chunks that fail alone
+        raised (none when the batch went through; their logits are placeholders). If the batch
+        raises, each chunk runs again alone; if none succeeds, the fault is the engine's: raise.
+        """
+        try:
+            return self.engine.runner.forward(chunks), {}
+        except Exception as e:
+            if len(chunks) == 1:
+                raise
+            log.warning(
+                "a forward pass over %d sequences failed (%s: %s); retrying each alone",
+                len(chunks),
+                type(e).__name__,
+                e,
+            )
+            logits: list[torch.Tensor] = []
+            failed: dict[int, Exception] = {}
+            for i, chunk in enumerate(chunks):
+                try:
+                    logits += self.engine.runner.forward([chunk])
+                except Exception as alone:
+                    failed[i] = alone
+                    logits.append(torch.empty(0))
+            if len(failed) == len(chunks):
+                raise
+            return logits, failed
+
+    def _fused_steps_guarded(self, plan: list[Scheduled], by_decoder: dict[str, list[int]]) -> int:
+        if self._suspects:
+            return 0
+        try:
+            return self._fused_steps(plan, by_decoder)
+        except Exception:  # what `_fused_steps` reserved goes back when the step commits
+            log.exception("choosing fused decode steps failed; running a plain forward")
+            return 0
+
+    def _chain_guarded(self, launched: _Launched) -> _Launched | None:
+        try:
+            return self._chain(launched)
+        except Exception:  # nothing launched: the next step launches from scratch
+            log.exception("chaining fused decode steps failed")
+            return None
 
     def _fused_steps(self, plan: list[Scheduled], by_decoder: dict[str, list[int]]) -> int:
         """How many decode steps this engine step runs as one fused burst (0: a plain forward).
@@ -395,9 +521,11 @@ class EngineCore:
                         outputs.append(out)
             return
         plan, proposals, logits = launched.plan, launched.proposals, launched.logits
+        cache = self.engine.cache
         for item in plan:
             if not item.completes_tail and item.seq.status is not Status.FINISHED:
                 item.seq.num_cached += item.num_tail
+                cache.seal(item.seq)
         for name, idx in launched.by_decoder.items():
             # Sequences aborted or expired since the launch lose their rows.
             idx = [i for i in idx if plan[i].seq.status is not Status.FINISHED]
@@ -405,9 +533,21 @@ class EngineCore:
                 continue
             seqs = [plan[i].seq for i in idx]
             props = [proposals[i] for i in idx]
-            commits = self.decoders[name].commit(seqs, props, [logits[i] for i in idx], self.ctx)
+            try:
+                commits = self.decoders[name].commit(
+                    seqs, props, [logits[i] for i in idx], self.ctx
+                )
+                _check_count(name, "commits", commits, seqs)
+            except Exception as e:
+                self._batch_failed(name, seqs, "committing for", e)
+                continue
+            self._passed(name, seqs)
             for seq, commit in zip(seqs, commits, strict=True):
-                out = self._apply(seq, commit, untexted)
+                try:  # (inline: a call per sequence and step is dear at 256 sequences)
+                    out = self._apply(seq, commit, untexted)
+                except Exception as e:
+                    self._fail(seq, e, "applying the tokens of")
+                    continue
                 if out is not None:
                     outputs.append(out)
 
@@ -426,12 +566,21 @@ class EngineCore:
         for name, idx in launched.by_decoder.items():  # propose ran, commit does not
             if name not in self._plain:
                 seqs = [plan[i].seq for i in idx if plan[i].seq.status is not Status.FINISHED]
-                if seqs:
-                    self.decoders[name].fused(seqs, steps)
+                try:
+                    if seqs:
+                        self.decoders[name].fused(seqs, steps)
+                except Exception:  # its count of steps is off; the tokens are plain greedy
+                    log.exception("decoder %s: fused failed; its sequences start afresh", name)
+                    for seq in seqs:
+                        self._reset(seq)
         for item, tokens in zip(plan, launched.tokens.per_sequence(), strict=True):
             if item.seq.status is not Status.FINISHED:
                 commit = Commit(tokens, [None] * steps, steps - 1, forward_passes=steps)
-                out = self._apply(item.seq, commit, untexted, trim=not chained)
+                try:
+                    out = self._apply(item.seq, commit, untexted, trim=not chained)
+                except Exception as e:
+                    self._fail(item.seq, e, "applying the tokens of")
+                    continue
                 if out is not None:
                     outputs.append(out)
 
@@ -444,19 +593,27 @@ class EngineCore:
             group = self.decoders[seq.decoder].model_group(seq)
             if group is not None:
                 groups[group].append(seq)
-        outputs = []
+        outputs: list[RequestOutput] = []
         for group, seqs in groups.items():
-            for seq, commit in zip(seqs, group.step(seqs, self.ctx), strict=True):
-                out = self._apply(seq, commit, untexted)
+            active = self._active(group, seqs)
+            if active is not None:
+                seqs = [s for s in seqs if s.request_id in active]
+            try:
+                commits = group.step(seqs, self.ctx)
+                _check_count(type(group).__name__, "commits", commits, seqs)
+            except Exception as e:
+                self._batch_failed(group, seqs, "stepping the model group of", e)
+                continue
+            self._passed(group, seqs)
+            for seq, commit in zip(seqs, commits, strict=True):
+                try:
+                    out = self._apply(seq, commit, untexted)
+                except Exception as e:
+                    self._fail(seq, e, "applying the tokens of")
+                    continue
                 if out is not None:
                     outputs.append(out)
         return outputs
-
-    def _extra_tokens(self, seq: Sequence, cap: int) -> int:
-        return self.decoders[seq.decoder].extra_tokens(seq, cap)
-
-    def _release(self, seq: Sequence) -> None:
-        self.decoders[seq.decoder].release(seq, self.ctx)
 
     def _chunk(self, item: Scheduled, prop: Proposal | None) -> Chunk:
         seq = item.seq
@@ -519,6 +676,7 @@ class EngineCore:
                 reason = "length"
             if reason is not None:
                 break
+        self.engine.cache.seal(seq)  # before a finish frees them: the next turn may use them
         if commit.per_pass is not None:  # a burst's passes, up to the tokens kept
             kept = n
             for made in commit.per_pass:
@@ -547,14 +705,25 @@ class EngineCore:
         error: EngineError | None = None,
     ) -> RequestOutput:
         out = out or RequestOutput(seq.request_id)
-        self._release(seq)
+        try:
+            self.decoders[seq.decoder].release(seq, self.ctx)
+        except Exception:  # the request is over either way; its decoder may leak a little
+            log.exception("releasing the decoder state of request %s failed", seq.request_id)
         self.scheduler.remove(seq)
         del self.seqs[seq.request_id]
         self._grouped.pop(seq.request_id, None)
+        if self._suspects:
+            self._clear_suspect(seq.request_id)
         self._num_deadlines -= seq.deadline is not None
         if seq.decoder not in self._plain:
             self._unplain[seq.decoder] -= 1
-        out.text = self._detok.pop(seq.request_id).take(final=True)
+        try:
+            out.text = self._detok.pop(seq.request_id).take(final=True)
+        except Exception as e:
+            log.exception("detokenizing request %s failed", seq.request_id)
+            if error is None:
+                reason = "error"
+                error = EngineError("internal_error", f"detokenizing failed: {type(e).__name__}")
         out.finish_reason = reason
         out.stop_reason = stop_reason
         out.error = error
@@ -566,6 +735,7 @@ class EngineCore:
     def _fill_counts(self, seq: Sequence, out: RequestOutput) -> None:
         out.num_prompt_tokens = seq.num_prompt_tokens
         out.num_output_tokens = seq.num_output_tokens
+        out.num_cached_tokens = seq.cached_prompt_tokens
 
     def _expire_deadlines(self) -> list[RequestOutput]:
         if not self._num_deadlines:
@@ -593,6 +763,121 @@ class EngineCore:
                 outs.append(RequestOutput(seq.request_id, finish_reason="error", error=error))
                 self.seqs.pop(seq.request_id, None)
         return outs
+
+    # ---- fault isolation (see the module docstring) -----------------------------------------
+
+    def _extra_tokens(self, seq: Sequence, cap: int) -> int:
+        """The scheduler's callback; a decoder failing here fails `seq` once scheduling ends."""
+        try:
+            return self.decoders[seq.decoder].extra_tokens(seq, cap)
+        except Exception as e:
+            self._broken.setdefault(seq.request_id, (e, "scheduling"))
+            return 0
+
+    def _release(self, seq: Sequence) -> None:
+        """The scheduler's callback on preemption (a failure fails `seq` once scheduling ends)."""
+        try:
+            self.decoders[seq.decoder].release(seq, self.ctx)
+        except Exception as e:
+            self._broken.setdefault(seq.request_id, (e, "preempting"))
+
+    def _reset(self, seq: Sequence) -> bool:
+        """Drop `seq`'s decoder state, as preemption does (the decoder rebuilds it from the
+        tokens); False if even that failed, which fails `seq`."""
+        try:
+            self.decoders[seq.decoder].release(seq, self.ctx)
+        except Exception as e:
+            self._fail(seq, e, "resetting the decoder of")
+            return False
+        return True
+
+    def _fail(self, seq: Sequence | None, error: Exception, what: str) -> None:
+        """`seq`'s request fails with `internal_error` (its output goes out with this step's)."""
+        if seq is None or seq.request_id not in self.seqs:
+            return
+        log.error("request %s failed while %s it", seq.request_id, what, exc_info=error)
+        message = f"internal error while {what} this request: {type(error).__name__}: {error}"
+        error_out = EngineError("internal_error", message[:500])
+        self._failed.append(self._finish(seq, "error", error=error_out))
+
+    def _batch_failed(
+        self, key: Hashable, seqs: list[Sequence], what: str, error: Exception
+    ) -> None:
+        """A batched call over `seqs` raised: fail the one sequence, or bisect several.
+
+        They start afresh (`_reset`) and are split in two suspect groups, which run before
+        anything else of `key`, one group per step (`_active`), until the one that fails alone.
+        """
+        if len(seqs) == 1:
+            self._fail(seqs[0], error, what)
+            return
+        log.warning(
+            "%s %d sequences failed (%s: %s); running them apart to find the one",
+            what,
+            len(seqs),
+            type(error).__name__,
+            error,
+        )
+        ids = [s.request_id for s in seqs if self._reset(s)]
+        half = (len(ids) + 1) // 2
+        rest = [g - set(ids) for g in self._suspects.get(key, [])]
+        groups = [g for g in (set(ids[:half]), set(ids[half:]), *rest) if g]
+        if groups:
+            self._suspects[key] = groups
+
+    def _passed(self, key: Hashable, seqs: list[Sequence]) -> None:
+        """A batched call over `seqs` went through: they are suspects no more."""
+        groups = self._suspects.get(key)
+        if groups:
+            ids = {s.request_id for s in seqs}
+            groups = [g - ids for g in groups if g - ids]
+            if groups:
+                self._suspects[key] = groups
+            else:
+                del self._suspects[key]
+
+    def _active(self, key: Hashable, candidates: list[Sequence]) -> set[str] | None:
+        """The suspect group of `key` that runs this step: the first one with a member among
+        `candidates`; None: no suspects there, all of them run as usual."""
+        ids = {s.request_id for s in candidates}
+        return next((g for g in self._suspects.get(key, ()) if g & ids), None)
+
+    def _clear_suspect(self, request_id: str) -> None:
+        """A finished request is nobody's suspect (no suspects left: fused steps again)."""
+        for key in list(self._suspects):
+            groups = [g - {request_id} for g in self._suspects[key]]
+            if any(groups):
+                self._suspects[key] = [g for g in groups if g]
+            else:
+                del self._suspects[key]
+
+    def _without_held(self, plan: list[Scheduled]) -> list[Scheduled]:
+        """The plan without the sequences that a suspect group of their decoder holds back."""
+        if not self._suspects:
+            return plan
+        active: dict[str, set[str] | None] = {}
+        for name in {item.seq.decoder for item in plan} & self._suspects.keys():
+            active[name] = self._active(name, [i.seq for i in plan if i.seq.decoder == name])
+        return [
+            item
+            for item in plan
+            if active.get(item.seq.decoder) is None
+            or item.seq.request_id in active[item.seq.decoder]
+        ]
+
+
+def _by_decoder(plan: list[Scheduled]) -> dict[str, list[int]]:
+    """Plan indices of the sequences that complete their tail, by decoder."""
+    by_decoder: dict[str, list[int]] = defaultdict(list)
+    for i, item in enumerate(plan):
+        if item.completes_tail:
+            by_decoder[item.seq.decoder].append(i)
+    return by_decoder
+
+
+def _check_count(name: str, what: str, got: list, seqs: list[Sequence]) -> None:
+    if len(got) != len(seqs):
+        raise RuntimeError(f"{name} returned {len(got)} {what} for {len(seqs)} sequences")
 
 
 def _timings(seq: Sequence) -> dict[str, Any]:

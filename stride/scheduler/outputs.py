@@ -45,6 +45,7 @@ class RequestOutput:
     error: EngineError | None = None
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
+    num_cached_tokens: int = 0  # (final output) prompt tokens whose K/V came from the prefix cache
     decoder_stats: dict[str, Any] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)
 
@@ -63,6 +64,8 @@ class StepStats:
     batch_size: int
     num_tokens: int
     num_preemptions: int  # since the start
+    prefix_cache_queries: int = 0  # since the start: prompt tokens looked up at first admission
+    prefix_cache_hits: int = 0  # since the start: of those, tokens found in the prefix cache
 
 
 class QueueFull(RuntimeError):

@@ -5,6 +5,12 @@ whatever its decoder wants to add, under two budgets, sequences and query tokens
 sequences then fill what is left, their prompts chunked to fit. When the KV cache cannot hold a
 running sequence's next tokens, the latest arrival is preempted: its blocks are freed and it
 goes back to the waiting queue, to be recomputed from its tokens later.
+
+With prefix caching, a waiting sequence is admitted on the cached blocks of its longest cached
+prefix (its own, after a preemption, if they were not evicted meanwhile) and schedules only the
+rest. One whose next block a running prefill is computing right now waits for it instead of
+computing it too: the n samples of one prompt, and requests that arrive together with one
+system prompt, compute the shared blocks once. It waits only while that prefill advances.
 """
 
 from __future__ import annotations
@@ -56,6 +62,9 @@ class Scheduler:
         self.waiting: list[Sequence] = []  # sorted by (priority, arrival)
         self.running: list[Sequence] = []  # sorted by (priority, arrival)
         self.num_preemptions = 0  # since start
+        # First admissions since start: prompt tokens looked up, and found, in the prefix cache.
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
 
     def enqueue(self, seq: Sequence) -> None:
         seq.status = Status.WAITING
@@ -98,16 +107,36 @@ class Scheduler:
                 plan.append(item)
                 budget -= item.num_tail + item.extra
 
-        while self.waiting and budget > 0 and len(plan) < max_seqs:
-            seq = self.waiting[0]
+        pending: set[bytes] | None = None  # blocks that running prefills compute, when needed
+        i = 0
+        while i < len(self.waiting) and budget > 0 and len(plan) < max_seqs:
+            seq = self.waiting[i]
+            caching = self.cache.prefix_caching
+            if caching:
+                cached = self.cache.cached_prefix(seq)
+                next_block = self._next_block(seq, len(cached))
+                if next_block is not None:
+                    if pending is None:  # (sequences admitted above are running already)
+                        pending = {h for s in self.running for h in self._computing(s)}
+                    if next_block in pending:  # computed right now: wait for it
+                        i += 1
+                        continue
+                self.cache.take_prefix(seq, cached)
             item = self._fit(seq, budget, extra_tokens)
             if not self._try_reserve(item):
+                self.cache.free(seq)  # the cached prefix it took stays cached
                 break
-            self.waiting.pop(0)
+            del self.waiting[i]
             seq.status = Status.RUNNING
             bisect.insort_right(self.running, seq, key=_order)
             plan.append(item)
             budget -= item.num_tail + item.extra
+            if pending is not None:
+                pending.update(self._computing(seq))
+            if caching and seq.num_preemptions == 0:  # its first admission
+                seq.cached_prompt_tokens = seq.num_cached
+                self.prefix_cache_queries += seq.num_prompt_tokens
+                self.prefix_cache_hits += seq.num_cached
         return plan
 
     def _fit(self, seq: Sequence, budget: int, extra_tokens) -> Scheduled:
@@ -138,3 +167,16 @@ class Scheduler:
         self.num_preemptions += 1
         on_preempt(seq)
         self.enqueue(seq)
+
+    def _next_block(self, seq: Sequence, num_cached_blocks: int) -> bytes | None:
+        """The hash of the block after `seq`'s cached prefix, if a hit could cover it."""
+        if num_cached_blocks >= (seq.num_tokens - 1) // self.cache.block_size:
+            return None
+        return self.cache.block_hashes(seq, num_cached_blocks + 1)[-1]
+
+    def _computing(self, seq: Sequence) -> list[bytes]:
+        """Hashes of the full blocks that a running sequence is prefilling and not sealed yet."""
+        if seq.num_tokens - seq.num_cached <= 1:  # decoding: nothing to share soon
+            return []
+        full = seq.num_tokens // self.cache.block_size
+        return self.cache.block_hashes(seq, full)[seq.num_sealed :]

@@ -1,11 +1,15 @@
 """The step loop in a process of its own, as vLLM v1 does: HTTP and the engine share no GIL.
 
-The server process sends plain `GenerateRequest`s (and aborts) down a pipe; the engine process
+The server process sends plain `GenerateRequest`s (and aborts) down a pipe, from a thread of
+its own so that an engine that stopped reading never blocks the event loop; the engine process
 sends back, per step, the batch of `RequestOutput`s together with the step's numbers
 (`StepStats`), from which the server's metrics are kept as they are for a local core. The engine
 process ignores SIGINT/SIGTERM (the server drains, then stops it) and exits when the pipe closes.
 Several API processes (`stride serve --api-servers N`) each have a pipe of their own; the engine
-waits on all of them and exits once every one is closed.
+waits on all of them and exits once every one is closed. While it steps, every pipe hears from
+it at least once a second (an empty batch if need be): the API processes' watchdogs listen.
+If the engine process dies, its owner restarts it (`supervision`): the client that started it,
+or with several API processes their supervisor, which hands each of them its new pipe.
 `STRIDE_ENGINE_SETUP=module:function` runs in every spawned process before the model loads.
 """
 
@@ -19,6 +23,7 @@ import itertools
 import logging
 import multiprocessing as mp
 import os
+import queue
 import signal
 import threading
 import time
@@ -40,8 +45,11 @@ from stride.scheduler.outputs import (
     StepStats,
 )
 from stride.scheduler.policy import SchedulerConfig
+from stride.scheduler.supervision import RestartBudget, SupervisionConfig
 
 log = logging.getLogger(__name__)
+
+HEARTBEAT_S = 1.0  # the longest a stepping engine stays silent on a pipe
 
 
 def _reduce_output(out: RequestOutput) -> tuple[type, tuple]:
@@ -81,53 +89,73 @@ def start_engine_process(
 class ProcessEngineClient(BaseClient):
     """Talks to the engine process over one pipe (blocks until the model is loaded).
 
-    `start()` also owns the process (one API process); several API processes each get a pipe
-    to an engine process that their parent started (`stride serve --api-servers N`).
+    `start()` also owns the process (one API process) and restarts it when it dies. Several API
+    processes each get a pipe to an engine process that their parent started and restarts
+    (`stride serve --api-servers N`); the pipe to each new engine comes over `updates`.
     """
 
-    def __init__(self, conn: Connection, process: BaseProcess | None = None) -> None:
-        super().__init__()
-        self._conn = conn
+    def __init__(
+        self,
+        conn: Connection,
+        process: BaseProcess | None = None,
+        config: EngineProcessConfig | None = None,
+        updates: Connection | None = None,
+        supervision: SupervisionConfig | None = None,
+    ) -> None:
+        super().__init__(supervision)
         self._process = process
-        self._send_lock = threading.Lock()
+        self._config = config  # to start another engine process with
+        self._updates = updates
+        self._budget = RestartBudget(self.supervision)
         self._pending: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
         self._keys = itertools.count()
         self._stopping = False
-        try:
-            kind, payload = self._conn.recv()
-        except EOFError:
-            kind, payload = "failed", self._exited()
-        if kind != "ready":
-            if self._process is not None:
-                self._process.join(5)
-            raise RuntimeError(payload)
-        self._model: ModelInfo = payload
+        self._model: ModelInfo = self._handshake(conn)
+        self._conn = conn
+        self._writer = _Writer(conn)
         self.stats = StepStats(0, 0, 0.0, 0, 0, 0)
         self._reader = threading.Thread(target=self._read, name="stride-engine-io", daemon=True)
         self._reader.start()
 
     @classmethod
-    def start(cls, config: EngineProcessConfig) -> ProcessEngineClient:
+    def start(
+        cls, config: EngineProcessConfig, supervision: SupervisionConfig | None = None
+    ) -> ProcessEngineClient:
         process, (conn,) = start_engine_process(config)
-        return cls(conn, process)
+        return cls(conn, process, config, supervision=supervision)
 
     @property
     def model(self) -> ModelInfo:
         return self._model
 
     def abort(self, request_id: str) -> None:
-        self._send(("abort", request_id))
+        self._writer.put(("abort", request_id))
 
     def shutdown(self) -> None:
         """Close our pipe; the engine process exits once every pipe to it is closed."""
         self._stopping = True
-        self._send(("stop", None))
+        self._closing.set()
+        self._writer.put(("stop", None))
+        self._writer.close(timeout=5)
         if self._process is not None:
             self._process.join(10)
             if self._process.is_alive():
                 self._process.kill()
                 self._process.join(5)
         self._conn.close()
+
+    def _handshake(self, conn: Connection) -> ModelInfo:
+        """Wait for a new engine's "ready" (its model loaded): its ModelInfo, or RuntimeError."""
+        try:
+            kind, payload = conn.recv()
+        except (EOFError, OSError):
+            kind, payload = "failed", self._exited()
+        if kind != "ready":
+            if self._process is not None:
+                self._process.join(5)
+            conn.close()
+            raise RuntimeError(payload)
+        return payload
 
     def _exited(self) -> str:
         code = "" if self._process is None else f" ({self._process.exitcode})"
@@ -141,25 +169,33 @@ class ProcessEngineClient(BaseClient):
         return self.stats.num_waiting + len(self._pending)
 
     def _add(self, requests, loop, fut) -> None:
-        key = next(self._keys)
-        self._pending[key] = (loop, fut)
-        if not self._send(("add", (key, requests))):
-            self._pending.pop(key, None)
-            settle(fut, EngineDead(self.dead or "the engine process is gone"))
-
-    def _send(self, message: tuple[str, Any]) -> bool:
-        try:
-            with self._send_lock:
-                self._conn.send(message)
-            return True
-        except (OSError, ValueError):  # the process is gone; the reader reports why
-            return False
+        with self._lock:
+            dead = self.dead
+            if dead is None:
+                key = next(self._keys)
+                self._pending[key] = (loop, fut)
+        if dead is not None:
+            settle(fut, EngineDead(dead))
+            return
+        self._writer.put(("add", (key, requests)))
 
     def _read(self) -> None:
-        """Reader thread: each step's outputs to their event loops, admissions settled."""
+        """Reader thread: serve each engine until it dies, then see to the next one."""
+        while True:
+            message, failed = self._serve(self._conn)
+            if self._stopping:
+                return
+            self._die(message, failed)
+            if not self._recover():
+                return
+
+    def _serve(self, conn: Connection) -> tuple[str, list[RequestOutput]]:
+        """Each step's outputs to their event loops, admissions settled, until the engine is
+        gone: why, and the failed outputs it sent (if it could)."""
         try:
             while True:
-                kind, payload = self._conn.recv()
+                kind, payload = conn.recv()
+                self.last_progress = time.monotonic()
                 if kind == "outs":
                     outs, stats, seconds = payload
                     self.stats = stats
@@ -168,23 +204,98 @@ class ProcessEngineClient(BaseClient):
                     self._deliver(outs)
                 elif kind == "admitted":
                     key, error = payload
-                    loop, fut = self._pending.pop(key)
-                    loop.call_soon_threadsafe(settle, fut, _rejection(error))
+                    with self._lock:
+                        waiting = self._pending.pop(key, None)
+                    if waiting is not None:
+                        loop, fut = waiting
+                        loop.call_soon_threadsafe(settle, fut, _rejection(error))
                 elif kind == "dead":
-                    message, outs = payload
-                    self._die(message, outs)
-                    return
+                    return payload
         except (EOFError, OSError):
-            if not self._stopping:
-                self._die(self._exited(), [])
+            if self._process is not None:
+                self._process.join(5)  # reap it: no zombie, and its exit code for the message
+            return self._exited(), []
 
     def _die(self, message: str, failed: list[RequestOutput]) -> None:
         log.error("engine died: %s", message)
-        self.dead = message
+        with self._lock:
+            self.dead = message
+            pending, self._pending = list(self._pending.values()), {}
+        self._writer.close()
         self._fail_rest(failed)
-        for loop, fut in list(self._pending.values()):
+        for loop, fut in pending:
             loop.call_soon_threadsafe(settle, fut, EngineDead(message))
-        self._pending.clear()
+        if self._process is not None:  # after "dead" it exits by itself; reap it
+            self._process.join(10)
+            if self._process.is_alive():
+                self._process.kill()
+                self._process.join(5)
+
+    def _recover(self) -> bool:
+        """Connect to a new engine: one we start after the backoff, or the next one our
+        supervisor sends. False at shutdown, or when there will be none."""
+        while not self._stopping:
+            if self._updates is not None:
+                try:
+                    conn = self._updates.recv()
+                except (EOFError, OSError):  # the supervisor is gone: so is any new engine
+                    return False
+            elif self._config is not None:
+                delay = self._budget.next_delay()
+                if delay is None:
+                    self._give_up(self._budget)
+                    return False
+                log.warning("restarting the engine process in %.1f s", delay)
+                if self._closing.wait(delay):
+                    return False
+                try:
+                    self._process, (conn,) = start_engine_process(self._config)
+                except Exception:
+                    log.exception("starting the engine process failed")
+                    continue
+            else:
+                return False
+            try:
+                self._handshake(conn)
+            except RuntimeError as e:
+                log.error("the new engine failed to start: %s", e)
+                continue
+            if self._stopping:
+                conn.close()
+                return False
+            self._conn, self._writer = conn, _Writer(conn)
+            self.stats = StepStats(0, 0, 0.0, 0, 0, 0)
+            self._revived()
+            return True
+        return False
+
+
+class _Writer:
+    """Sends messages down a pipe from a thread of its own: a full pipe (an engine that stopped
+    reading: hung, or stopped by SIGSTOP) blocks this thread, never the event loop."""
+
+    def __init__(self, conn: Connection) -> None:
+        self._queue: queue.SimpleQueue[tuple[str, Any] | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(
+            target=self._run, args=(conn,), name="stride-engine-send", daemon=True
+        )
+        self._thread.start()
+
+    def put(self, message: tuple[str, Any]) -> None:
+        self._queue.put(message)
+
+    def close(self, timeout: float | None = None) -> None:
+        """Stop after what was put so far (waiting up to `timeout` s for it to be sent)."""
+        self._queue.put(None)
+        if timeout:
+            self._thread.join(timeout)
+
+    def _run(self, conn: Connection) -> None:
+        while (message := self._queue.get()) is not None:
+            try:
+                conn.send(message)
+            except (OSError, ValueError):  # the engine is gone; the reader says why
+                return
 
 
 def _rejection(error: tuple[str, str, str, str | None] | None) -> Exception | None:
@@ -266,6 +377,7 @@ class _Pipes:
     def __init__(self, conns: list[Connection]) -> None:
         self.conns = dict(enumerate(conns))
         self.owner: dict[str, int] | None = {} if len(conns) > 1 else None
+        self.last_sent = dict.fromkeys(self.conns, 0.0)  # when each pipe last heard from us
 
     @property
     def open(self) -> bool:
@@ -288,6 +400,8 @@ class _Pipes:
             conn.send(message)
         except (OSError, ValueError):  # that API process went away
             self.close(i, core)
+            return
+        self.last_sent[i] = time.monotonic()
 
     def send_outputs(
         self, outs: list[RequestOutput], stats: StepStats, seconds: float, core: EngineCore
@@ -296,8 +410,9 @@ class _Pipes:
             for i in list(self.conns):
                 self.send(i, ("outs", (outs, stats, seconds)), core)
             return
+        now = time.monotonic()
         for i, mine in self._split(outs).items():
-            if mine or i == 0:
+            if mine or i == 0 or now - self.last_sent[i] >= HEARTBEAT_S:
                 self.send(i, ("outs", (mine, stats, seconds)), core)
 
     def _split(self, outs: list[RequestOutput]) -> dict[int, list[RequestOutput]]:

@@ -15,6 +15,10 @@ usual app and uvicorn on a listening socket of their own and talk to the engine 
   single server does; a second one makes them exit at once. Once they are gone the engine
   process, whose pipes have all closed, exits too. If one API process fails, the others are
   stopped. API processes whose supervisor dies drain and exit; the engine follows them.
+- Engine restarts: the API processes fail their requests in flight as soon as the engine's pipe
+  breaks; this process reaps the dead engine, starts another after the backoff and sends each
+  API process its new pipe over a pipe of their own (`engine_updates`). Once the restart budget
+  is spent it stops the API processes and exits 1 (see `stride.scheduler.supervision`).
 """
 
 from __future__ import annotations
@@ -29,12 +33,14 @@ import socket
 import sys
 import tempfile
 import threading
-from multiprocessing.connection import wait
+import time
+from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 from types import FrameType
 
 from stride.metrics import MULTIPROC_ENV
 from stride.scheduler.process import EngineProcessConfig, run_setup, start_engine_process
+from stride.scheduler.supervision import RestartBudget, SupervisionConfig
 from stride.server.app import ServerConfig
 from stride.server.cli import run_server, setup_logging
 
@@ -48,32 +54,42 @@ def serve_many(args: argparse.Namespace, config: ServerConfig, n: int) -> int:
     sockets = [first] + [listen(args.host, port) for _ in range(n - 1)]
     with tempfile.TemporaryDirectory(prefix="stride-metrics-") as metrics_dir:
         os.environ[MULTIPROC_ENV] = metrics_dir  # before any child imports prometheus_client
-        engine, conns = start_engine_process(
-            EngineProcessConfig(config.engine, config.scheduler, config.decoders), n
-        )
+        engine_config = EngineProcessConfig(config.engine, config.scheduler, config.decoders)
+        engine, conns = start_engine_process(engine_config, n)
         ctx = mp.get_context("spawn")
+        updates = [ctx.Pipe() for _ in range(n)]  # (ours, theirs): pipes to restarted engines
         servers = [
             ctx.Process(
                 target=_api_server,
-                args=(args, dataclasses.replace(config, engine_conn=conn, step_metrics=i == 0), s),
+                args=(
+                    args,
+                    dataclasses.replace(
+                        config, engine_conn=conn, engine_updates=theirs, step_metrics=i == 0
+                    ),
+                    s,
+                ),
                 name=f"stride-api-{i}",
                 daemon=True,
             )
-            for i, (conn, s) in enumerate(zip(conns, sockets, strict=True))
+            for i, (conn, s, (_, theirs)) in enumerate(zip(conns, sockets, updates, strict=True))
         ]
-        supervisor = _Supervisor(servers)
+        supervisor = _Supervisor(
+            servers, engine, engine_config, [ours for ours, _ in updates], config.supervision
+        )
         for p in servers:
             p.start()
-        for conn, s in zip(conns, sockets, strict=True):  # theirs now; see the engine's EOF
-            conn.close()
+        for conn, s, (_, theirs) in zip(conns, sockets, updates, strict=True):  # theirs now
+            conn.close()  # (else the engine would not see their end close)
             s.close()
+            theirs.close()
         log.info("%d API processes on %s:%d", n, args.host, port)
         codes = supervisor.wait()
+        engine = supervisor.engine
         engine.join(10)  # every pipe closed: it is on its way out
         if engine.is_alive():
             engine.kill()
             engine.join(5)
-    return 0 if all(c == 0 for c in codes) else 1
+    return 0 if all(c == 0 for c in codes) and not supervisor.gave_up else 1
 
 
 def listen(host: str, port: int) -> socket.socket:
@@ -89,11 +105,24 @@ def listen(host: str, port: int) -> socket.socket:
 
 
 class _Supervisor:
-    """Forwards SIGTERM/SIGINT to the API processes as SIGTERM; waits for all of them."""
+    """Forwards SIGTERM/SIGINT to the API processes as SIGTERM; waits for all of them, and
+    restarts the engine process whenever it dies before they are done."""
 
-    def __init__(self, servers: list[BaseProcess]) -> None:
+    def __init__(
+        self,
+        servers: list[BaseProcess],
+        engine: BaseProcess,
+        engine_config: EngineProcessConfig,
+        updates: list[Connection],
+        supervision: SupervisionConfig,
+    ) -> None:
         self.servers = servers
+        self.engine = engine
+        self.engine_config = engine_config
+        self.updates = updates  # to each API process, in order
+        self.budget = RestartBudget(supervision)
         self.stopping = False
+        self.gave_up = False
         signal.signal(signal.SIGTERM, self._forward)
         signal.signal(signal.SIGINT, self._forward)
 
@@ -112,14 +141,58 @@ class _Supervisor:
         if self.stopping:  # a signal came before they started
             self.stop()
         pending = {p.sentinel: p for p in self.servers}
+        engine_up = True
+        restart_at: float | None = None  # when the dead engine's successor starts
         while pending:
-            for sentinel in wait(list(pending)):
+            watched = list(pending) + ([self.engine.sentinel] if engine_up else [])
+            timeout = None if restart_at is None else max(0.0, restart_at - time.monotonic())
+            for sentinel in wait(watched, timeout):
+                if engine_up and sentinel == self.engine.sentinel:
+                    engine_up = False
+                    self.engine.join()  # reaped: no zombie
+                    log.error("the engine process exited with %s", self.engine.exitcode)
+                    restart_at = self._next_restart()
+                    continue
                 p = pending.pop(sentinel)
                 p.join()
                 if p.exitcode != 0 and not self.stopping:
                     log.error("%s exited with %s: stopping the others", p.name, p.exitcode)
                     self.stop()
+            if restart_at is not None and time.monotonic() >= restart_at:
+                restart_at = None
+                if not self.stopping:
+                    engine_up = self._restart_engine()
+                    if not engine_up:
+                        restart_at = self._next_restart()
         return [p.exitcode for p in self.servers]
+
+    def _next_restart(self) -> float | None:
+        """When to start the next engine (None: not again; the budget is spent: stop)."""
+        if self.stopping:
+            return None
+        delay = self.budget.next_delay()
+        if delay is None:
+            log.error("giving up on the engine: %s", self.budget.describe())
+            self.gave_up = True
+            self.stop()
+            return None
+        log.error("restarting the engine process in %.1f s", delay)
+        return time.monotonic() + delay
+
+    def _restart_engine(self) -> bool:
+        """A new engine process, its pipes sent to the API processes; False if it failed."""
+        try:
+            self.engine, conns = start_engine_process(self.engine_config, len(self.servers))
+        except Exception:
+            log.exception("starting the engine process failed")
+            return False
+        for ours, conn in zip(self.updates, conns, strict=True):
+            try:
+                ours.send(conn)  # (a Connection travels as a duplicated descriptor)
+            except (OSError, ValueError):  # that API process is gone
+                pass
+            conn.close()
+        return True
 
 
 def _api_server(args: argparse.Namespace, config: ServerConfig, sock: socket.socket) -> None:

@@ -4,7 +4,10 @@
 loads on a worker thread, and generation routes say `model_loading`. Once loaded, the engine
 client sits on `app.state.client` (hooks such as metrics attach there) and `app.state.serving`.
 `app.state.lifecycle.begin_drain()` (the CLI calls it on SIGTERM) turns new requests away with
-503 while the ones in flight finish.
+503 while the ones in flight finish. `/health` is 503 too while the engine is dead (being
+restarted), stuck (the watchdog), or given up on (then the CLI exits non-zero).
+Every request's body is bounded (`max_request_body`: 413 before the rest is read), and its
+arrival time is noted: deadlines run from it.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import contextlib
 import enum
 import logging
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
@@ -22,7 +26,8 @@ from typing import Annotated, Any
 import torch
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from stride import drafts
 from stride.decoders.registry import DecodersConfig, build_decoders
@@ -33,15 +38,17 @@ from stride.scheduler.client import BaseClient, EngineClient
 from stride.scheduler.core import EngineCore
 from stride.scheduler.policy import SchedulerConfig
 from stride.scheduler.process import EngineProcessConfig, ProcessEngineClient
+from stride.scheduler.supervision import SupervisionConfig
 from stride.server import errors
 from stride.server import schemas as s
 from stride.server.auth import APIKeyMiddleware
 from stride.server.errors import APIError
-from stride.server.serving import Serving
+from stride.server.serving import Serving, off_loop
 from stride.server.streaming import ClientGone
 
 log = logging.getLogger(__name__)
 
+MAX_REQUEST_BODY = 4 << 20  # bytes: a full context of token ids or text is far less
 
 
 @dataclass
@@ -53,9 +60,13 @@ class ServerConfig:
     protect_metrics: bool = False  # with an API key: require it on /metrics too
     metrics_users: str | None = None  # "a,b": users with their own metrics label (else "other")
     engine_process: bool | None = None  # the step loop in its own process; None: on for CUDA
-    # One of several API processes: a pipe to the engine process their parent started, and
-    # whether this one records the engine's step numbers (exactly one of them does).
+    supervision: SupervisionConfig = field(default_factory=SupervisionConfig)
+    max_request_body: int = MAX_REQUEST_BODY
+    # One of several API processes: a pipe to the engine process their parent started, where
+    # the pipes to the engines it restarts come from, and whether this one records the engine's
+    # step numbers (exactly one of them does).
     engine_conn: Connection | None = None
+    engine_updates: Connection | None = None
     step_metrics: bool = True
 
 
@@ -86,12 +97,15 @@ class Lifecycle:
         return self.in_flight == 0
 
     def health(self) -> tuple[str, str | None]:
-        if self.client is not None and self.client.dead:
-            return "dead", self.client.dead
-        if self.phase is Phase.READY:
-            return "ok", None
         if self.phase is Phase.FAILED:
             return "failed", self.error
+        if self.client is not None and self.client.dead:
+            return "dead", self.client.dead
+        stuck = None if self.client is None else self.client.stuck
+        if stuck is not None:
+            return "stuck", stuck
+        if self.phase is Phase.READY:
+            return "ok", None
         return self.phase.value, None
 
     def unavailable(self) -> APIError | None:
@@ -115,6 +129,7 @@ class _Gate:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] in PROBES:
             return await self.app(scope, receive, send)
+        scope.setdefault("state", {})["arrival"] = time.monotonic()  # deadlines run from here
         if self.lifecycle.phase is Phase.DRAINING:
             error = APIError("server_draining", "the server is shutting down")
             return await error.response()(scope, receive, send)
@@ -125,21 +140,62 @@ class _Gate:
             self.lifecycle.in_flight -= 1
 
 
+class _BodyLimit:
+    """413 for a body over `limit` bytes, without reading the rest of it: at once if its
+    Content-Length says so, else as soon as what was read passes the limit."""
+
+    def __init__(self, app: ASGIApp, limit: int) -> None:
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope["headers"]).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > self.limit:
+            return await self._too_large().response()(scope, receive, send)
+        seen = 0
+
+        async def bounded() -> Message:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.limit:  # (FastAPI passes an HTTPException on as it is)
+                    raise HTTPException(413, self._too_large().message)
+            return message
+
+        await self.app(scope, bounded, send)
+
+    def _too_large(self) -> APIError:
+        return APIError(
+            "request_too_large",
+            f"the request body is larger than {self.limit} bytes (--max-request-body)",
+        )
+
+
 def build_client(config: ServerConfig) -> BaseClient:
     """Load the model and start the step loop (slow: runs on a worker thread).
 
     On a GPU the loop runs in its own process, so that HTTP handling and the step loop do not
     take turns on one GIL; on a CPU (and for tests, which reach into `client.core`) on a thread.
+    Either way a dead engine is restarted with a freshly loaded model (`supervision`).
     """
     if config.engine_conn is not None:
-        return ProcessEngineClient(config.engine_conn)
+        return ProcessEngineClient(
+            config.engine_conn, updates=config.engine_updates, supervision=config.supervision
+        )
     if use_engine_process(config):
         return ProcessEngineClient.start(
-            EngineProcessConfig(config.engine, config.scheduler, config.decoders)
+            EngineProcessConfig(config.engine, config.scheduler, config.decoders),
+            config.supervision,
         )
-    engine = Engine(config.engine)
-    core = EngineCore(engine, config.scheduler, build_decoders(engine, config.decoders))
-    return EngineClient(core)
+
+    def build() -> EngineCore:
+        engine = Engine(config.engine)
+        return EngineCore(engine, config.scheduler, build_decoders(engine, config.decoders))
+
+    return EngineClient(build(), rebuild=build, supervision=config.supervision)
 
 
 def use_engine_process(config: ServerConfig) -> bool:
@@ -170,6 +226,8 @@ def create_app(config: ServerConfig | None = None) -> FastAPI:
             lifecycle.client = app.state.client = client
             if config.step_metrics:
                 client.on_step = metrics.on_step
+                client.on_restart = metrics.engine_restarted
+            client.on_give_up = lambda why: loop.call_soon_threadsafe(_failed, why)
             app.state.serving = Serving(client, config.decoders.default, metrics)
             if lifecycle.phase is Phase.LOADING:
                 lifecycle.phase = Phase.READY
@@ -216,6 +274,7 @@ def create_app(config: ServerConfig | None = None) -> FastAPI:
     )
     errors.install(app)
     app.add_exception_handler(ClientGone, _client_gone)
+    app.add_middleware(_BodyLimit, limit=config.max_request_body)
     app.add_middleware(_Gate, lifecycle=lifecycle)
     if config.api_key:
         app.add_middleware(
@@ -313,9 +372,14 @@ def _routes(app: FastAPI) -> None:
         if (body.prompt is None) == (body.messages is None):
             raise APIError("invalid_request", "give exactly one of 'prompt' and 'messages'")
         if body.prompt is not None:
-            ids = srv.encode(body.prompt, special=body.add_special_tokens)
+            prompt = body.prompt
+            ids = await off_loop(
+                lambda: srv.encode(prompt, special=body.add_special_tokens), len(prompt)
+            )
         else:
-            ids = srv.render_chat(body.messages)
+            messages = body.messages
+            size = sum(len(str(m.content or "")) for m in messages)
+            ids = await off_loop(lambda: srv.encode(srv.render_chat(messages), special=False), size)
         return s.TokenizeResponse(tokens=ids, count=len(ids), max_model_len=srv.max_model_len)
 
     @app.post("/detokenize", response_model=s.DetokenizeResponse, responses=ERRORS)

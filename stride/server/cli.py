@@ -245,8 +245,16 @@ def build_parser() -> argparse.ArgumentParser:
     _flag(e, "fused-decode-steps", "greedy decode steps per host sync for <= 8 streams; 1 = off, "
           "also for the chained 1-step bursts of larger greedy batches", None, int,
           shown="8 with CUDA graphs, else 1")  # fmt: skip
+    _flag(e, "enable-prefix-caching", "reuse the KV cache of prompts' shared leading blocks", True,
+          action=argparse.BooleanOptionalAction)  # fmt: skip
     _flag(e, "engine-process", "run the step loop in its own process", None,
           shown="on for CUDA, off for CPU", action=argparse.BooleanOptionalAction)  # fmt: skip
+    _flag(e, "max-engine-restarts", "engine restarts allowed within --engine-restart-window; "
+          "one more and the server exits non-zero", 5, int)  # fmt: skip
+    _flag(e, "engine-restart-window", "seconds over which engine restarts are counted", 300.0,
+          float)  # fmt: skip
+    _flag(e, "watchdog-timeout", "seconds without an engine step, with requests in flight, "
+          "before /health says 503 (stuck)", 30.0, float)  # fmt: skip
 
     d = p.add_argument_group("decoders")
     _flag(d, "decoder", 'default decoder: a name or JSON like \'{"type": "speculative"}\'', "ar",
@@ -268,6 +276,7 @@ def build_parser() -> argparse.ArgumentParser:
     _flag(h, "metrics-users", "users with their own metrics label, e.g. a,b (others: other)",
           shown="none")  # fmt: skip
     _flag(h, "shutdown-timeout", "seconds to drain requests in flight on SIGTERM", 30.0, float)
+    _flag(h, "max-request-body", "largest request body (beyond: 413)", "4MiB", parse_bytes)
     _flag(h, "api-servers", "HTTP processes in front of the engine process", None, int,
           shown="1 on CPU; on CUDA one per 4 cores, at most 4")  # fmt: skip
     _flag(h, "log-level", "debug, info, warning or error (info: one line per request)", "info",
@@ -282,9 +291,10 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
     from stride.decoders.base import DecodersConfig
     from stride.engine.engine import EngineConfig
     from stride.scheduler.policy import SchedulerConfig
+    from stride.scheduler.supervision import SupervisionConfig
+    from stride.server.app import ServerConfig
 
     spec = args.speculative_config or {}
-    from stride.server.app import ServerConfig
 
     return ServerConfig(
         engine=EngineConfig(
@@ -295,6 +305,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
             kv_cache_memory=args.kv_cache_memory,
             gpu_memory_utilization=args.gpu_memory_utilization,
             max_model_len=args.max_model_len,
+            enable_prefix_caching=args.enable_prefix_caching,
         ),
         scheduler=SchedulerConfig(
             max_num_seqs=args.max_num_seqs,
@@ -314,6 +325,12 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         protect_metrics=args.protect_metrics,
         metrics_users=args.metrics_users,
         engine_process=args.engine_process,
+        supervision=SupervisionConfig(
+            max_restarts=args.max_engine_restarts,
+            restart_window=args.engine_restart_window,
+            watchdog_timeout=args.watchdog_timeout,
+        ),
+        max_request_body=args.max_request_body,
     )
 
 

@@ -1,6 +1,10 @@
 """OpenAI's wire format as pydantic models: what requests may say, and what responses look like.
 
 Requests forbid unknown fields (as OpenAI does) so a typo is a 400 rather than silently ignored.
+Every field has a type (strictly: no `"2"` for 2) and a range (numbers finite: NaN is no
+temperature), so bad input is a 400 here and never reaches the engine; what depends on the
+loaded model (token ids below its vocabulary, the context length) is checked by `serving`
+before a request is submitted.
 Stride's extensions (top_k, min_p, decoder, timeout, ...) sit next to OpenAI's fields; the SDK
 sends them through `extra_body`. Responses add `usage.decoder` and `usage.timings`.
 """
@@ -10,16 +14,57 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, GetCoreSchemaHandler, GetJsonSchemaHandler
+from pydantic_core import PydanticCustomError, core_schema
 
+from stride.decoders.base import DecoderError
+from stride.decoders.registry import parse_spec, spec_schema
+
+INT32_MAX = 2**31 - 1  # a bound for counts and ids: nothing real comes near, nothing overflows
 Seed = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
-StopString = Annotated[str, Field(min_length=1)]
-TokenId = Annotated[int, Field(ge=0)]
-DecoderSpec = str | dict[str, Any]
+NonEmpty = Annotated[str, Field(min_length=1)]
+TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
+TokenIds = Annotated[list[TokenId], Field(min_length=1)]
+TokenKey = Annotated[str, Field(pattern=r"^[0-9]{1,10}$")]  # a token id as a JSON object key
+Bias = Annotated[float, Field(ge=-100.0, le=100.0)]
+
+
+class _RegisteredDecoder:
+    """The `decoder` field: a registered decoder's name, or `{"type": name, ...its options}`.
+
+    Checked against the decoder registry as the request arrives (decoders registered after
+    import count), so an unknown decoder, option or value is a 400 `invalid_decoder` before the
+    engine sees it; what depends on the server (its drafters, the model's layers) is checked at
+    admission. The OpenAPI schema lists every decoder's options.
+    """
+
+    def __get_pydantic_core_schema__(
+        self, source: Any, handler: GetCoreSchemaHandler
+    ) -> core_schema.CoreSchema:
+        return core_schema.no_info_plain_validator_function(_check_decoder)
+
+    def __get_pydantic_json_schema__(
+        self, schema: core_schema.CoreSchema, handler: GetJsonSchemaHandler
+    ) -> dict[str, Any]:
+        return spec_schema()
+
+
+def _check_decoder(value: Any) -> str | dict[str, Any]:
+    try:
+        parse_spec(value, "ar")
+    except DecoderError as e:
+        raise PydanticCustomError("invalid_decoder", str(e)) from None
+    return value
+
+
+DecoderSpec = Annotated[str | dict[str, Any], _RegisteredDecoder()]
 
 
 class Request(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    """Strict: `"2"` is no integer and `1` no boolean (what the OpenAPI schema says is what is
+    accepted); numbers are finite."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
 class StreamOptions(Request):
@@ -33,17 +78,17 @@ class SamplingFields(Request):
     n: int = Field(1, ge=1, le=128)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=-1, description="0 or -1: no top-k")
+    top_k: int = Field(0, ge=-1, le=INT32_MAX, description="0 or -1: no top-k")
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     seed: Seed | None = None
-    stop: StopString | Annotated[list[StopString], Field(max_length=16)] | None = None
+    stop: NonEmpty | Annotated[list[NonEmpty], Field(max_length=16)] | None = None
     stop_token_ids: Annotated[list[TokenId], Field(max_length=64)] | None = None
-    min_tokens: int = Field(0, ge=0)
+    min_tokens: int = Field(0, ge=0, le=INT32_MAX)
     ignore_eos: bool = False
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = Field(1.0, ge=0.01, le=10.0)
-    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = Field(
+    logit_bias: dict[TokenKey, Bias] | None = Field(
         None, max_length=1024, description="token id (as a string) -> bias added to its logit"
     )
     skip_special_tokens: bool = True
@@ -62,10 +107,13 @@ class SamplingFields(Request):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[TokenId] | list[list[TokenId]] = Field(
-        ..., description="a string, strings, token ids, or lists of token ids"
-    )
-    max_tokens: int | None = Field(16, ge=1)
+    prompt: (
+        NonEmpty
+        | Annotated[list[NonEmpty], Field(min_length=1)]
+        | TokenIds
+        | Annotated[list[TokenIds], Field(min_length=1)]
+    ) = Field(..., description="a string, strings, token ids, or lists of token ids")
+    max_tokens: int | None = Field(16, ge=1, le=INT32_MAX)
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=20)
 
@@ -83,8 +131,10 @@ class ChatMessage(Request):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(..., min_length=1)
-    max_tokens: int | None = Field(None, ge=1, description="default: what the context allows")
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(
+        None, ge=1, le=INT32_MAX, description="default: what the context allows"
+    )
+    max_completion_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
 
@@ -108,10 +158,17 @@ class Response(BaseModel):
     model_config = ConfigDict(extra="allow")
 
 
+class PromptTokensDetails(Response):
+    cached_tokens: int = Field(
+        0, description="prompt tokens whose keys and values came from the prefix cache"
+    )
+
+
 class Usage(Response):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
     decoder: dict[str, Any] | list[dict[str, Any]] | None = Field(
         None, description="what the decoder did (one dict per choice when n > 1)"
     )
@@ -241,5 +298,5 @@ class ErrorResponse(Response):
 
 
 class Health(Response):
-    status: Literal["ok", "loading", "draining", "dead", "failed"]
+    status: Literal["ok", "loading", "draining", "dead", "stuck", "failed"]
     detail: str | None = None

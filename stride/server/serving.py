@@ -3,17 +3,24 @@
 `Serving` holds what the HTTP edge needs to know about the loaded model (its name, tokenizer,
 context length, vocabulary) and the engine client. It never touches engine internals: requests
 cross to the step loop as plain `GenerateRequest`s and come back as plain `RequestOutput`s.
+
+What the schema cannot check because it depends on the model (token ids, the context length,
+how many sequences the queue can ever take) is checked here, before anything is submitted, and
+cheap checks come first: a request of too many sequences, or a text too long for the context
+by its length alone, is refused without tokenizing it. Large texts are tokenized (and chat
+templates rendered) on a worker thread, so that one large prompt stalls no other request.
 """
 
 from __future__ import annotations
 
+import asyncio
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from json.encoder import encode_basestring  # what json.dumps(ensure_ascii=False) quotes with
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi.responses import StreamingResponse
 from starlette.requests import Request
@@ -63,6 +70,18 @@ def _finite(x: float) -> float:
     return x if math.isfinite(x) else -9999.0
 
 
+T = TypeVar("T")
+INLINE_WORK = 4096  # characters or token ids: less is tokenized on the event loop (a thread
+# hop costs more than that), more on a worker thread
+PROBE_PER_TOKEN = 16  # a text longer than this many characters per context token is probed
+PROBE_SLACK = 16  # tokens a cut text may gain at the cut
+
+
+async def off_loop(work: Callable[[], T], size: int) -> T:
+    """`work()` here if it is small (`size`), else on a worker thread."""
+    return work() if size <= INLINE_WORK else await asyncio.to_thread(work)
+
+
 class Serving:
     def __init__(
         self,
@@ -80,7 +99,12 @@ class Serving:
         self.max_model_len: int = model.max_model_len
         self.capacity = model.capacity
         self.vocab_size: int = model.vocab_size
+        self.max_waiting: int = model.max_waiting
         self._pieces: dict[int, str] = {}
+        # A token covers at most this many characters of text (byte-level BPE: its bytes; 2x
+        # for normalizers that shrink text), so a longer text cannot fit in the context.
+        longest = max((len(t) for t in model.tokenizer.get_vocab()), default=1)
+        self._max_text = 2 * self.capacity * max(longest, 1)
 
     # ---- tokens ---------------------------------------------------------------------------------
 
@@ -93,10 +117,64 @@ class Serving:
             )
 
     def encode(self, text: str, special: bool) -> list[int]:
+        """Token ids of `text`. Long texts through `encode_batch`, which lets go of the GIL while
+        it works (`encode` holds it: every other thread, the event loop too, would wait)."""
         try:
-            return self._backend.encode(text, add_special_tokens=special).ids
+            if len(text) <= INLINE_WORK:
+                return self._backend.encode(text, add_special_tokens=special).ids
+            return self._backend.encode_batch([text], add_special_tokens=special)[0].ids
         except Exception as e:  # e.g. lone surrogates the tokenizer cannot encode
             raise APIError("invalid_request", f"cannot tokenize the text: {e}", "prompt") from e
+
+    def encode_prompt(self, text: str, special: bool, param: str) -> list[int]:
+        """Token ids of a prompt, refusing a text too long for the context before tokenizing
+        all of it: by its length alone, or by the tokens of its beginning."""
+        if len(text) > self._max_text:
+            raise self._too_long(f"{len(text)} characters", param)
+        probe = PROBE_PER_TOKEN * self.capacity
+        if len(text) > probe:
+            head = len(self.encode(text[:probe], special)) - PROBE_SLACK
+            if head > self.capacity:
+                raise self._too_long(f"more than {head} tokens", param)
+        return self.encode(text, special)
+
+    def _too_long(self, what: str, param: str) -> APIError:
+        return APIError(
+            "context_length_exceeded",
+            f"the prompt is too long: {what}, and at most {self.capacity} tokens fit "
+            "(the context length, or what the KV cache holds)",
+            param,
+        )
+
+    def check_context(self, prompts: list[list[int]], max_tokens: int) -> None:
+        """Every prompt is non-empty, and fits with `max_tokens` in the context and the KV."""
+        if any(not p for p in prompts):
+            raise APIError("invalid_request", "the prompt is empty", "prompt")
+        longest = max(len(p) for p in prompts)
+        if longest + max_tokens > self.max_model_len:
+            raise APIError(
+                "context_length_exceeded",
+                f"this model's maximum context length is {self.max_model_len} tokens; the "
+                f"prompt has {longest} and max_tokens asks for {max_tokens}",
+                "max_tokens",
+            )
+        if longest + max_tokens > self.capacity:
+            raise APIError(
+                "context_length_exceeded",
+                f"prompt plus max_tokens ({longest} + {max_tokens} tokens) do not fit in this "
+                f"server's KV cache ({self.capacity} tokens)",
+                "max_tokens",
+            )
+
+    def check_sequences(self, count: int) -> None:
+        """prompts x n sequences are admitted together: more than the queue holds, never."""
+        if count > self.max_waiting:
+            raise APIError(
+                "invalid_request",
+                f"this request asks for {count} sequences (prompts x n), and at most "
+                f"{self.max_waiting} can ever be admitted together (the server's --max-waiting)",
+                "n",
+            )
 
     def decode(self, ids: list[int]) -> str:
         return self._backend.decode(ids, skip_special_tokens=False)
@@ -114,15 +192,22 @@ class Serving:
                 "invalid_request", f"token ids must lie in [0, {self.vocab_size})", param
             )
 
-    def render_chat(self, messages: list[s.ChatMessage]) -> list[int]:
+    def render_chat(self, messages: list[s.ChatMessage]) -> str:
+        """The chat template applied to `messages` (special tokens are part of the text)."""
         plain = [{"role": m.role, "content": _content(m.content)} for m in messages]
         try:
-            text = self.tokenizer.apply_chat_template(
+            return self.tokenizer.apply_chat_template(
                 plain, add_generation_prompt=True, tokenize=False
             )
         except Exception as e:
             raise APIError("invalid_request", f"chat template failed: {e}", "messages") from e
-        return self.encode(text, special=False)
+
+    def chat_prompt(self, messages: list[s.ChatMessage]) -> list[int]:
+        """The token ids of a chat's prompt, refusing one too long for the context early."""
+        size = sum(len(_content(m.content)) for m in messages)
+        if size > self._max_text:
+            raise self._too_long(f"{size} characters", "messages")
+        return self.encode_prompt(self.render_chat(messages), special=False, param="messages")
 
     # ---- requests -------------------------------------------------------------------------------
 
@@ -149,7 +234,7 @@ class Serving:
             max_tokens=max_tokens,
             temperature=body.temperature,
             top_p=body.top_p,
-            top_k=max(body.top_k, 0),
+            top_k=min(max(body.top_k, 0), self.vocab_size),
             min_p=body.min_p,
             seed=body.seed,
             presence_penalty=body.presence_penalty,
@@ -169,7 +254,12 @@ class Serving:
         return max(1, self.capacity - max(len(p) for p in prompts))
 
     def generation(
-        self, body: s.SamplingFields, prompts: list[list[int]], params: SamplingParams, rid: str
+        self,
+        request: Request,
+        body: s.SamplingFields,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        rid: str,
     ) -> Generation:
         try:
             decoder, options = parse_spec(body.decoder, self.default_decoder)
@@ -183,12 +273,14 @@ class Serving:
                 decoder=decoder,
                 decoder_options=options,
                 priority=body.priority,
-                timeout=body.timeout,
                 user=body.user,
             )
             for i, prompt in enumerate(prompts)
         ]
-        return Generation(self.client, requests, body.n, self.metrics)
+        deadline = None
+        if body.timeout is not None:  # from the request's arrival (the app notes it)
+            deadline = getattr(request.state, "arrival", time.monotonic()) + body.timeout
+        return Generation(self.client, requests, body.n, self.metrics, deadline)
 
     async def _started(self, request: Request, gen: Generation) -> None:
         try:
@@ -202,11 +294,13 @@ class Serving:
 
     async def completions(self, request: Request, body: s.CompletionRequest):
         self.check_model(body.model)
-        prompts, texts = self._prompts(body.prompt)
+        self.check_sequences(_num_prompts(body.prompt) * body.n)
+        prompts, texts = await off_loop(lambda: self._prompts(body.prompt), _size(body.prompt))
         max_tokens = body.max_tokens or self.default_max_tokens(prompts)
+        self.check_context(prompts, max_tokens)
         params = self.sampling(body, max_tokens, body.logprobs)
         rid = f"cmpl-{uuid.uuid4().hex}"
-        gen = self.generation(body, prompts, params, rid)
+        gen = self.generation(request, body, prompts, params, rid)
         await self._started(request, gen)
         echo = [texts[i] if body.echo else "" for i in range(len(prompts))]
         view = _CompletionView(self, body, rid, prompts, echo)
@@ -223,9 +317,11 @@ class Serving:
         if all(isinstance(p, int) for p in prompt):
             prompt = [prompt]
         if all(isinstance(p, str) for p in prompt):
-            ids = [self.encode(p, special=True) for p in prompt]
+            ids = [self.encode_prompt(p, special=True, param="prompt") for p in prompt]
             return ids, list(prompt)
         for p in prompt:
+            if len(p) > self.capacity:
+                raise self._too_long(f"{len(p)} tokens", "prompt")
             self.check_ids(p, "prompt")
         return [list(p) for p in prompt], [self.decode(p) for p in prompt]
 
@@ -233,14 +329,17 @@ class Serving:
 
     async def chat(self, request: Request, body: s.ChatCompletionRequest):
         self.check_model(body.model)
-        prompt = self.render_chat(body.messages)
+        self.check_sequences(body.n)
+        size = sum(len(_content(m.content)) for m in body.messages)
+        prompt = await off_loop(lambda: self.chat_prompt(body.messages), size)
         max_tokens = (
             body.max_completion_tokens or body.max_tokens or self.default_max_tokens([prompt])
         )
+        self.check_context([prompt], max_tokens)
         k = (body.top_logprobs or 0) if body.logprobs else None
         params = self.sampling(body, max_tokens, k)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        gen = self.generation(body, [prompt], params, rid)
+        gen = self.generation(request, body, [prompt], params, rid)
         await self._started(request, gen)
         view = _ChatView(self, body, rid, [prompt])
         if body.stream:
@@ -287,6 +386,20 @@ class Serving:
                 )
             )
         return s.ChatLogprobs(content=content)
+
+
+def _num_prompts(prompt: Any) -> int:
+    """How many prompts a completion request's `prompt` holds (without reading them)."""
+    if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int):
+        return 1
+    return len(prompt)
+
+
+def _size(prompt: Any) -> int:
+    """Characters or token ids in a `prompt`: the work of reading it."""
+    if isinstance(prompt, str):
+        return len(prompt)
+    return sum(1 if isinstance(p, int) else len(p) for p in prompt)
 
 
 def _content(content: str | list[s.TextPart] | None) -> str:
@@ -345,9 +458,20 @@ class _View:
             prompt_tokens=prompt,
             completion_tokens=completion,
             total_tokens=prompt + completion,
+            prompt_tokens_details=s.PromptTokensDetails(cached_tokens=self.cached_tokens()),
             decoder=decoder[0] if len(decoder) == 1 else decoder,
             timings=timings[0] if len(timings) == 1 else timings,
         )
+
+    def cached_tokens(self) -> int:
+        """Prompt tokens read from the prefix cache, each prompt counted once (as in
+        `prompt_tokens`): for the sample of it that found the fewest."""
+        n = self.body.n
+        total = 0
+        for i in range(len(self.prompts)):
+            samples = [c.last for c in self.choices[i * n : (i + 1) * n] if c.last is not None]
+            total += min((o.num_cached_tokens for o in samples), default=0)
+        return total
 
     async def collect(self, gen: Generation):
         try:

@@ -5,12 +5,17 @@ submitted together; their outputs are merged into one stream of (choice index, o
 `start()` returns once every prompt was admitted and produced its first output, so admission
 errors (429, 400) still become a status code before any byte of a stream is sent.
 Closing the stream aborts whatever is still running.
+
+A request's deadline (its `timeout`, counted from its arrival) is kept here as well as in the
+engine: when it passes, the generation ends with `deadline` whatever the engine is doing, so a
+hung engine cannot hold a request past it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any, TypeVar
 
@@ -19,6 +24,7 @@ from starlette.requests import Request
 from stride.metrics import Metrics
 from stride.scheduler.client import BaseClient, Submission, child, coalesce
 from stride.scheduler.outputs import GenerateRequest, RequestOutput
+from stride.server.errors import APIError
 
 T = TypeVar("T")
 
@@ -32,8 +38,10 @@ class Generation:
         requests: list[GenerateRequest],
         n: int,
         metrics: Metrics | None = None,
+        deadline: float | None = None,
     ) -> None:
         self._client = client
+        self._deadline = deadline  # time.monotonic() when the request's timeout runs out
         self._children = [
             child(req, req.request_id if n == 1 else f"{req.request_id}-{j}", j)
             for req in requests
@@ -53,7 +61,18 @@ class Generation:
     async def start(self) -> None:
         """Submit everything; return once every prompt produced an output, or raise why not."""
         try:
-            self._sub = await self._client.submit(self._children)
+            left = self._left()
+            if left is None:
+                self._sub = await self._client.submit(self._children)
+            else:
+                if left <= 0:
+                    raise _late("before it could be admitted")
+                for req in self._children:  # the engine's clock: what is left of it
+                    req.timeout = left
+                try:
+                    self._sub = await asyncio.wait_for(self._client.submit(self._children), left)
+                except asyncio.TimeoutError:
+                    raise _late("while it waited to be admitted") from None
             waiting = set(range(len(self._children) // self._n))
             while waiting and not self._sub.done:
                 outs = await self._next()
@@ -63,8 +82,14 @@ class Generation:
             self.close()
             raise
 
+    def _left(self) -> float | None:
+        return None if self._deadline is None else self._deadline - time.monotonic()
+
     async def _next(self) -> list[RequestOutput]:
-        outs = await self._sub.next()
+        try:
+            outs = await self._sub.next(self._left())
+        except asyncio.TimeoutError:
+            outs = self._sub.expire()
         if self._trackers:
             for out in outs:
                 self._trackers[self._index[out.request_id] // self._n].observe(out)
@@ -97,6 +122,10 @@ class Generation:
             self._sub.close()
         for tracker in self._trackers:
             tracker.close()
+
+
+def _late(when: str) -> APIError:
+    return APIError("deadline_exceeded", f"the request's deadline passed {when}")
 
 
 class ClientGone(Exception):
