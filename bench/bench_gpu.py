@@ -302,7 +302,7 @@ def bench_stride(core: EngineCore, vocab: int, shape: str, bytes_read: int, bw: 
 
 def replay_ms(runner: ModelRunner, batch: int) -> float:
     """GPU time of one decode step (graph replay alone): the step time minus this is host time."""
-    graph = runner.graphs._graphs[batch]
+    graph = runner.graphs._graphs[batch, False]
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     graph.replay()
     start.record()

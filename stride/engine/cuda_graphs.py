@@ -43,7 +43,9 @@ class DecodeGraphs:
         aux: tuple[int, ...] = (),
     ) -> None:
         """`forward` has `CausalLM.forward`'s signature (the model itself or `FusedForward`);
-        `aux`: layers whose outputs every replay also leaves in `self.aux` (rows as in logits)."""
+        `aux`: layers whose outputs a replay asked for them (`run(..., aux=True)`) also leaves
+        in `self.aux` (rows as in logits): each bucket then has a graph with and one without,
+        so that steps nobody needs them for do not pay for the copies."""
         self.model = model
         self.forward = forward
         self.cache = cache
@@ -64,14 +66,14 @@ class DecodeGraphs:
         self._aux_layers = aux
         width = model.config.hidden_size * len(aux)
         self.aux = torch.empty(max_batch, width, dtype=model.lm_head.weight.dtype, device=device)
-        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}  # (bucket, with aux)
         self._capture()
 
     @property
     def max_batch(self) -> int:
         return self.buckets[-1]
 
-    def _step(self, batch: int) -> None:
+    def _step(self, batch: int, with_aux: bool) -> None:
         x = self._inputs[:batch]
         meta = DecodeMetadata(
             slot_mapping=x[:, _SLOT].long(),  # index_copy_ wants int64
@@ -80,7 +82,7 @@ class DecodeGraphs:
             block_size=self.cache.block_size,
         )
         tokens, positions, kv = x[:, _TOKEN], x[:, _POSITION], (self.cache.k, self.cache.v)
-        if self._aux_layers:
+        if with_aux:
             hidden, aux = self.forward(tokens, positions, kv, meta, aux=self._aux_layers)
             self.aux[:batch].copy_(aux)
         else:
@@ -89,16 +91,19 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def _capture(self) -> None:
+        variants = (False, True) if self._aux_layers else (False,)
         for b in self.buckets:  # compile kernels, create library handles, outside any capture
-            self._step(b)
+            for with_aux in variants:
+                self._step(b, with_aux)
         torch.cuda.synchronize()
         pool = None
         for b in reversed(self.buckets):  # largest first, so smaller ones reuse its memory
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self._step(b)
-            pool = graph.pool()
-            self._graphs[b] = graph
+            for with_aux in variants:
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self._step(b, with_aux)
+                pool = graph.pool()
+                self._graphs[b, with_aux] = graph
         torch.cuda.synchronize()
         log.info("captured decode CUDA graphs for batch sizes %s", self.buckets)
 
@@ -108,11 +113,13 @@ class DecodeGraphs:
         positions: list[int],
         lengths: list[int],
         tables: list[list[int]],
+        aux: bool = False,
     ) -> torch.Tensor:
         """One decode step for len(tokens) sequences; returns their [B, vocab] fp32 logits.
 
         `lengths` counts each sequence's context including the new token, whose K/V goes to the
-        slot of position `lengths - 1` in its block table.
+        slot of position `lengths - 1` in its block table. `aux`: leave the rows' hidden states
+        of the `aux` layers in `self.aux` too.
         """
         n = len(tokens)
         bucket = self._bucket(n)
@@ -120,7 +127,7 @@ class DecodeGraphs:
         self._pack(self._host_np, tokens, positions, lengths, tables, bucket)
         self._inputs[:bucket].copy_(self._host[:bucket], non_blocking=True)
         self._copied.record()
-        self._graphs[bucket].replay()
+        self._graphs[bucket, aux].replay()
         # A copy: the next replay overwrites the buffer while a caller may still hold these rows.
         return self._logits[:n].clone()
 
@@ -169,7 +176,7 @@ class DecodeGraphs:
         if fed is not None and rows is not None:
             fed = fed.index_select(0, inputs[0, :n, _TOKEN])
         sampled = torch.empty(steps, n, dtype=torch.long, device=self._inputs.device)
-        graph = self._graphs[bucket]
+        graph = self._graphs[bucket, False]
         for s in range(steps):
             self._inputs[:bucket].copy_(inputs[s])
             if fed is not None:

@@ -226,8 +226,9 @@ class ModelRunner:
             positions += c.positions or range(start, start + n)
             lengths += range(start + 1, start + n + 1)
             tables += [c.seq.block_table] * n
-        logits = self.graphs.run(tokens, positions, lengths, tables)
-        if self._wants_features([chunks[i] for i in group]):
+        features = self._wants_features([chunks[i] for i in group])
+        logits = self.graphs.run(tokens, positions, lengths, tables, aux=features)
+        if features:
             _hand_out(chunks, group, self.graphs.aux[: len(tokens)])
         offset = 0
         for i in group:
