@@ -45,6 +45,7 @@ CONFIGS = {
     "tree 16": {"num_speculative_tokens": 5, "tree_nodes": 16, "tree_topk": 4, "adaptive": False},
     "tree 32": {"num_speculative_tokens": 6, "tree_nodes": 32, "tree_topk": 6, "adaptive": False},
     "tree 64": {"num_speculative_tokens": 7, "tree_nodes": 64, "tree_topk": 8, "adaptive": False},
+    "chain K=3": {"num_speculative_tokens": 3, "adaptive": False},
     "adaptive": {"num_speculative_tokens": 6},
 }
 
@@ -68,6 +69,41 @@ def run(core: EngineCore, prompts: list[list[int]], tokens: int, decoder: str, o
                     stats[key] += out.decoder_stats.get(key, 0)
     sync()
     return time.perf_counter() - start, outs, stats
+
+
+def timed(core, groups: list[list[list[int]]], tokens: int, decoder: str, options: dict):
+    """Each group of prompts in flight at once, one group after another: (tok/s, outputs, the
+    summed stats)."""
+    seconds, made, outs = 0.0, 0, []
+    stats = {"drafts": 0, "accepted_tokens": 0}
+    for group in groups:
+        secs, out, st = run(core, group, tokens, decoder, options)
+        seconds += secs
+        made += sum(map(len, out.values()))
+        outs.append(out)
+        for key in stats:
+            stats[key] += st[key]
+    return made / seconds, outs, stats
+
+
+def speed(core, encoded, conc: int, tokens: int, requests: int, configs: list[str]) -> dict:
+    """Output tok/s of each configuration against AR (run before and after) at `conc`."""
+    runs = max(1, requests // conc)
+    groups = [[encoded[(r * conc + i) % len(encoded)] for i in range(conc)] for r in range(runs)]
+    ar1, ref, _ = timed(core, groups, tokens, "ar", {})
+    rows = {name: timed(core, groups, tokens, "speculative", CONFIGS[name]) for name in configs}
+    ar2, _, _ = timed(core, groups, tokens, "ar", {})
+    base = (ar1 + ar2) / 2
+    entry: dict = {"concurrency": conc, "ar_tok_s": round(base, 1), "configs": {}}
+    for name, (rate, outs, stats) in rows.items():
+        entry["configs"][name] = {
+            "tok_s": round(rate, 1),
+            "speedup": round(rate / base, 3),
+            "accepted_length": round(accepted_length(stats), 3),
+            "same_as_ar": all(o == r for o, r in zip(outs, ref, strict=True)),
+        }
+        print(f"c={conc} {name}: {entry['configs'][name]} (ar {base:.1f} tok/s)", flush=True)
+    return entry
 
 
 def accepted_length(stats: dict) -> float:
@@ -98,7 +134,8 @@ def main() -> None:
             kv_cache_memory=int(args.kv_gib * (1 << 30)),
         )
     )
-    core = EngineCore(engine, decoders=build_decoders(engine, DecodersConfig(draft_head=args.draft_head)))
+    decoders = build_decoders(engine, DecodersConfig(draft_head=args.draft_head))
+    core = EngineCore(engine, decoders=decoders)
     tok = engine.tokenizer
     prompts = [[{"role": "user", "content": p}] for p in BUILTIN_PROMPTS] + read_prompts(HELDOUT)
     encoded = [render(tok, p) for p in prompts]
@@ -128,41 +165,10 @@ def main() -> None:
                      "drafts": stats["drafts"]}  # fmt: skip
             result["acceptance"][name] = entry
             print(f"acceptance {name}: {entry}", flush=True)
-    result["speed"] = []
-    for conc in args.concurrency:
-        batch = [encoded[i % len(encoded)] for i in range(conc)]
-        runs = max(1, args.speed_prompts // conc)
-
-        def timed(decoder: str, options: dict):
-            seconds, tokens, outs, stats = 0.0, 0, [], {"drafts": 0, "accepted_tokens": 0}
-            for r in range(runs):
-                group = batch if conc > 1 else [encoded[r % len(encoded)]]
-                secs, out, st = run(core, group, args.tokens, decoder, options)
-                seconds += secs
-                tokens += sum(map(len, out.values()))
-                outs.append(out)
-                for key in stats:
-                    stats[key] += st[key]
-            return tokens / seconds, outs, stats
-
-        ar1, ref, _ = timed("ar", {})
-        rows = {}
-        for name in args.configs:
-            rate, outs, stats = timed("speculative", CONFIGS[name])
-            same = all(o == r for o, r in zip(outs, ref, strict=True))
-            rows[name] = (rate, stats, same)
-        ar2, _, _ = timed("ar", {})
-        base = (ar1 + ar2) / 2
-        entry = {"concurrency": conc, "ar_tok_s": round(base, 1), "configs": {}}
-        for name, (rate, stats, same) in rows.items():
-            entry["configs"][name] = {
-                "tok_s": round(rate, 1),
-                "speedup": round(rate / base, 3),
-                "accepted_length": round(accepted_length(stats), 3),
-                "same_as_ar": same,
-            }
-            print(f"c={conc} {name}: {entry['configs'][name]} (ar {base:.1f} tok/s)", flush=True)
-        result["speed"].append(entry)
+    result["speed"] = [
+        speed(core, encoded, conc, args.tokens, args.speed_prompts, args.configs)
+        for conc in args.concurrency
+    ]
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
 
