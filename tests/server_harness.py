@@ -26,8 +26,9 @@ import torch
 import uvicorn
 
 from stride.decoders.autoregressive import Autoregressive
-from stride.decoders.base import Commit, Proposal, StepContext
+from stride.decoders.base import Commit, DecodersConfig, Proposal, StepContext
 from stride.decoders.registry import DECODERS
+from stride.engine.engine import Engine
 from stride.engine.sequence import Sequence
 from stride.server.app import ServerConfig, create_app
 
@@ -65,11 +66,18 @@ class Crash(Autoregressive):
 
     name = "crash"
 
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    @classmethod
+    def from_config(cls, engine: Engine, config: DecodersConfig) -> Crash:
+        return cls(engine)
+
     def commit(self, seqs, proposals, logits, ctx) -> list[Commit]:
         def lost(*args, **kwargs):
             raise RuntimeError("injected device loss")
 
-        ctx.engine.runner.forward = lost
+        self.engine.runner.forward = lost
         return super().commit(seqs, proposals, logits, ctx)
 
 

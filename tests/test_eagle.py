@@ -19,7 +19,7 @@ from stride.decoders.registry import DecodersConfig, build_decoders
 from stride.decoders.tree import Tree
 from stride.engine.eagle import EagleConfig, load_head, save_head
 from stride.engine.engine import Engine, EngineConfig
-from stride.engine.runner import Chunk
+from stride.engine.runner import Span
 from stride.engine.sequence import SamplingParams, Sequence
 from stride.scheduler.core import EngineCore
 from stride.scheduler.outputs import GenerateRequest
@@ -358,7 +358,7 @@ def test_training_unrolls_the_head_exactly_as_serving_chains_it(model_dir, head_
         seq = Sequence(f"u{t}", full[: t + 2], SamplingParams(temperature=0.0))
         drafter.admit(seq)
         engine.cache.reserve(seq, t + 2 + K)
-        engine.runner.forward([Chunk(seq, full[: t + 1], 1)])
+        engine.runner.forward([Span(seq, full[: t + 1], 1)])
         seq.num_cached = t + 1
         served = drafter.draft([seq], [K], set())[0].tokens
         assert served == [preds[j][t] for j in range(K)], t

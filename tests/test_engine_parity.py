@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from stride.engine.runner import Chunk
+from stride.engine.runner import Span
 from stride.engine.sequence import SamplingParams, Sequence
 from stride.scheduler.outputs import GenerateRequest
 from tests.conftest import make_core
@@ -48,9 +48,9 @@ def test_logits_match_transformers(arch, tiny_dirs):
     ids = core.engine.tokenizer.encode(PROMPTS[2])
     seq = Sequence("s", ids, greedy(4))
     cache.reserve(seq, len(ids))
-    (prefill,) = runner.forward([Chunk(seq, ids[:-2], num_logits=len(ids) - 2)])
+    (prefill,) = runner.forward([Span(seq, ids[:-2], num_logits=len(ids) - 2)])
     seq.num_cached = len(ids) - 2
-    (rest,) = runner.forward([Chunk(seq, ids[-2:], num_logits=2)])
+    (rest,) = runner.forward([Span(seq, ids[-2:], num_logits=2)])
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0]
     torch.testing.assert_close(torch.cat([prefill, rest]), ref, atol=1e-4, rtol=1e-4)

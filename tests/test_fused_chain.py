@@ -1,8 +1,8 @@
-"""Chained fused bursts (`EngineCore._chain`: the next burst launched before the last one is
+"""Chained greedy bursts (`Executor.follow`: the next burst launched before the last one is
 committed, its first tokens taken on the device) change no output: the same tokens, text and
 finish reasons as one step at a time, through stops mid-burst, aborts, arrivals mid-chain,
 max_tokens that are no multiple of the burst, and speculative rows at K = 0; at batches above
-FUSE_MAX_BATCH too (1-step bursts), the chain going on past the sequences that finish. The KV
+MAX_BURST_BATCH too (1-step bursts), the chain going on past the sequences that finish. The KV
 cache's blocks stay accounted for after every step and end free. On the CPU each burst runs
 eagerly and synchronously, but the order of launches and commits is the GPU's."""
 
@@ -14,15 +14,16 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from stride.decoders.autoregressive import Autoregressive
+from stride.decoders import sampling
 from stride.decoders.registry import build_decoders
 from stride.decoders.speculative import Speculative
 from stride.engine.cuda_graphs import _LENGTH, _POSITION, _SLOT, _TABLE, _TOKEN, DecodeGraphs
 from stride.engine.engine import Engine, EngineConfig
 from stride.engine.kv_cache import OutOfBlocks
 from stride.engine.sequence import SamplingParams
-from stride.scheduler import core as core_module
+from stride.scheduler import executor as executor_module
 from stride.scheduler.core import EngineCore
+from stride.scheduler.executor import GreedyBurst
 from stride.scheduler.outputs import GenerateRequest
 from stride.scheduler.policy import SchedulerConfig
 from tests.test_fused_steps import record
@@ -63,7 +64,7 @@ def _core(
     decoders["speculative"] = Speculative(engine, saturation_tokens=0.5, measure_costs=False)
     scheduler = SchedulerConfig(max_num_seqs=max_num_seqs, fused_decode_steps=steps)
     core = EngineCore(engine, scheduler, decoders)
-    core.chain_fused = chain
+    core.executor.chain = chain
     return core
 
 
@@ -101,7 +102,7 @@ def _run(
     in flight at the abort. The KV cache's blocks are checked after every step."""
     in_flight = 0
     launches: list[_Launch] = []
-    decode_steps, commit_fused = core.engine.runner.decode_steps, core._commit_fused
+    decode_steps, commit = core.engine.runner.decode_steps, core.commit
 
     def launching(seqs, tokens, steps, *args, **kwargs):
         nonlocal in_flight
@@ -112,12 +113,12 @@ def _run(
         in_flight += 1
         return decode_steps(seqs, tokens, steps, *args, **kwargs)
 
-    def committing(*args, **kwargs):
+    def committing(inflight, *args, **kwargs):
         nonlocal in_flight
-        in_flight -= 1
-        return commit_fused(*args, **kwargs)
+        in_flight -= isinstance(inflight, GreedyBurst)
+        return commit(inflight, *args, **kwargs)
 
-    core.engine.runner.decode_steps, core._commit_fused = launching, committing
+    core.engine.runner.decode_steps, core.commit = launching, committing
     for req in reqs[:first]:
         core.add(req)
     results: dict[str, tuple] = {}
@@ -196,12 +197,12 @@ def _large_batch_requests() -> list[GenerateRequest]:
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
 def test_chained_one_step_bursts_at_large_batches(tiny_dir, device, monkeypatch):
-    """A batch above FUSE_MAX_BATCH runs chained 1-step bursts (several steps per burst once it
-    has shrunk to FUSE_MAX_BATCH): the same outputs as one plain step at a time, and the chain
+    """A batch above MAX_BURST_BATCH runs chained 1-step bursts (several steps per burst once it
+    has shrunk to MAX_BURST_BATCH): the same outputs as one plain step at a time, and the chain
     goes on past every sequence that finishes, leaving its row out."""
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("no GPU")
-    monkeypatch.setattr(core_module, "FUSE_MAX_BATCH", 2)
+    monkeypatch.setattr(executor_module, "MAX_BURST_BATCH", 2)
     single, single_launches, _ = _run(
         _core(tiny_dir, device, 1, chain=True, max_num_seqs=16), _large_batch_requests(), 12, 4, 9
     )
@@ -229,9 +230,9 @@ def test_chained_one_step_bursts_at_large_batches(tiny_dir, device, monkeypatch)
 
 
 def _short_continuations(core: EngineCore) -> list[int]:
-    """Collects the reservations that a continuation (`_chain`) found no blocks for."""
+    """Collects the reservations that a continuation (`Executor.follow`) found no blocks for."""
     short: list[int] = []
-    chain, cache = core._chain, core.engine.cache
+    follow, cache = core.executor.follow, core.engine.cache
     reserve = cache.reserve
 
     def reserving(seq, num_slots):
@@ -241,14 +242,14 @@ def _short_continuations(core: EngineCore) -> list[int]:
             short.append(num_slots)
             raise
 
-    def chaining(launched):
+    def chaining(*args):
         cache.reserve = reserving
         try:
-            return chain(launched)
+            return follow(*args)
         finally:
             cache.reserve = reserve
 
-    core._chain = chaining
+    core.executor.follow = chaining
     return short
 
 
@@ -256,7 +257,7 @@ def test_chained_bursts_under_kv_pressure(tiny_dir, monkeypatch):
     """With too few KV blocks for everyone, a continuation that cannot reserve its blocks ends
     the chain (what it reserved goes back), sequences are preempted and recomputed, and the
     outputs are still those of one plain step at a time."""
-    monkeypatch.setattr(core_module, "FUSE_MAX_BATCH", 2)
+    monkeypatch.setattr(executor_module, "MAX_BURST_BATCH", 2)
     params = [
         SamplingParams(max_tokens=30 + 3 * i, temperature=0.0, ignore_eos=True) for i in range(8)
     ]
@@ -316,7 +317,7 @@ class _RecordingGraphs(DecodeGraphs):
         self._steps_inputs = self._steps_host.clone()
         self._copied = SimpleNamespace(synchronize=lambda: None, record=lambda: None)
         self._logits = torch.zeros(max_batch, 100)
-        self._graphs = {max_batch: self}
+        self._graphs = {(max_batch, False): self}
         self.replayed: list[torch.Tensor] = []
 
     def replay(self) -> None:
@@ -332,7 +333,7 @@ def test_run_steps_feeds_picked_rows_of_device_tokens():
     graphs = _RecordingGraphs()
     last_sample = torch.tensor([10, 20, 30, 40])
     tables = [[5, 6], [7, 8]]
-    argmax = Autoregressive.device_sample
+    argmax = sampling.device_argmax
     sampled = graphs.run_steps(last_sample, [6, 3], [7, 4], tables, 2, argmax, rows=[3, 0])
     assert sampled.tolist() == [[41, 11], [42, 12]]
     first, second = graphs.replayed

@@ -106,7 +106,7 @@ def _speculative_run(
     spec = decoders["speculative"] = Speculative(engine, saturation_tokens=0.5,
                                                  measure_costs=False)  # fmt: skip
     core = EngineCore(engine, SchedulerConfig(fused_decode_steps=steps), decoders)
-    core.chain_fused = chain
+    core.executor.chain = chain
     fused_at, probes_at = [], []
     decode_steps, plan = engine.runner.decode_steps, spec._plan
 

@@ -8,7 +8,7 @@ import torch
 
 from stride.engine import attention, fused
 from stride.engine.engine import Engine, EngineConfig
-from stride.engine.runner import Chunk, prepare
+from stride.engine.runner import Span, prepare
 from stride.engine.sequence import SamplingParams, Sequence
 from stride.scheduler.core import EngineCore
 from stride.scheduler.outputs import GenerateRequest
@@ -98,7 +98,7 @@ def test_gpu_fp32_greedy_equals_cpu(tiny_dir):
         ("refine", {"method": "jacobi"}),
     ],
 )
-def test_multi_token_chunks_replay_as_graph_rows(tiny_dir, decoder, options, monkeypatch):
+def test_multi_token_spans_replay_as_graph_rows(tiny_dir, decoder, options, monkeypatch):
     """Drafts and Jacobi windows are scored as graph rows (no eager pass once prompts are in),
     and the tokens still equal the CPU path's in fp32."""
     prompt = [5, 6, 7, 8, 9] * 4  # repetitive (n-gram drafts), longer than MAX_GRAPH_QUERY
@@ -111,9 +111,9 @@ def test_multi_token_chunks_replay_as_graph_rows(tiny_dir, decoder, options, mon
         if device == "cuda":
             eager = engine.runner._forward_eager
 
-            def counting(chunks, num_layers, eager=eager):
-                eager_tokens.extend(len(c.token_ids) for c in chunks)
-                return eager(chunks, num_layers)
+            def counting(spans, num_layers, eager=eager):
+                eager_tokens.extend(len(c.token_ids) for c in spans)
+                return eager(spans, num_layers)
 
             monkeypatch.setattr(engine.runner, "_forward_eager", counting)
         core = EngineCore(engine)
@@ -124,27 +124,27 @@ def test_multi_token_chunks_replay_as_graph_rows(tiny_dir, decoder, options, mon
                 tokens += o.token_ids
         outs[device] = tokens
     assert outs["cuda"] == outs["cpu"]
-    # Only the prompt's chunk (with the first proposal riding along) ran eagerly.
+    # Only the prompt's span (with the first proposal riding along) ran eagerly.
     assert len(eager_tokens) == 1 and eager_tokens[0] >= len(prompt)
 
 
-def _chunks(engine: Engine, lengths: list[int]) -> list[Chunk]:
+def _spans(engine: Engine, lengths: list[int]) -> list[Span]:
     """Random prompts with KV reserved; fresh engines reserve the same blocks in the same order.
     A negative length -n is a decode step: n tokens of which the first n - 1 count as cached."""
     g = torch.Generator().manual_seed(0)
-    chunks = []
+    spans = []
     for n in lengths:
         ids = torch.randint(3, 384, (abs(n),), generator=g).tolist()
         seq = Sequence("r", ids, SamplingParams())
         engine.cache.reserve(seq, abs(n))
         seq.num_cached = -n - 1 if n < 0 else 0
-        chunks.append(Chunk(seq, seq.tail, 1))
-    return chunks
+        spans.append(Span(seq, seq.tail, 1))
+    return spans
 
 
-def _hidden(engine: Engine, forward, chunks: list[Chunk]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Final hidden states of one pass over the chunks, and the keys it wrote."""
-    meta, tokens, positions, _ = prepare(chunks, engine.cache.block_size, engine.device)
+def _hidden(engine: Engine, forward, spans: list[Span]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Final hidden states of one pass over the spans, and the keys it wrote."""
+    meta, tokens, positions, _ = prepare(spans, engine.cache.block_size, engine.device)
     k, v = engine.cache.k.clone(), engine.cache.v.clone()
     with torch.inference_mode():
         hidden = forward(tokens, positions, (k, v), meta)
@@ -174,13 +174,13 @@ def test_fused_forward_matches_module_forward(tiny_dirs, arch, lengths):
     for engine in engines.values():
         assert isinstance(engine.runner.forward_fn, fused.FusedForward)
     exact = engines["float32"]
-    chunks = _chunks(exact, lengths)
-    ref, ref_k = _hidden(exact, exact.model, chunks)
-    out, out_k = _hidden(exact, exact.runner.forward_fn, chunks)
+    spans = _spans(exact, lengths)
+    ref, ref_k = _hidden(exact, exact.model, spans)
+    out, out_k = _hidden(exact, exact.runner.forward_fn, spans)
     assert _rel(out, ref) < 1e-5 and _rel(out_k, ref_k) < 1e-5
     bf16 = engines["bfloat16"]
-    chunks = _chunks(bf16, lengths)
-    module, module_k = _hidden(bf16, bf16.model, chunks)
-    fused_, fused_k = _hidden(bf16, bf16.runner.forward_fn, chunks)
+    spans = _spans(bf16, lengths)
+    module, module_k = _hidden(bf16, bf16.model, spans)
+    fused_, fused_k = _hidden(bf16, bf16.runner.forward_fn, spans)
     assert _rel(fused_, ref) < 1.5 * _rel(module, ref) + 1e-3
     assert _rel(fused_k, ref_k) < 1.5 * _rel(module_k, ref_k) + 1e-3

@@ -43,7 +43,7 @@ def _requests(spec: dict | None = None, sampled: bool = True) -> list[GenerateRe
 
 
 def _run(core, ahead: bool, reqs: list[GenerateRequest] | None = None) -> dict[str, tuple]:
-    core.launch_ahead = ahead
+    core.executor.launch_ahead = ahead
     reqs = reqs or _requests()
     for req in reqs[:6]:
         core.add(req)

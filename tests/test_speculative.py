@@ -23,7 +23,7 @@ from stride.decoders.speculative import (
     verify,
 )
 from stride.engine.engine import Engine, EngineConfig
-from stride.engine.runner import Chunk
+from stride.engine.runner import Span
 from stride.engine.sequence import SamplingParams, Sequence
 from stride.scheduler.core import EngineCore
 from stride.scheduler.outputs import GenerateRequest, RequestRejected
@@ -260,7 +260,7 @@ def test_perfect_and_always_wrong_drafters(tiny_dir, blind_dir, reference):
 def _prefill_kv(engine: Engine, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     seq = Sequence("probe", tokens, SamplingParams())
     engine.cache.reserve(seq, len(tokens))
-    engine.runner.forward([Chunk(seq, tokens, 1)])
+    engine.runner.forward([Span(seq, tokens, 1)])
     slots = torch.tensor(engine.cache.slots(seq, 0, len(tokens)))
     kv = engine.cache.k[:, slots].clone(), engine.cache.v[:, slots].clone()
     engine.cache.free(seq)
@@ -528,9 +528,9 @@ def test_fused_steps_cover_quiet_steps_up_to_the_next_plan(tiny_dir):
     dec._timings[_bucket(1)] = _Timings(plain_s=1.0, spec=1.0, plain_steps=dec.PLAIN_WARMUP)
     dec._hold = (_bucket(1), dec._steps + 10)
     assert dec.plain_steps([seq]) == 10 and dec.plain_steps([seq, request()]) == 1
-    dec.fused([seq], 4)
+    dec.advance([seq], 4)
     assert dec._steps == 4 and dec._quiet and dec.plain_steps([seq]) == 6
-    dec.fused([seq], 6)
+    dec.advance([seq], 6)
     assert not dec._quiet  # the re-check is due: the next step plans
     assert dec.plain_steps([seq, request(num_speculative_tokens=0)]) == 1
     assert dec.plain_steps([request(num_speculative_tokens=0)]) > 8  # never drafts

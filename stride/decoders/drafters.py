@@ -32,7 +32,7 @@ from stride.decoders import sampling
 from stride.engine import loader
 from stride.engine.engine import Engine, EngineConfig
 from stride.engine.kv_cache import KVCache, OutOfBlocks
-from stride.engine.runner import Chunk
+from stride.engine.runner import Span
 from stride.engine.sequence import Sequence
 
 
@@ -112,21 +112,21 @@ def _draw(
 def _run_drafts(
     seqs: list[Sequence],
     ks: list[int],
-    first_chunks: list[list[int]],
+    first_feeds: list[list[int]],
     forward,
     eos_ids: set[int],
     vocab: int,
 ) -> list[Draft]:
-    """The shared draft loop: position 0 scores `first_chunks`, later positions the last draft.
+    """The shared draft loop: position 0 scores `first_feeds`, later positions the last draft.
 
-    `forward(index_list, token_lists)` scores one chunk per listed sequence (sequence i at its
+    `forward(index_list, token_lists)` scores one span per listed sequence (sequence i at its
     i-th draft position) and returns one logits row each.
     """
     tokens: list[list[int]] = [[] for _ in seqs]
     qs: list[list[torch.Tensor]] = [[] for _ in seqs]
     for pos in range(max(ks, default=0)):
         live = [i for i, k in enumerate(ks) if k > pos]
-        feed = [first_chunks[i] if pos == 0 else [tokens[i][-1]] for i in live]
+        feed = [first_feeds[i] if pos == 0 else [tokens[i][-1]] for i in live]
         logits = forward(pos, live, feed)
         rows = [sampling.Row(seqs[i], pending=list(tokens[i])) for i in live]
         drawn, q = _draw(logits, rows, eos_ids, vocab)
@@ -154,11 +154,11 @@ class EarlyExitDrafter(Drafter):
 
         def forward(pos: int, live: list[int], feed: list[list[int]]) -> torch.Tensor:
             # Draft position `pos` of sequence i sits at cached + len(tail) + pos - 1; the
-            # runner writes a chunk after `num_cached`, so move the cursor there for the call.
+            # runner writes a span after `num_cached`, so move the cursor there for the call.
             for i in live:
                 seqs[i].num_cached = cached[i] + (len(tails[i]) + pos - 1 if pos else 0)
-            chunks = [Chunk(seqs[i], f, 1) for i, f in zip(live, feed, strict=True)]
-            return torch.cat(self.engine.runner.forward(chunks, num_layers=self.num_layers))
+            spans = [Span(seqs[i], f, 1) for i, f in zip(live, feed, strict=True)]
+            return torch.cat(self.engine.runner.forward(spans, num_layers=self.num_layers))
 
         try:
             return _run_drafts(seqs, ks, tails, forward, eos_ids, self.engine.hf_config.vocab_size)
@@ -229,8 +229,8 @@ class DraftModelDrafter(Drafter):
         catch_up = [s.token_ids[c.kv.num_cached :] for s, c in zip(seqs, cursors, strict=True)]
 
         def forward(pos: int, live: list[int], feed: list[list[int]]) -> torch.Tensor:
-            chunks = [Chunk(cursors[i].kv, f, 1) for i, f in zip(live, feed, strict=True)]
-            logits = torch.cat(self.engine.runner.forward(chunks))
+            spans = [Span(cursors[i].kv, f, 1) for i, f in zip(live, feed, strict=True)]
+            logits = torch.cat(self.engine.runner.forward(spans))
             for i, f in zip(live, feed, strict=True):
                 cursors[i].kv.num_cached += len(f)
             return logits

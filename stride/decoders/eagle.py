@@ -30,7 +30,7 @@ from stride.decoders.tree import Tree
 from stride.engine.eagle import HeadRunner, load_head
 from stride.engine.eagle_cycles import CycleResult, EagleCycles
 from stride.engine.engine import Engine
-from stride.engine.runner import Chunk
+from stride.engine.runner import Span
 from stride.engine.sequence import Sequence
 
 
@@ -78,7 +78,7 @@ class EagleDrafter(Drafter):
     def _catch_up(self, seqs: list[Sequence]) -> torch.Tensor:
         """Real rows for every position scored since the last draft; returns each sequence's
         last row's output [B, H] (the one that read its last token)."""
-        chunks, feats, todo = [], [], []
+        spans, feats, todo = [], [], []
         roots: list[torch.Tensor | None] = []
         for seq in seqs:
             cur = self._cursors.setdefault(seq.request_id, _Cursor())
@@ -97,12 +97,12 @@ class EagleDrafter(Drafter):
             seq.features.clear()
             cur.done = seq.num_cached
             tokens = seq.token_ids[start + 1 : seq.num_cached + 1]
-            chunks.append(Chunk(seq, tokens, 0, offset=start - seq.num_cached))
+            spans.append(Span(seq, tokens, 0, offset=start - seq.num_cached))
             todo.append(len(roots))
             roots.append(None)
-        if chunks:
-            g = self.runner.forward(chunks, self.head.project(torch.cat(feats)))
-            last = torch.cumsum(torch.tensor([len(c.token_ids) for c in chunks]), 0) - 1
+        if spans:
+            g = self.runner.forward(spans, self.head.project(torch.cat(feats)))
+            last = torch.cumsum(torch.tensor([len(c.token_ids) for c in spans]), 0) - 1
             for i, row in zip(todo, g[last.to(g.device)], strict=True):
                 roots[i] = row
         for seq, root in zip(seqs, roots, strict=True):
@@ -143,8 +143,8 @@ class EagleDrafter(Drafter):
         def forward(pos: int, rows: list[int], feed: list[list[int]]) -> torch.Tensor:
             if pos:  # chain row `pos` sits at position num_cached - 1 + pos
                 pairs = zip(rows, feed, strict=True)
-                chunks = [Chunk(seqs[i], f, 0, offset=pos - 1) for i, f in pairs]
-                g = self.runner.forward(chunks, torch.stack([last[i] for i in rows]))
+                spans = [Span(seqs[i], f, 0, offset=pos - 1) for i, f in pairs]
+                g = self.runner.forward(spans, torch.stack([last[i] for i in rows]))
                 for j, i in enumerate(rows):
                     last[i] = g[j]
             else:
@@ -187,7 +187,7 @@ class EagleDrafter(Drafter):
             active = [b for b in range(len(seqs)) if depths[b] >= depth and frontier[b]]
             if not active:
                 break
-            chunks, hidden = [], []
+            spans, hidden = [], []
             for b in active:
                 seq, nodes = seqs[b], frontier[b]
                 first = (depth - 2) * topk
@@ -202,9 +202,9 @@ class EagleDrafter(Drafter):
                         parent = cands[b][parent].parent
                 positions = [seq.num_cached + depth - 2] * len(nodes)
                 toks = [cands[b][c].token for c in nodes]
-                chunks.append(Chunk(seq, toks, 0, positions, mask, offset=first))
+                spans.append(Span(seq, toks, 0, positions, mask, offset=first))
                 hidden += [producer[b][c] for c in nodes]
-            g = self.runner.forward(chunks, torch.stack(hidden))
+            g = self.runner.forward(spans, torch.stack(hidden))
             child_logp = torch.log_softmax(self.head.logits(g), -1)
             values, index = child_logp.topk(topk, -1)
             tokens, values = ids[index].tolist(), values.tolist()

@@ -90,7 +90,7 @@ from pydantic import Field
 
 from stride import drafts
 from stride.decoders import sampling
-from stride.decoders.autoregressive import Autoregressive, sample_one_each
+from stride.decoders.autoregressive import sample_one_each
 from stride.decoders.base import (
     Burst,
     Commit,
@@ -679,7 +679,7 @@ class Speculative(Decoder):
             options = seq.decoder_options
             if options["draft"] != "eagle" or options.get("tree_nodes") or not k:
                 return None
-            if not Autoregressive.fusable(seq):
+            if not sampling.greedy_on_device(seq):
                 return None
         left = max(s.params.max_tokens - s.num_output_tokens for s in seqs)
         room = min(self.engine.max_model_len - s.num_tokens for s in seqs) // (k + 1) - 1
@@ -714,7 +714,7 @@ class Speculative(Decoder):
                 adaptive = True
         return self._quiet_steps(len(seqs)) if adaptive else 1 << 30
 
-    def fused(self, seqs: list[Sequence], steps: int) -> None:
+    def advance(self, seqs: list[Sequence], steps: int) -> None:
         """`steps` quiet steps ran fused: count them, and see whether the next one is quiet."""
         self._steps += steps
         self._quiet = self._quiet_at(self._last_batch)
