@@ -13,10 +13,10 @@ import torch
 from safetensors.torch import save_file
 
 from stride import drafts
-from stride.decoders.drafters import Draft
-from stride.decoders.eagle import EagleDrafter
 from stride.decoders.registry import DecodersConfig, build_decoders
-from stride.decoders.tree import Tree
+from stride.decoders.speculative.drafters import Draft
+from stride.decoders.speculative.eagle import EagleDrafter
+from stride.decoders.speculative.tree import Tree
 from stride.engine.eagle import EagleConfig, load_head, save_head
 from stride.engine.engine import Engine, EngineConfig
 from stride.engine.runner import Span
@@ -94,7 +94,7 @@ def test_greedy_equals_plain_decoding_alone(model_dir, head_dir, reference, opti
         tokens, _ = run(core, [request])
         assert tokens["s"] == reference[i]
     assert free(core)
-    assert not core.decoders["speculative"].eagle._cursors
+    assert not core.decoders["speculative"].eagle.cursors
 
 
 def test_greedy_mixed_batch_with_ar_other_drafters_and_prefill(model_dir, head_dir, reference):
@@ -157,7 +157,7 @@ class Oracle(EagleDrafter):
             start = seq.num_cached + 1
             tokens = self.truth[seq.request_id][start : start + k]
             if k:
-                self._cursors[seq.request_id].drafted = len(tokens)
+                self.cursors[seq.request_id].drafted = len(tokens)
             out.append(Draft(tokens))
         return out
 

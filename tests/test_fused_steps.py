@@ -108,19 +108,19 @@ def _speculative_run(
     core = EngineCore(engine, SchedulerConfig(fused_decode_steps=steps), decoders)
     core.executor.chain = chain
     fused_at, probes_at = [], []
-    decode_steps, plan = engine.runner.decode_steps, spec._plan
+    decode_steps, plan = engine.runner.decode_steps, spec.policy.plan
 
     def counting(seqs, tokens, n, sample, offset=0, rows=None):
-        fused_at.append(spec._steps + offset)  # a chained burst's predecessor is uncommitted
+        fused_at.append(spec.policy.steps + offset)  # a chained burst's predecessor is uncommitted
         return decode_steps(seqs, tokens, n, sample, offset, rows)
 
     def planned(seq, state, batch):
         k = plan(seq, state, batch)
-        if state.probing and spec._steps not in probes_at:  # (planned again in propose)
-            probes_at.append(spec._steps)
+        if state.probing and spec.policy.steps not in probes_at:  # (planned again in propose)
+            probes_at.append(spec.policy.steps)
         return k
 
-    engine.runner.decode_steps, spec._plan = counting, planned
+    engine.runner.decode_steps, spec.policy.plan = counting, planned
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     options = {"draft": "ngram", "adaptive": True} if decoder == "speculative" else {}
     core.add(GenerateRequest("r", list(range(384)), params, decoder, options))

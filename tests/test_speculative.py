@@ -12,16 +12,11 @@ from scipy.stats import chisquare
 
 from stride.decoders.autoregressive import Autoregressive
 from stride.decoders.base import Proposal, StepContext
-from stride.decoders.drafters import Draft, Drafter
 from stride.decoders.registry import DecodersConfig, build_decoders
-from stride.decoders.speculative import (
-    Speculative,
-    StepCosts,
-    _bucket,
-    _Timings,
-    choose_k,
-    verify,
-)
+from stride.decoders.speculative import Speculative
+from stride.decoders.speculative.costs import StepCosts, Timings, bucket, choose_k
+from stride.decoders.speculative.drafters import Draft, Drafter
+from stride.decoders.speculative.verify import verify
 from stride.engine.engine import Engine, EngineConfig
 from stride.engine.runner import Span
 from stride.engine.sequence import SamplingParams, Sequence
@@ -228,7 +223,7 @@ def test_greedy_under_preemption(tiny_dir, other_dir, reference):
         assert tokens[str(i)] == reference[i]
     drafter = core.decoders["speculative"].draft_model
     assert drafter.engine.cache.num_free_blocks == drafter.engine.cache.num_usable_blocks
-    assert not drafter._cursors
+    assert not drafter.cursors
     assert core.engine.cache.num_free_blocks == core.engine.cache.num_usable_blocks
 
 
@@ -297,7 +292,7 @@ def test_draft_model_kv_rolls_back_to_the_accepted_prefix(tiny_dir, other_dir):
     seq = _step_until(core, "s", 20)
     assert seq.stats.draft_tokens > seq.stats.accepted_tokens  # there were rejections
     drafter = core.decoders["speculative"].draft_model
-    cursor = drafter._cursors["s"].kv
+    cursor = drafter.cursors["s"].kv
     n = cursor.num_cached
     assert n <= seq.num_tokens
     slots = torch.tensor(drafter.engine.cache.slots(cursor, 0, n))
@@ -408,24 +403,25 @@ def test_a_step_drafts_only_if_its_drafts_pay_for_it_at_this_batch_size(tiny_dir
     ):
         """Draft tokens per sequence of one step at `batch` whose drafting step measured
         `spec_cost` × a plain one; `hits` sequences find an n-gram to draft."""
-        timings = _Timings(plain_s=1.0, spec=spec_cost, plain_steps=dec.PLAIN_WARMUP)
-        dec._timings[_bucket(batch)] = timings
-        dec._choices.clear()
-        dec._last_batch = batch
-        dec._hold = dec._hold if keep_hold else None
-        dec._idle = None
-        dec._quiet = False
+        timings = Timings(plain_s=1.0, spec=spec_cost, plain_steps=dec.policy.PLAIN_WARMUP)
+        dec.policy.timings[bucket(batch)] = timings
+        dec.policy.choices.clear()
+        dec.policy.last_batch = batch
+        dec.policy.hold = dec.policy.hold if keep_hold else None
+        dec.policy.idle = None
+        dec.policy.quiet = False
         seqs = []
         for i in range(batch):
             seq = Sequence(f"s{i}", repeats if i < hits else plain, greedy(8), "speculative")
             seq.decoder_options = dec.validate(seq.params, {"draft": "ngram"})
-            state = dec._state(seq)
+            state = dec.state(seq)
             state.runs.reached = [10.0] * K
             state.runs.passed = [10.0 if alpha_good else 0.0] * K
-            state.born = dec._steps + 1 - dec.PROBE_EVERY if probe else dec._steps  # probe phase
+            policy = dec.policy  # the probe phase:
+            state.born = policy.steps + 1 - policy.PROBE_EVERY if probe else policy.steps
             dec.extra_tokens(seq, cap=K)
             seqs.append(seq)
-        reserved = [dec._state(s).reserved for s in seqs]
+        reserved = [dec.state(s).reserved for s in seqs]
         return reserved, [len(p.tokens) for p in dec.propose(seqs, ctx)]
 
     # Batch 1: a drafting step 1.3x a plain one pays for good drafts, and for a probe.
@@ -443,16 +439,16 @@ def test_a_step_drafts_only_if_its_drafts_pay_for_it_at_this_batch_size(tiny_dir
     # ... and the next steps at this batch size do not even reserve (or look up) drafts.
     seq = Sequence("again", repeats, greedy(8), "speculative")
     seq.decoder_options = dec.validate(seq.params, {"draft": "ngram"})
-    dec._state(seq).runs.reached = dec._state(seq).runs.passed = [10.0] * K
+    dec.state(seq).runs.reached = dec.state(seq).runs.passed = [10.0] * K
     assert dec.extra_tokens(seq, cap=K) == 0
     # When the hold ends, the check runs again; failing again, it holds twice as long.
-    bucket, until = dec._hold
-    assert until == dec._steps + dec.PROBE_EVERY
-    dec._steps = until
+    held, until = dec.policy.hold
+    assert until == dec.policy.steps + dec.policy.PROBE_EVERY
+    dec.policy.steps = until
     reserved, drafted = step(64, 1.3, hits=4, alpha_good=True, keep_hold=True)
     assert sum(reserved) > 0 and sum(drafted) == 0
-    assert dec._hold == (bucket, until + 2 * dec.PROBE_EVERY)
-    dec._steps = 0
+    assert dec.policy.hold == (held, until + 2 * dec.policy.PROBE_EVERY)
+    dec.policy.steps = 0
     # Batch 64, probes of 4 sequences (the module's failure on the GPU): none even at 1.0x.
     reserved, drafted = step(64, 1.0, hits=4, alpha_good=False, probe=True)
     assert reserved[:4] == [1] * 4 and sum(drafted) == 0
@@ -482,17 +478,19 @@ def test_a_quiet_step_proposes_nothing_and_commits_like_ar(tiny_dir):
 
     seqs, twins = batch(), batch()
     for seq in seqs:
-        dec._state(seq).runs.reached = dec._state(seq).runs.passed = [10.0] * K  # would draft
-    dec._timings[_bucket(8)] = _Timings(plain_s=1.0, spec=1.0, plain_steps=dec.PLAIN_WARMUP)
-    dec._hold = (_bucket(8), dec._steps + 100)  # an earlier step found drafts would not pay
-    dec._last_batch = 8
-    dec._quiet = dec._quiet_at(8)
-    assert dec._quiet
+        dec.state(seq).runs.reached = dec.state(seq).runs.passed = [10.0] * K  # would draft
+    warm = dec.policy.PLAIN_WARMUP
+    dec.policy.timings[bucket(8)] = Timings(plain_s=1.0, spec=1.0, plain_steps=warm)
+    # An earlier step found drafts would not pay:
+    dec.policy.hold = (bucket(8), dec.policy.steps + 100)
+    dec.policy.last_batch = 8
+    dec.policy.quiet = dec.policy.quiet_at(8)
+    assert dec.policy.quiet
 
     def no_lookup(*args):
         raise AssertionError("a quiet step looked up drafts")
 
-    drafter = dec._state(seqs[0]).drafter
+    drafter = dec.state(seqs[0]).drafter
     drafter.available = drafter.draft = no_lookup
     assert [dec.extra_tokens(s, cap=K) for s in seqs] == [0] * 8
     proposals = dec.propose(seqs, ctx)
@@ -506,7 +504,7 @@ def test_a_quiet_step_proposes_nothing_and_commits_like_ar(tiny_dir):
     # A request with a fixed K is not the policy's to silence: it drafts in a quiet step too.
     fixed = Sequence("fixed", repeats, greedy(8), "speculative")
     fixed.decoder_options = dec.validate(fixed.params, spec("ngram", ngram_max=2))
-    assert dec._quiet and dec.extra_tokens(fixed, cap=K) == K
+    assert dec.policy.quiet and dec.extra_tokens(fixed, cap=K) == K
 
 
 def test_fused_steps_cover_quiet_steps_up_to_the_next_plan(tiny_dir):
@@ -525,20 +523,21 @@ def test_fused_steps_cover_quiet_steps_up_to_the_next_plan(tiny_dir):
     dec.extra_tokens(seq, cap=K)
     assert not dec.propose([seq], ctx)[0].tokens
     assert dec.plain_steps([seq]) == 1  # plain decoding is being timed: one step at a time
-    dec._timings[_bucket(1)] = _Timings(plain_s=1.0, spec=1.0, plain_steps=dec.PLAIN_WARMUP)
-    dec._hold = (_bucket(1), dec._steps + 10)
+    warm = dec.policy.PLAIN_WARMUP
+    dec.policy.timings[bucket(1)] = Timings(plain_s=1.0, spec=1.0, plain_steps=warm)
+    dec.policy.hold = (bucket(1), dec.policy.steps + 10)
     assert dec.plain_steps([seq]) == 10 and dec.plain_steps([seq, request()]) == 1
     dec.advance([seq], 4)
-    assert dec._steps == 4 and dec._quiet and dec.plain_steps([seq]) == 6
+    assert dec.policy.steps == 4 and dec.policy.quiet and dec.plain_steps([seq]) == 6
     dec.advance([seq], 6)
-    assert not dec._quiet  # the re-check is due: the next step plans
+    assert not dec.policy.quiet  # the re-check is due: the next step plans
     assert dec.plain_steps([seq, request(num_speculative_tokens=0)]) == 1
     assert dec.plain_steps([request(num_speculative_tokens=0)]) > 8  # never drafts
     assert dec.plain_steps([request(adaptive=False)]) == 1  # its next step drafts
-    dec._hold = (_bucket(1), dec._steps + 10)
-    dec._timing = (0.0, 1, False, dec._timings_at(1))
+    dec.policy.hold = (bucket(1), dec.policy.steps + 10)
+    dec.policy.timing = (0.0, 1, False, dec.policy.timings_at(1))
     assert dec.plain_steps([seq]) == 1  # a step timed as a plain one runs alone
-    dec._drafted = True
+    dec.policy.drafted = True
     assert dec.plain_steps([seq]) == 0
 
 
@@ -583,8 +582,8 @@ def _bursty_run(tiny_dir, truth, every: int, batch: int, spec_cost: float, n: in
     engine = Engine(EngineConfig(model=str(tiny_dir), device="cpu", kv_cache_memory=32 << 20))
     decoders = build_decoders(engine)
     dec = Speculative(engine, saturation_tokens=256, measure_costs=False)
-    dec._costs = lambda drafter, b: StepCosts(256, spec=spec_cost)
-    dec._drafters[("ngram", 3)] = BurstyDrafter(truth, every)
+    dec.policy.costs = lambda drafter, b: StepCosts(256, spec=spec_cost)
+    dec.drafters[("ngram", 3)] = BurstyDrafter(truth, every)
     decoders["speculative"] = dec
     core = EngineCore(engine, SchedulerConfig(), decoders)
     options = spec("ngram", adaptive=True)

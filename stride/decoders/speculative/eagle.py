@@ -25,8 +25,8 @@ from pathlib import Path
 
 import torch
 
-from stride.decoders.drafters import Draft, Drafter, _run_drafts
-from stride.decoders.tree import Tree
+from stride.decoders.speculative.drafters import Draft, Drafter, run_drafts
+from stride.decoders.speculative.tree import Tree
 from stride.engine.eagle import HeadRunner, load_head
 from stride.engine.eagle_cycles import CycleResult, EagleCycles
 from stride.engine.engine import Engine
@@ -63,7 +63,7 @@ class EagleDrafter(Drafter):
         own = sum(p.numel() for p in self.head.parameters())
         per_step = own + self.head.head_weight().numel()
         self.cost = per_step / sum(p.numel() for p in engine.model.parameters())
-        self._cursors: dict[str, _Cursor] = {}
+        self.cursors: dict[str, _Cursor] = {}  # by request id: how far the head has read
         self.cycles = EagleCycles(engine.runner, self.runner)
 
     def admit(self, seq: Sequence) -> None:
@@ -81,7 +81,7 @@ class EagleDrafter(Drafter):
         spans, feats, todo = [], [], []
         roots: list[torch.Tensor | None] = []
         for seq in seqs:
-            cur = self._cursors.setdefault(seq.request_id, _Cursor())
+            cur = self.cursors.setdefault(seq.request_id, _Cursor())
             cur.drafted = 0
             n = seq.num_cached - cur.done
             if n == 0 and cur.root is not None:  # caught up on the device (`burst`)
@@ -106,7 +106,7 @@ class EagleDrafter(Drafter):
             for i, row in zip(todo, g[last.to(g.device)], strict=True):
                 roots[i] = row
         for seq, root in zip(seqs, roots, strict=True):
-            self._cursors[seq.request_id].root = root
+            self.cursors[seq.request_id].root = root
         return torch.stack(roots)  # type: ignore[arg-type]
 
     def burst(self, seqs: list[Sequence], k: int, cycles: int) -> CycleResult:
@@ -118,7 +118,7 @@ class EagleDrafter(Drafter):
     def burst_done(self, seq: Sequence, committed: int, root: torch.Tensor) -> None:
         """A burst committed `committed` tokens of `seq` (not yet appended) and left the
         head's output for its new last real row."""
-        cur = self._cursors[seq.request_id]
+        cur = self.cursors[seq.request_id]
         cur.done, cur.root, cur.drafted = seq.num_cached + committed, root, 0
 
     def _full(self, draft_logits: torch.Tensor) -> torch.Tensor:
@@ -138,7 +138,7 @@ class EagleDrafter(Drafter):
         roots = self._catch_up([seqs[i] for i in live])
         last = {i: roots[j] for j, i in enumerate(live)}
         for i in live:
-            self._cursors[seqs[i].request_id].drafted = ks[i]
+            self.cursors[seqs[i].request_id].drafted = ks[i]
 
         def forward(pos: int, rows: list[int], feed: list[list[int]]) -> torch.Tensor:
             if pos:  # chain row `pos` sits at position num_cached - 1 + pos
@@ -151,7 +151,7 @@ class EagleDrafter(Drafter):
                 g = torch.stack([last[i] for i in rows])
             return self._full(self.head.logits(g))
 
-        return _run_drafts(seqs, ks, [[] for _ in seqs], forward, eos_ids, self.vocab)
+        return run_drafts(seqs, ks, [[] for _ in seqs], forward, eos_ids, self.vocab)
 
     @torch.inference_mode()
     def draft_trees(
@@ -222,7 +222,7 @@ class EagleDrafter(Drafter):
                 frontier[b] = [c.index for c in heapq.nsmallest(topk, (cands[b][n] for n in new))]
         trees = [self._select(cands[b], budgets[b]) for b in range(len(seqs))]
         for seq, tree in zip(seqs, trees, strict=True):
-            self._cursors[seq.request_id].drafted = len(tree)
+            self.cursors[seq.request_id].drafted = len(tree)
         return trees
 
     @staticmethod
@@ -247,7 +247,7 @@ class EagleDrafter(Drafter):
     def accepted(self, seq: Sequence, num_accepted: int, path: list[int] | None = None) -> None:
         """Keep the features of the root and the accepted drafts (`path`: their indices among
         the scored drafts; default the first `num_accepted`)."""
-        cur = self._cursors.get(seq.request_id)
+        cur = self.cursors.get(seq.request_id)
         if cur is None or not cur.drafted or not seq.features:
             return
         scored = seq.features[-1]  # [root, drafts...] of the verification pass
@@ -259,6 +259,6 @@ class EagleDrafter(Drafter):
         cur.drafted = 0
 
     def release(self, seq: Sequence) -> None:
-        self._cursors.pop(seq.request_id, None)
+        self.cursors.pop(seq.request_id, None)
         if seq.features is not None:
             seq.features = []

@@ -109,7 +109,7 @@ def _draw(
     return sampling.draw(q, rows), q
 
 
-def _run_drafts(
+def run_drafts(
     seqs: list[Sequence],
     ks: list[int],
     first_feeds: list[list[int]],
@@ -161,7 +161,7 @@ class EarlyExitDrafter(Drafter):
             return torch.cat(self.engine.runner.forward(spans, num_layers=self.num_layers))
 
         try:
-            return _run_drafts(seqs, ks, tails, forward, eos_ids, self.engine.hf_config.vocab_size)
+            return run_drafts(seqs, ks, tails, forward, eos_ids, self.engine.hf_config.vocab_size)
         finally:
             for s, c in zip(seqs, cached, strict=True):
                 s.num_cached = c
@@ -206,13 +206,13 @@ class DraftModelDrafter(Drafter):
         self.name = model
         self.target_vocab = target.hf_config.vocab_size
         self.cost = _num_params(engine.model) / _num_params(target.model)
-        self._cursors: dict[str, _DraftCursor] = {}
+        self.cursors: dict[str, _DraftCursor] = {}  # by request id: what it has cached
 
     def _cursor(self, seq: Sequence) -> _DraftCursor:
-        cur = self._cursors.get(seq.request_id)
+        cur = self.cursors.get(seq.request_id)
         if cur is None:
             cur = _DraftCursor(Sequence(seq.request_id, [], seq.params))
-            self._cursors[seq.request_id] = cur
+            self.cursors[seq.request_id] = cur
         return cur
 
     def draft(self, seqs: list[Sequence], ks: list[int], eos_ids: set[int]) -> list[Draft]:
@@ -235,20 +235,20 @@ class DraftModelDrafter(Drafter):
                 cursors[i].kv.num_cached += len(f)
             return logits
 
-        drafts = _run_drafts(seqs, ks, catch_up, forward, eos_ids, self.target_vocab)
+        drafts = run_drafts(seqs, ks, catch_up, forward, eos_ids, self.target_vocab)
         for cur in cursors:
             cache.trim(cur.kv)  # blocks reserved but not written (a sequence that drafted 0)
         return drafts
 
     def accepted(self, seq: Sequence, num_accepted: int, path: list[int] | None = None) -> None:
-        cur = self._cursors.get(seq.request_id)
+        cur = self.cursors.get(seq.request_id)
         if cur is None:
             return
         cur.kv.num_cached = min(cur.kv.num_cached, cur.base + num_accepted)
         self.engine.cache.trim(cur.kv)
 
     def release(self, seq: Sequence) -> None:
-        cur = self._cursors.pop(seq.request_id, None)
+        cur = self.cursors.pop(seq.request_id, None)
         if cur is not None:
             self.engine.cache.free(cur.kv)
 
