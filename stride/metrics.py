@@ -48,6 +48,8 @@ from prometheus_client import (
 )
 from prometheus_client.multiprocess import MultiProcessCollector
 
+from stride.decoders import catalog
+
 if TYPE_CHECKING:
     from stride.scheduler.outputs import RequestOutput, StepStats
 
@@ -76,45 +78,23 @@ TOKENS_PER_STEP_BUCKETS = tuple(float(2**i) for i in range(15))  # 1 .. 16384
 TOKENS_PER_PASS_BUCKETS = (1.0, 1.1, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 4.0, 5.0, 6.0, 8.0, 12.0, 16.0,
                            32.0, 64.0)  # fmt: skip
 
-SPEC_DRAFTS = ("ngram", "early_exit")  # any other draft name is the server's draft model
-EAGLE = "eagle"  # the EAGLE head's draft, when the server has one
-REFINE_METHODS = ("jacobi", "lookahead", "diffusion")
-
-
 def strategy(
     decoder: str,
     options: Mapping[str, Any] | None = None,
     draft_model: bool = False,
     eagle: bool = False,
 ) -> str:
-    """The `decoder` label of a request: its decoder and the variant its options choose.
-
-    `ar`, `speculative/{ngram,early_exit,eagle,draft_model}`,
-    `refine/{jacobi,lookahead,diffusion}`. Bounded whatever the options say: a draft model is
-    never named by its path, and an unknown method maps to `<decoder>/other` (validation
-    refuses it anyway). `eagle`, `draft_model`: whether the server has an EAGLE head or a draft
-    model, which makes it the default draft of speculative requests (the head first).
-    """
-    options = options or {}
-    if decoder == "speculative":
-        default = EAGLE if eagle else "draft_model" if draft_model else "ngram"
-        draft = options.get("draft", default)
-        known = SPEC_DRAFTS + ((EAGLE,) if eagle else ())
-        return f"speculative/{draft if draft in known else 'draft_model'}"
-    if decoder == "refine":
-        method = options.get("method", "jacobi")
-        return f"refine/{method if method in REFINE_METHODS else 'other'}"
-    return decoder
+    """The `decoder` label of a request (`catalog.strategy`). `eagle`, `draft_model`: whether
+    the server has an EAGLE head or a draft model, which makes it the default draft of
+    speculative requests (the head first)."""
+    return catalog.strategy(decoder, options, catalog.Offered(eagle, draft_model))
 
 
 def strategies(
     draft_model: bool = False, diffusion: bool = False, eagle: bool = False
 ) -> tuple[str, ...]:
-    """Every `decoder` label a server offers out of the box (its drafts and methods: the EAGLE
-    head, the draft model and masked diffusion only when the server has those models)."""
-    drafts = SPEC_DRAFTS + ((EAGLE,) if eagle else ()) + (("draft_model",) if draft_model else ())
-    methods = [m for m in REFINE_METHODS if m != "diffusion" or diffusion]
-    return ("ar", *(f"speculative/{d}" for d in drafts), *(f"refine/{m}" for m in methods))
+    """Every `decoder` label a server offers out of the box (`catalog.strategies`)."""
+    return catalog.strategies(catalog.Offered(eagle, draft_model, diffusion))
 
 
 def parse_users(value: str | Iterable[str] | None) -> frozenset[str]:

@@ -6,13 +6,14 @@ import torch
 
 from stride.decoders import sampling
 from stride.decoders.base import Commit, Decoder, Proposal, StepContext
+from stride.decoders.catalog import AR
 from stride.engine.sequence import Sequence
 
 _NOTHING = Proposal()  # shared: nobody mutates a proposal, and a step makes one per sequence
 
 
 class Autoregressive(Decoder):
-    name = "ar"
+    name = AR
 
     def propose(self, seqs: list[Sequence], ctx: StepContext) -> list[Proposal]:
         return [_NOTHING] * len(seqs)

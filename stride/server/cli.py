@@ -30,6 +30,8 @@ from typing import TYPE_CHECKING, NoReturn
 
 import uvicorn
 
+from stride.decoders import catalog
+
 if TYPE_CHECKING:
     from fastapi import FastAPI
 
@@ -257,8 +259,9 @@ def build_parser() -> argparse.ArgumentParser:
           "before /health says 503 (stuck)", 30.0, float)  # fmt: skip
 
     d = p.add_argument_group("decoders")
-    _flag(d, "decoder", 'default decoder: a name or JSON like \'{"type": "speculative"}\'', "ar",
-          parse_decoder)  # fmt: skip
+    names = " | ".join(catalog.DECODERS)
+    _flag(d, "decoder", f'default decoder: {names}, or JSON like \'{{"type": "speculative"}}\'',
+          catalog.AR, parse_decoder)  # fmt: skip
     _flag(d, "draft-model", "speculative decoding's draft model, or an EAGLE head directory",
           type=model_path, shown="the head shipped for the served model, if any")  # fmt: skip
     _flag(d, "speculative-config", 'vLLM\'s JSON, e.g. \'{"method": "eagle3", "model": DIR, '

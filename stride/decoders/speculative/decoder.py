@@ -40,6 +40,7 @@ from stride.decoders.base import (
     StepContext,
     parse_options,
 )
+from stride.decoders.catalog import EAGLE, EARLY_EXIT, NGRAM, SPECULATIVE
 from stride.decoders.speculative.drafters import (
     Draft,
     Drafter,
@@ -83,7 +84,7 @@ class SpeculativeOptions(Options):
 
 
 class Speculative(Decoder):
-    name = "speculative"
+    name = SPECULATIVE
     options_model = SpeculativeOptions
 
     def __init__(
@@ -112,16 +113,16 @@ class Speculative(Decoder):
 
     @property
     def drafter_names(self) -> list[str]:
-        names = ["ngram", "early_exit"]
+        names = [NGRAM, EARLY_EXIT]
         names += [self.draft_model.name] if self.draft_model else []
-        return names + (["eagle"] if self.eagle else [])
+        return names + ([EAGLE] if self.eagle else [])
 
     def validate(self, params: SamplingParams, options: dict[str, Any]) -> dict[str, Any]:
         opts = parse_options(SpeculativeOptions, options, "decoder 'speculative'")
         draft = opts.draft
         if draft is None:
-            draft = self.draft_model.name if self.draft_model else "ngram"
-            draft = "eagle" if self.eagle else draft
+            draft = self.draft_model.name if self.draft_model else NGRAM
+            draft = EAGLE if self.eagle else draft
         if draft not in self.drafter_names:
             raise DecoderError(
                 f"unknown draft {draft!r}; valid drafters: {', '.join(self.drafter_names)}"
@@ -133,18 +134,18 @@ class Speculative(Decoder):
             "adaptive": opts.adaptive,
         }
         layers = self.engine.model.num_layers
-        if draft == "early_exit":
+        if draft == EARLY_EXIT:
             exit_layer = max(1, layers // 2) if opts.exit_layer is None else opts.exit_layer
             if not exit_layer <= layers:
                 raise DecoderError(f"exit_layer must be an integer in [1, {layers}]")
             out["exit_layer"] = exit_layer
         elif opts.exit_layer is not None:
             raise DecoderError("exit_layer applies to draft 'early_exit' only")
-        if draft == "ngram":
+        if draft == NGRAM:
             out["ngram_max"] = 3 if opts.ngram_max is None else opts.ngram_max
         elif opts.ngram_max is not None:
             raise DecoderError("ngram_max applies to draft 'ngram' only")
-        if draft == "eagle":
+        if draft == EAGLE:
             nodes = opts.tree_nodes or 0
             # Trees verify greedy requests; a sampled one drafts chains (exact rejection rule).
             out["tree_nodes"] = nodes if params.greedy else 0
@@ -155,20 +156,20 @@ class Speculative(Decoder):
 
     def _drafter(self, options: dict[str, Any]) -> Drafter:
         draft = options["draft"]
-        if draft == "eagle":
+        if draft == EAGLE:
             assert self.eagle is not None
             return self.eagle
-        if draft == "ngram":
-            key: tuple = ("ngram", options["ngram_max"])
-        elif draft == "early_exit":
-            key = ("early_exit", options["exit_layer"])
+        if draft == NGRAM:
+            key: tuple = (NGRAM, options["ngram_max"])
+        elif draft == EARLY_EXIT:
+            key = (EARLY_EXIT, options["exit_layer"])
         else:
             assert self.draft_model is not None
             return self.draft_model
         if key not in self.drafters:
             self.drafters[key] = (
                 NgramDrafter(max_n=key[1])
-                if draft == "ngram"
+                if draft == NGRAM
                 else EarlyExitDrafter(self.engine, key[1])
             )
         return self.drafters[key]
@@ -345,7 +346,7 @@ class Speculative(Decoder):
         k = ks.pop()
         for seq in seqs:
             options = seq.decoder_options
-            if options["draft"] != "eagle" or options.get("tree_nodes") or not k:
+            if options["draft"] != EAGLE or options.get("tree_nodes") or not k:
                 return None
             if not sampling.greedy_on_device(seq):
                 return None

@@ -29,6 +29,7 @@ import torch
 from transformers import AutoConfig
 
 from stride.decoders import sampling
+from stride.decoders.catalog import EARLY_EXIT, NGRAM
 from stride.engine import loader
 from stride.engine.engine import Engine, EngineConfig
 from stride.engine.kv_cache import KVCache, OutOfBlocks
@@ -70,7 +71,7 @@ class Drafter:
 class NgramDrafter(Drafter):
     """Prompt lookup: the longest suffix n-gram (n ≤ max_n) seen before predicts what follows."""
 
-    name = "ngram"
+    name = NGRAM
 
     def __init__(self, max_n: int = 3, min_n: int = 1) -> None:
         self.max_n, self.min_n = max_n, min_n
@@ -139,7 +140,7 @@ def run_drafts(
 class EarlyExitDrafter(Drafter):
     """The target's first `num_layers` layers as the drafter, over the target's own KV cache."""
 
-    name = "early_exit"
+    name = EARLY_EXIT
 
     def __init__(self, engine: Engine, num_layers: int) -> None:
         total = engine.model.num_layers

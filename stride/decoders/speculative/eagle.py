@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from stride.decoders.catalog import EAGLE
 from stride.decoders.speculative.drafters import Draft, Drafter, run_drafts
 from stride.decoders.speculative.tree import Tree
 from stride.engine.eagle import HeadRunner, load_head
@@ -51,7 +52,7 @@ class _Candidate:
 
 
 class EagleDrafter(Drafter):
-    name = "eagle"
+    name = EAGLE
 
     def __init__(self, engine: Engine, head_path: Path) -> None:
         self.engine = engine
