@@ -38,4 +38,4 @@ def test_chat_streams_an_answer_through_the_chat_template(server):
     template = serving.tokenizer.apply_chat_template(
         QUESTION, add_generation_prompt=True, tokenize=False
     )
-    assert chunks[-1].usage.prompt_tokens == len(serving.encode(template, special=False))
+    assert chunks[-1].usage.prompt_tokens == len(serving.inputs.encode(template, special=False))

@@ -8,13 +8,13 @@ import pytest
 
 from stride.scheduler.outputs import RequestOutput
 from stride.server import schemas as s
-from stride.server.serving import _ChatView, _CompletionView
+from stride.server.views import ChatView, CompletionView, Pieces
 
 TEXTS = ["", "a", ' "quoted" \\ back', "tab\tnew\nline\r\x00\x1f\x7f", "é日本🙂\u2028\ufeff\ue000"]
 
 
-class _Serving:
-    model_name = "tiny/model"
+MODEL = "tiny/model"
+NO_PIECES = Pieces(lambda ids: "")  # no logprobs asked for
 
 
 def _views(include_usage: bool):
@@ -23,8 +23,8 @@ def _views(include_usage: bool):
     chat = s.ChatCompletionRequest(
         messages=[{"role": "user", "content": "x"}], stream=True, stream_options=options
     )
-    yield _CompletionView(_Serving(), completion, "cmpl-1", [[1]], [""])
-    yield _ChatView(_Serving(), chat, "chatcmpl-1", [[1]])
+    yield CompletionView(MODEL, NO_PIECES, completion, "cmpl-1", [[1]], [""])
+    yield ChatView(MODEL, NO_PIECES, chat, "chatcmpl-1", [[1]])
 
 
 @pytest.mark.parametrize("include_usage", [False, True])
@@ -37,5 +37,5 @@ def test_text_events_are_what_pydantic_writes(include_usage):
             index = i % len(view.choices)
             out = RequestOutput(f"r{index}", token_ids=[7], text=text, num_output_tokens=1)
             chunk = view.delta(index, out)
-            expected = None if chunk is None else view._chunk(chunk, include_usage)
-            assert view._event(index, out, include_usage) == expected
+            expected = None if chunk is None else view.chunk(chunk, include_usage)
+            assert view.event(index, out, include_usage) == expected

@@ -27,9 +27,16 @@ from typing import Any
 
 import torch
 
-from stride.decoders.base import Commit, Decoder, DecoderError, ModelGroup, StepContext
+from stride.decoders.base import (
+    Commit,
+    Decoder,
+    DecoderError,
+    DecodersConfig,
+    ModelGroup,
+    StepContext,
+)
 from stride.decoders.registry import build_decoders
-from stride.engine.engine import Engine
+from stride.engine.engine import Engine, EngineConfig
 from stride.engine.sequence import Sequence, Status
 from stride.scheduler.detokenizer import Detokenizer
 from stride.scheduler.executor import Batch, Executor, InFlight
@@ -52,6 +59,20 @@ class _StepOutputs:
 
     outputs: list[RequestOutput]
     untexted: list[tuple[RequestOutput, Detokenizer]] = field(default_factory=list)
+
+
+@dataclass
+class CoreConfig:
+    """Everything a core is built from: plain data, so an engine process can be handed it."""
+
+    engine: EngineConfig
+    scheduler: SchedulerConfig
+    decoders: DecodersConfig
+
+    def build(self) -> EngineCore:
+        """Load the model and set up the decoders: the one way an `EngineCore` is built."""
+        engine = Engine(self.engine)
+        return EngineCore(engine, self.scheduler, build_decoders(engine, self.decoders))
 
 
 class EngineCore:

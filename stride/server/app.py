@@ -30,20 +30,21 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from stride import drafts
-from stride.decoders.registry import DecodersConfig, build_decoders
-from stride.engine.engine import Engine, EngineConfig
+from stride.decoders.base import DecodersConfig
+from stride.engine.engine import EngineConfig
 from stride.engine.loader import served_name
 from stride.metrics import PROBES, Metrics, MetricsMiddleware
 from stride.scheduler.client import BaseClient, EngineClient
-from stride.scheduler.core import EngineCore
+from stride.scheduler.core import CoreConfig
 from stride.scheduler.policy import SchedulerConfig
-from stride.scheduler.process import EngineProcessConfig, ProcessEngineClient
+from stride.scheduler.process import ProcessEngineClient
 from stride.scheduler.supervision import SupervisionConfig
 from stride.server import errors
 from stride.server import schemas as s
 from stride.server.auth import APIKeyMiddleware
 from stride.server.errors import APIError
-from stride.server.serving import Serving, off_loop
+from stride.server.requests import off_loop
+from stride.server.serving import Serving
 from stride.server.streaming import ClientGone
 
 log = logging.getLogger(__name__)
@@ -68,6 +69,10 @@ class ServerConfig:
     engine_conn: Connection | None = None
     engine_updates: Connection | None = None
     step_metrics: bool = True
+
+    @property
+    def core(self) -> CoreConfig:
+        return CoreConfig(self.engine, self.scheduler, self.decoders)
 
 
 class Phase(enum.Enum):
@@ -185,17 +190,10 @@ def build_client(config: ServerConfig) -> BaseClient:
         return ProcessEngineClient(
             config.engine_conn, updates=config.engine_updates, supervision=config.supervision
         )
+    core = config.core
     if use_engine_process(config):
-        return ProcessEngineClient.start(
-            EngineProcessConfig(config.engine, config.scheduler, config.decoders),
-            config.supervision,
-        )
-
-    def build() -> EngineCore:
-        engine = Engine(config.engine)
-        return EngineCore(engine, config.scheduler, build_decoders(engine, config.decoders))
-
-    return EngineClient(build(), rebuild=build, supervision=config.supervision)
+        return ProcessEngineClient.start(core, config.supervision)
+    return EngineClient(core.build(), rebuild=core.build, supervision=config.supervision)
 
 
 def use_engine_process(config: ServerConfig) -> bool:
@@ -368,22 +366,25 @@ def _routes(app: FastAPI) -> None:
 
     @app.post("/tokenize", response_model=s.TokenizeResponse, responses=ERRORS)
     async def tokenize(body: s.TokenizeRequest, srv: Model):
-        srv.check_model(body.model)
+        inputs = srv.inputs
+        inputs.check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise APIError("invalid_request", "give exactly one of 'prompt' and 'messages'")
         if body.prompt is not None:
             prompt = body.prompt
             ids = await off_loop(
-                lambda: srv.encode(prompt, special=body.add_special_tokens), len(prompt)
+                lambda: inputs.encode(prompt, special=body.add_special_tokens), len(prompt)
             )
         else:
             messages = body.messages
             size = sum(len(str(m.content or "")) for m in messages)
-            ids = await off_loop(lambda: srv.encode(srv.render_chat(messages), special=False), size)
+            ids = await off_loop(
+                lambda: inputs.encode(inputs.render_chat(messages), special=False), size
+            )
         return s.TokenizeResponse(tokens=ids, count=len(ids), max_model_len=srv.max_model_len)
 
     @app.post("/detokenize", response_model=s.DetokenizeResponse, responses=ERRORS)
     async def detokenize(body: s.DetokenizeRequest, srv: Model):
-        srv.check_model(body.model)
-        srv.check_ids(body.tokens, "tokens")
-        return s.DetokenizeResponse(prompt=srv.decode(body.tokens))
+        srv.inputs.check_model(body.model)
+        srv.inputs.check_ids(body.tokens, "tokens")
+        return s.DetokenizeResponse(prompt=srv.inputs.decode(body.tokens))
