@@ -6,8 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from stride.engine import attention, fused
+from stride.engine import fused
+from stride.engine.attention import DecodeMetadata
 from stride.engine.engine import Engine, EngineConfig
+from stride.engine.kernels import decode_attention as attention
 from stride.engine.runner import Span, prepare
 from stride.engine.sequence import SamplingParams, Sequence
 from stride.scheduler.core import EngineCore
@@ -32,7 +34,7 @@ def test_decode_kernel_matches_reference(dtype, heads, kv_heads, head_dim):
     for i, n in enumerate(lengths):
         for j in range(-(-n // block)):
             tables[i, j] = free.pop()
-    meta = attention.DecodeMetadata(
+    meta = DecodeMetadata(
         slot_mapping=torch.zeros(len(lengths), dtype=torch.long, device=dev),
         block_tables=tables,
         context_lens=torch.tensor(lengths, dtype=torch.int32, device=dev),

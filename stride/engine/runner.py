@@ -26,8 +26,9 @@ from dataclasses import dataclass
 import torch
 
 from stride.engine import fused
-from stride.engine.attention import AttentionMetadata, decode_kernel_supported
+from stride.engine.attention import AttentionMetadata
 from stride.engine.cuda_graphs import DecodeGraphs
+from stride.engine.kernels.decode_attention import decode_kernel_supported
 from stride.engine.kv_cache import KVCache
 from stride.engine.model import CausalLM
 from stride.engine.sequence import Sequence
