@@ -2,8 +2,8 @@
 
 For the real shapes of the default model (SmolLM2-135M) and an 8B Llama:
   - the one-row GEMV of `stride.engine.kernels.layer` (RMSNorm / SiLU*up / residual add folded
-    in) with the tile shape the engine picks, against a sweep of tile shapes and against cuBLAS plus the
-    separate norm and SiLU kernels it replaces; bandwidth = weight bytes / time;
+    in) with the tile shape the engine picks, against a sweep of tile shapes and against cuBLAS
+    plus the separate norm and SiLU kernels it replaces; bandwidth = weight bytes / time;
   - paged decode attention with the engine's launch shape against a sweep of (splits, tokens per
     tile, warps), at batch 1 / 16 / 64 and contexts 256 / 1024 / 4096.
 Each number is the mean of 20 back-to-back launches captured in one graph, replayed 10 times;
