@@ -8,9 +8,7 @@ import pytest
 import torch
 
 from stride.engine.engine import Engine, EngineConfig
-from stride.scheduler.core import EngineCore
-from stride.scheduler.policy import SchedulerConfig
-from tests.tiny import load_hf, make_model_dir
+from tests.helpers.models import load_hf, make_model_dir
 
 # One thread: tiny models gain nothing from more, and on a shared 2-core box the pytest process,
 # the servers tests spawn (OMP_NUM_THREADS=1) and others' tests contend; an OpenMP team waiting
@@ -37,15 +35,6 @@ def tiny_hf(tiny_dir):
     return load_hf(tiny_dir)
 
 
-def make_core(model_dir: Path | str | None, kv_bytes: int = 16 << 20, **sched) -> EngineCore:
-    engine = Engine(
-        EngineConfig(
-            model=None if model_dir is None else str(model_dir),
-            device="cpu",
-            kv_cache_memory=kv_bytes,
-        )
-    )
-    return EngineCore(engine, SchedulerConfig(**sched))
 
 
 @pytest.fixture(scope="session")
