@@ -30,7 +30,9 @@ class EngineConfig:
 
 
 class Engine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, loaded: loader.LoadedModel | None = None) -> None:
+        """`loaded`: a model built already (benchmarks build random weights of real shapes);
+        else `config.model` is loaded."""
         self.config = config
         self.device = torch.device(
             ("cuda" if torch.cuda.is_available() else "cpu")
@@ -38,7 +40,8 @@ class Engine:
             else config.device
         )
         dtype = None if config.dtype == "auto" else DTYPES[config.dtype]
-        loaded = loader.load(config.model, self.device, dtype, config.served_name)
+        if loaded is None:
+            loaded = loader.load(config.model, self.device, dtype, config.served_name)
         self.name = loaded.name
         self.path = loaded.path
         self.hf_config = loaded.config

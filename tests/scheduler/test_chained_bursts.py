@@ -17,7 +17,7 @@ import torch
 from stride.decoders import sampling
 from stride.decoders.registry import build_decoders
 from stride.decoders.speculative import Speculative
-from stride.engine.cuda_graphs import _LENGTH, _POSITION, _SLOT, _TABLE, _TOKEN, DecodeGraphs
+from stride.engine.cuda_graphs import LENGTH, POSITION, SLOT, TABLE, TOKEN, DecodeGraphs
 from stride.engine.engine import Engine, EngineConfig
 from stride.engine.kv_cache import OutOfBlocks
 from stride.engine.sequence import SamplingParams
@@ -309,7 +309,7 @@ class _RecordingGraphs(DecodeGraphs):
         self.cache = SimpleNamespace(block_size=block_size)
         self.max_blocks = max_blocks
         self.buckets = [max_batch]
-        width = _TABLE + max_blocks
+        width = TABLE + max_blocks
         self._host = torch.zeros(max_batch, width, dtype=torch.int32)
         self._host_np = self._host.numpy()
         self._inputs = torch.zeros(max_batch, width, dtype=torch.int32)
@@ -323,7 +323,7 @@ class _RecordingGraphs(DecodeGraphs):
     def replay(self) -> None:
         self.replayed.append(self._inputs.clone())
         self._logits.zero_()
-        self._logits[torch.arange(len(self._inputs)), self._inputs[:, _TOKEN].long() + 1] = 1
+        self._logits[torch.arange(len(self._inputs)), self._inputs[:, TOKEN].long() + 1] = 1
 
 
 def test_run_steps_feeds_picked_rows_of_device_tokens():
@@ -337,12 +337,12 @@ def test_run_steps_feeds_picked_rows_of_device_tokens():
     sampled = graphs.run_steps(last_sample, [6, 3], [7, 4], tables, 2, argmax, rows=[3, 0])
     assert sampled.tolist() == [[41, 11], [42, 12]]
     first, second = graphs.replayed
-    assert first[:2, _TOKEN].tolist() == [40, 10] and second[:2, _TOKEN].tolist() == [41, 11]
-    assert first[:2, _POSITION].tolist() == [6, 3] and second[:2, _POSITION].tolist() == [7, 4]
-    assert first[:2, _LENGTH].tolist() == [7, 4] and second[:2, _LENGTH].tolist() == [8, 5]
+    assert first[:2, TOKEN].tolist() == [40, 10] and second[:2, TOKEN].tolist() == [41, 11]
+    assert first[:2, POSITION].tolist() == [6, 3] and second[:2, POSITION].tolist() == [7, 4]
+    assert first[:2, LENGTH].tolist() == [7, 4] and second[:2, LENGTH].tolist() == [8, 5]
     # Position 6 of [5, 6] is slot 6*4+2; position 3 of [7, 8] is slot 7*4+3, position 4 8*4+0.
-    assert first[:2, _SLOT].tolist() == [26, 31] and second[:2, _SLOT].tolist() == [27, 32]
-    assert (first[2:, _LENGTH] == 1).all()  # padding rows attend to one slot of block 0
+    assert first[:2, SLOT].tolist() == [26, 31] and second[:2, SLOT].tolist() == [27, 32]
+    assert (first[2:, LENGTH] == 1).all()  # padding rows attend to one slot of block 0
 
     host_fed = graphs.run_steps([7, 8], [6, 3], [7, 4], tables, 1, argmax)
     in_order = graphs.run_steps(last_sample[:2], [6, 3], [7, 4], tables, 1, argmax)
