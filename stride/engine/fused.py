@@ -11,11 +11,11 @@ Two layer shapes, by the number of rows:
     Triton GEMV folds the work around each product into it: RMSNorm before the QKV and gate/up
     products, rotary and the KV-cache write after QKV, SiLU*up after gate/up, the residual add
     after the O and down products. With attention (and its split merge) that is six kernels per
-    layer. On an H200 the GEMV streams weights at or above cuBLAS's rate
-    (bench/bench_kernels.py; bench/bench_gpu.py measures the whole step).
+    layer. The GEMV streams weights at cuBLAS's rate or above (bench/bench_kernels.py;
+    bench/bench_gpu.py measures the whole step; docs/BENCHMARKS.md).
   - more rows: cuBLAS GEMMs with add+RMSNorm, rotary+KV write and SiLU*up as Triton kernels.
-    (A tensor-core variant of the fused GEMV for up to 16 rows lost to this path when measured:
-    its in-loop norm work cost more than the launches it saved.)
+    (A tensor-core variant of the fused GEMV for a few rows costs more in-loop norm work than
+    the launches it saves: docs/BENCHMARKS.md, "Design choices".)
 Rotary angles come from a table built once for every position, not from a dozen kernels per
 step. Apart from the one-row GEMV's norm (see `gemv`), each kernel rounds where the module forward
 rounds (bf16 after every op).

@@ -50,8 +50,8 @@ HEARTBEAT_S = 1.0  # the longest a stepping engine stays silent on a pipe
 
 def _reduce_output(out: RequestOutput) -> tuple[type, tuple]:
     """A RequestOutput as its field values in order (every field is an __init__ argument),
-    not the default pickled __dict__: per 256-output step, 195 instead of 290 us to pickle
-    and 170 instead of 365 us to unpickle."""
+    not the default pickled __dict__: about half the time to pickle and unpickle a step's
+    outputs (docs/BENCHMARKS.md, "Design choices")."""
     return RequestOutput, tuple(out.__dict__.values())
 
 

@@ -368,8 +368,8 @@ def serve(args: argparse.Namespace) -> int:
 
 def default_api_servers(config: ServerConfig) -> int:
     """One API process where the engine thread shares it (CPU); on CUDA one per 4 cores, at
-    most 4: one asyncio process streams about half of what the engine makes at 256 streams on
-    an H200, and the engine process, tokenizers and the OS need cores too."""
+    most 4: one asyncio process streams less than the engine makes at 256 streams
+    (docs/BENCHMARKS.md), and the engine process, tokenizers and the OS need cores too."""
     from stride.server.app import use_engine_process
 
     if not use_engine_process(config):

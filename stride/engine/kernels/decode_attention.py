@@ -47,9 +47,8 @@ def decode_attention(
     # Splits: enough programs for every SM at a small batch. The count depends on the batch only
     # through b * kv (16 up to an eighth of the SMs, 1 from two per SM on), so a sequence's bf16
     # result is the same in most batches: alone and as 5 speculative rows, or in any batch past
-    # 90 rows. Tiles of 16 tokens on 2 warps (bench/bench_kernels.py, H200): 1.4-2.5x faster
-    # than 64-token tiles on 8 warps at contexts up to 256 and at batch 16-64 up to 1,024; a
-    # lone sequence past ~1,000 tokens is slower than with long tiles.
+    # 90 rows. Tiles of 16 tokens on 2 warps: the fastest of bench/bench_kernels.py's sweep
+    # at short contexts and mid-size batches (docs/BENCHMARKS.md, "Design choices").
     splits = max(1, min(16, 2 * _num_sms(q.device) // (b * kv)))
     splits, block_n, warps = launch or (splits, 16, 2)
     out = torch.empty_like(q)

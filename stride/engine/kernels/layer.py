@@ -116,8 +116,8 @@ def _launch_gemv(
 
 
 def _gemv_tile(n: int, k: int, silu_mul: bool) -> dict[str, int]:
-    """Tile shape of the one-row GEMV: the fastest of bench/bench_kernels.py's sweep on an H200
-    for each product of SmolLM2-135M and Llama-8B, as one rule.
+    """Tile shape of the one-row GEMV: the fastest of bench/bench_kernels.py's sweep for each
+    product of SmolLM2-135M and Llama-8B, as one rule (docs/BENCHMARKS.md, "Design choices").
 
     Narrow column blocks keep every SM streaming; x is read in one tile when it fits (then the
     norm is exact, see `_gemv_row_kernel`); the fp32 accumulators (BN x BK, twice with SiLU) must
