@@ -8,6 +8,9 @@ import pytest
 import torch
 
 from stride.engine.engine import Engine, EngineConfig
+from stride.scheduler.outputs import GenerateRequest
+from tests.helpers.cores import PROMPTS, greedy, run
+from tests.helpers.eagle import eagle_core, random_head
 from tests.helpers.models import load_hf, make_model_dir
 
 # One thread: tiny models gain nothing from more, and on a shared 2-core box the pytest process,
@@ -55,3 +58,25 @@ def default_hf(default_engine):
     return AutoModelForCausalLM.from_pretrained(
         path, **transformers_kwargs(path), dtype=torch.float32
     )
+
+
+@pytest.fixture(scope="session")
+def eagle_target(tmp_path_factory) -> Path:
+    """A tiny target deep enough for EAGLE-3's low, middle and high layers."""
+    return make_model_dir(tmp_path_factory.mktemp("eagle") / "target", layers=4)
+
+
+@pytest.fixture(scope="session")
+def eagle_head(eagle_target, tmp_path_factory) -> Path:
+    return random_head(eagle_target, tmp_path_factory.mktemp("eagle") / "head")
+
+
+@pytest.fixture(scope="session")
+def eagle_ref(eagle_target) -> dict[int, list[int]]:
+    """Plain greedy decoding of every prompt on the EAGLE target, one request at a time."""
+    out = {}
+    for i, prompt in enumerate(PROMPTS + [list(range(30, 90))]):
+        core = eagle_core(eagle_target, None)
+        tokens, _ = run(core, [GenerateRequest("r", prompt, greedy(24))])
+        out[i] = tokens["r"]
+    return out

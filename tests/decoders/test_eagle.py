@@ -1,104 +1,44 @@
 """EAGLE draft heads: exact greedy equality, the exact sampling distribution, what the head
-accepts, the published layouts, and training that matches serving."""
+accepts, the published layouts (training: tests/train)."""
 
 from __future__ import annotations
 
-import argparse
 import json
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import save_file
 
 from stride import drafts
-from stride.decoders.registry import DecodersConfig, build_decoders
 from stride.decoders.speculative.drafters import Draft
 from stride.decoders.speculative.eagle import EagleDrafter
 from stride.decoders.speculative.tree import Tree
-from stride.engine.eagle import EagleConfig, load_head, save_head
+from stride.engine.eagle import EagleConfig, load_head
 from stride.engine.engine import Engine, EngineConfig
-from stride.engine.runner import Span
-from stride.engine.sequence import SamplingParams, Sequence
-from stride.scheduler.core import EngineCore
+from stride.engine.sequence import SamplingParams
 from stride.scheduler.outputs import GenerateRequest
-from stride.scheduler.policy import SchedulerConfig
-from stride.train import eagle as trainer
-from stride.train.cli import configure
-from stride.train.cli import main as train_main
 from tests.helpers.cores import PROMPTS, chi2_pvalue, exact_joint, greedy, run
-from tests.helpers.models import load_hf, make_model_dir
-
-K = 4
-CHAIN = dict(draft="eagle", num_speculative_tokens=K, adaptive=False)
-TREE = dict(draft="eagle", num_speculative_tokens=K, adaptive=False, tree_nodes=12, tree_topk=3)
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    """A tiny target deep enough for EAGLE-3's low, middle and high layers."""
-    return make_model_dir(tmp_path_factory.mktemp("eagle") / "target", layers=4)
-
-
-def random_head(model_dir: Path, out: Path, draft_vocab: int | None = None, seed: int = 0):
-    """A random EAGLE-3 head for the target (decisive weights: few near-ties), saved in the
-    published layout; a draft vocabulary of the lowest `draft_vocab` ids if given."""
-    hf = load_hf(model_dir)
-    vocab = hf.config.vocab_size
-    ids = torch.arange(draft_vocab or vocab)
-    head = trainer.new_head(hf, ids)
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        for p in head.parameters():
-            if p.dim() == 2:
-                p.normal_(0, 0.3)
-    save_head(head, out)
-    return out
-
-
-@pytest.fixture(scope="module")
-def head_dir(model_dir, tmp_path_factory) -> Path:
-    return random_head(model_dir, tmp_path_factory.mktemp("eagle") / "head")
-
-
-def make(model: Path, head: Path | None, kv_bytes: int = 8 << 20, **sched) -> EngineCore:
-    engine = Engine(EngineConfig(model=str(model), device="cpu", kv_cache_memory=kv_bytes))
-    decoders = build_decoders(engine, DecodersConfig(draft_head=head and str(head)))
-    return EngineCore(engine, SchedulerConfig(**sched), decoders)
-
-
-@pytest.fixture(scope="module")
-def reference(model_dir) -> dict[int, list[int]]:
-    out = {}
-    for i, prompt in enumerate(PROMPTS + [list(range(30, 90))]):
-        tokens, _ = run(make(model_dir, None), [GenerateRequest("r", prompt, greedy(24))])
-        out[i] = tokens["r"]
-    return out
-
-
-def free(core: EngineCore) -> bool:
-    cache = core.engine.cache
-    return cache.num_free_blocks == cache.num_usable_blocks
-
+from tests.helpers.eagle import CHAIN, TREE, K, eagle_core, free, random_head
+from tests.helpers.models import load_hf
 
 # ---- exactness -------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("options", [CHAIN, TREE, dict(CHAIN, adaptive=True)],
                          ids=["chain", "tree", "adaptive"])  # fmt: skip
-def test_greedy_equals_plain_decoding_alone(model_dir, head_dir, reference, options):
-    core = make(model_dir, head_dir)
+def test_greedy_equals_plain_decoding_alone(eagle_target, eagle_head, eagle_ref, options):
+    core = eagle_core(eagle_target, eagle_head)
     for i, prompt in enumerate(PROMPTS):
         request = GenerateRequest("s", prompt, greedy(24), "speculative", options)
         tokens, _ = run(core, [request])
-        assert tokens["s"] == reference[i]
+        assert tokens["s"] == eagle_ref[i]
     assert free(core)
     assert not core.decoders["speculative"].eagle.cursors
 
 
-def test_greedy_mixed_batch_with_ar_other_drafters_and_prefill(model_dir, head_dir, reference):
-    core = make(model_dir, head_dir, max_num_batched_tokens=48)
+def test_greedy_mixed_batch_with_ar_other_drafters_and_prefill(eagle_target, eagle_head, eagle_ref):
+    core = eagle_core(eagle_target, eagle_head, max_num_batched_tokens=48)
     kinds = [
         ("ar", {}),
         ("speculative", CHAIN),
@@ -114,14 +54,14 @@ def test_greedy_mixed_batch_with_ar_other_drafters_and_prefill(model_dir, head_d
     late = [GenerateRequest("long", list(range(30, 90)), greedy(24), "speculative", TREE)]
     tokens, _ = run(core, requests, late)
     for r in requests:
-        assert tokens[r.request_id] == reference[int(r.request_id.split("-")[0])], r
-    assert tokens["long"] == reference[len(PROMPTS)]
+        assert tokens[r.request_id] == eagle_ref[int(r.request_id.split("-")[0])], r
+    assert tokens["long"] == eagle_ref[len(PROMPTS)]
     assert free(core)
 
 
-def test_greedy_under_preemption(model_dir, head_dir, reference):
+def test_greedy_under_preemption(eagle_target, eagle_head, eagle_ref):
     """Preempted sequences start their features over; outputs do not change."""
-    core = make(model_dir, head_dir, kv_bytes=7 * 16384)  # 6 usable blocks of 16 tokens
+    core = eagle_core(eagle_target, eagle_head, kv_bytes=7 * 16384)  # 6 usable blocks of 16 tokens
     requests = [
         GenerateRequest(str(i), p, greedy(24), "speculative", TREE if i % 2 else CHAIN)
         for i, p in enumerate(PROMPTS)
@@ -129,19 +69,19 @@ def test_greedy_under_preemption(model_dir, head_dir, reference):
     tokens, _ = run(core, requests)
     assert core.preempted
     for i in range(len(PROMPTS)):
-        assert tokens[str(i)] == reference[i]
+        assert tokens[str(i)] == eagle_ref[i]
     assert free(core)
 
 
-def test_a_draft_vocabulary_maps_back_to_the_target(model_dir, tmp_path, reference):
-    head = random_head(model_dir, tmp_path / "small", draft_vocab=100)
+def test_a_draft_vocabulary_maps_back_to_the_target(eagle_target, tmp_path, eagle_ref):
+    head = random_head(eagle_target, tmp_path / "small", draft_vocab=100)
     assert json.loads((head / "config.json").read_text())["draft_vocab_size"] == 100
-    core = make(model_dir, head)
+    core = eagle_core(eagle_target, head)
     drafter = core.decoders["speculative"].eagle
     assert drafter.head.head_weight().shape[0] == 100
     for i, prompt in enumerate(PROMPTS[:2]):
         tokens, _ = run(core, [GenerateRequest("s", prompt, greedy(24), "speculative", TREE)])
-        assert tokens["s"] == reference[i]
+        assert tokens["s"] == eagle_ref[i]
 
 
 class Oracle(EagleDrafter):
@@ -167,17 +107,19 @@ class Oracle(EagleDrafter):
 
 
 @pytest.mark.parametrize("options", [CHAIN, TREE], ids=["chain", "tree"])
-def test_an_oracle_head_gives_k_plus_one_tokens_per_pass(model_dir, head_dir, reference, options):
-    core = make(model_dir, head_dir)
+def test_an_oracle_head_gives_k_plus_one_tokens_per_pass(
+    eagle_target, eagle_head, eagle_ref, options
+):
+    core = eagle_core(eagle_target, eagle_head)
     spec = core.decoders["speculative"]
     oracle = Oracle.__new__(Oracle)
     oracle.__dict__.update(spec.eagle.__dict__)
     spec.eagle = oracle
     n = 1 + 4 * (K + 1)
     prompt = PROMPTS[1]
-    oracle.truth = {"o": prompt + reference[1]}
+    oracle.truth = {"o": prompt + eagle_ref[1]}
     tokens, stats = run(core, [GenerateRequest("o", prompt, greedy(n), "speculative", options)])
-    assert tokens["o"] == reference[1][:n]
+    assert tokens["o"] == eagle_ref[1][:n]
     # The prefill makes one token (a head drafts from the target's features, which the prefill
     # makes); then every pass accepts all K drafts and adds one token of its own.
     s = stats["o"]
@@ -185,32 +127,32 @@ def test_an_oracle_head_gives_k_plus_one_tokens_per_pass(model_dir, head_dir, re
     assert (s["accepted_tokens"] + s["drafts"]) / s["drafts"] == K + 1
 
 
-def test_a_random_head_still_decodes_exactly(model_dir, tmp_path, reference):
-    head = random_head(model_dir, tmp_path / "random", seed=7)
-    core = make(model_dir, head)
+def test_a_random_head_still_decodes_exactly(eagle_target, tmp_path, eagle_ref):
+    head = random_head(eagle_target, tmp_path / "random", seed=7)
+    core = eagle_core(eagle_target, head)
     tokens, stats = run(core, [GenerateRequest("r", PROMPTS[2], greedy(24), "speculative", CHAIN)])
-    assert tokens["r"] == reference[2]
+    assert tokens["r"] == eagle_ref[2]
     assert stats["r"]["tokens_per_pass"] >= 1.0
 
 
 # ---- sampling ---------------------------------------------------------------------------------
 
 
-def test_sampled_output_follows_the_target_distribution(model_dir, head_dir):
+def test_sampled_output_follows_the_target_distribution(eagle_target, eagle_head):
     """Sampled requests draft chains from the head's distribution; the rejection rule keeps
     the target's (and a test of the same counts rejects a wrong distribution)."""
     prompt, n = PROMPTS[2], 1200
     # The prefill samples the first token; the second comes from verifying the head's drafts.
     params = SamplingParams(max_tokens=3, temperature=1.5, top_k=4, ignore_eos=True)
     options = dict(CHAIN, num_speculative_tokens=2, tree_nodes=12)  # sampled: a chain all the same
-    core = make(model_dir, head_dir, max_waiting=n)
+    core = eagle_core(eagle_target, eagle_head, max_waiting=n)
     requests = [
         GenerateRequest(str(i), prompt, replace(params, seed=i), "speculative", options)
         for i in range(n)
     ]
     tokens, stats = run(core, requests)
     assert sum(s.get("draft_tokens", 0) for s in stats.values()) > 0
-    hf = load_hf(model_dir)
+    hf = load_hf(eagle_target)
     joint = exact_joint(hf, prompt, params)
     cells = joint.flatten().nonzero()[:, 0]
     counts = torch.zeros(joint.numel(), dtype=torch.float64)
@@ -225,10 +167,10 @@ def test_sampled_output_follows_the_target_distribution(model_dir, head_dir):
 # ---- published layouts -------------------------------------------------------------------------
 
 
-def test_a_specforge_eagle3_checkpoint_loads_and_decodes_exactly(model_dir, tmp_path, reference):
+def test_a_specforge_eagle3_checkpoint_loads_and_decodes_exactly(eagle_target, tmp_path, eagle_ref):
     """SpecForge's layout: midlayer.*, fc over three layers, its own draft-vocabulary lm_head,
     d2t/t2d, the target's embedding copied in (ignored: the target's is used)."""
-    hf = load_hf(model_dir)
+    hf = load_hf(eagle_target)
     h, vocab, layers = hf.config.hidden_size, hf.config.vocab_size, hf.config.num_hidden_layers
     heads, kv, d, inter = 4, 2, h // 4, hf.config.intermediate_size
     draft_ids = torch.arange(0, vocab, 3)  # every third token
@@ -274,7 +216,7 @@ def test_a_specforge_eagle3_checkpoint_loads_and_decodes_exactly(model_dir, tmp_
     }
     (path / "config.json").write_text(json.dumps(config))
     assert drafts.is_head(path)
-    engine = Engine(EngineConfig(model=str(model_dir), device="cpu", kv_cache_memory=8 << 20))
+    engine = Engine(EngineConfig(model=str(eagle_target), device="cpu", kv_cache_memory=8 << 20))
     head = load_head(path, engine.model)
     assert head.config.aux_layers == EagleConfig.for_target(hf.config, 1).aux_layers
     assert torch.equal(head.draft_ids, draft_ids)
@@ -282,17 +224,17 @@ def test_a_specforge_eagle3_checkpoint_loads_and_decodes_exactly(model_dir, tmp_
     assert torch.equal(head.head_weight(), state["lm_head.weight"])
     q_proj = head.layers[0].self_attn.q_proj.weight
     assert torch.equal(q_proj, state["midlayer.self_attn.q_proj.weight"])
-    core = make(model_dir, path)
+    core = eagle_core(eagle_target, path)
     for i, prompt in enumerate(PROMPTS[:2]):
         tokens, _ = run(core, [GenerateRequest("s", prompt, greedy(24), "speculative", TREE)])
-        assert tokens["s"] == reference[i]
+        assert tokens["s"] == eagle_ref[i]
     assert layers == 4
 
 
-def test_an_eagle1_checkpoint_loads_and_decodes_exactly(model_dir, tmp_path, reference):
+def test_an_eagle1_checkpoint_loads_and_decodes_exactly(eagle_target, tmp_path, eagle_ref):
     """The EAGLE authors' EAGLE-1/2 layout: a Llama config of one layer, fc (with bias) over
     [embedding; final hidden state], layers.0 without an input norm, the target's head."""
-    hf = load_hf(model_dir)
+    hf = load_hf(eagle_target)
     h, inter = hf.config.hidden_size, hf.config.intermediate_size
     heads, kv, d = 4, 2, h // 4
     g = torch.Generator().manual_seed(4)
@@ -315,81 +257,22 @@ def test_an_eagle1_checkpoint_loads_and_decodes_exactly(model_dir, tmp_path, ref
     path = tmp_path / "eagle1"
     path.mkdir()
     save_file(state, path / "model.safetensors")
-    config = dict(json.loads((model_dir / "config.json").read_text()), num_hidden_layers=1,
+    config = dict(json.loads((eagle_target / "config.json").read_text()), num_hidden_layers=1,
                   architectures=["LlamaForCausalLM"])  # fmt: skip
     (path / "config.json").write_text(json.dumps(config))
-    assert drafts.is_head(path) and not drafts.is_head(model_dir)
-    engine = Engine(EngineConfig(model=str(model_dir), device="cpu", kv_cache_memory=8 << 20))
+    assert drafts.is_head(path) and not drafts.is_head(eagle_target)
+    engine = Engine(EngineConfig(model=str(eagle_target), device="cpu", kv_cache_memory=8 << 20))
     head = load_head(path, engine.model)
     assert head.config.aux_layers == (hf.config.num_hidden_layers,)  # the final normed state
     assert torch.equal(head.fc.bias, state["fc.bias"])
     # --draft-model names a head: the server uses it as one.
-    engine_core = make(model_dir, None)
+    engine_core = eagle_core(eagle_target, None)
     assert engine_core.decoders["speculative"].eagle is None
     assert drafts.pick(None, str(path), "x") == (str(path), None)
-    core = make(model_dir, path)
+    core = eagle_core(eagle_target, path)
     for i, prompt in enumerate(PROMPTS[:2]):
         tokens, _ = run(core, [GenerateRequest("s", prompt, greedy(24), "speculative", CHAIN)])
-        assert tokens["s"] == reference[i]
-
-
-# ---- training ------------------------------------------------------------------------------------
-
-
-def test_training_unrolls_the_head_exactly_as_serving_chains_it(model_dir, head_dir, reference):
-    """The trainer's unrolled forward (training-time test) predicts, from every position, the
-    drafts the serving drafter makes there: what is trained is what is served."""
-    core = make(model_dir, head_dir)
-    drafter = core.decoders["speculative"].eagle
-    engine = core.engine
-    prompt = PROMPTS[2]
-    full = prompt + reference[2]
-    hf = load_hf(model_dir)
-    target = trainer.Target(hf, drafter.head.config.aux_layers, drafter.head.draft_ids)
-    train_head = load_head(head_dir, hf).float()
-    ids = torch.tensor([full])
-    valid = torch.ones_like(ids, dtype=torch.bool)
-    aux, _, _ = target(ids, valid)
-    with torch.no_grad():
-        outs = trainer.unroll(train_head, ids, valid, aux, K)
-        preds = [train_head.draft_ids[train_head.logits(g).argmax(-1)][0].tolist() for g in outs]
-    for t in (len(prompt) - 1, len(prompt) + 3, len(full) - K - 3):
-        # Serving: target features for positions < t + 1, the last token t + 1 as the tail.
-        seq = Sequence(f"u{t}", full[: t + 2], SamplingParams(temperature=0.0))
-        drafter.admit(seq)
-        engine.cache.reserve(seq, t + 2 + K)
-        engine.runner.forward([Span(seq, full[: t + 1], 1)])
-        seq.num_cached = t + 1
-        served = drafter.draft([seq], [K], set())[0].tokens
-        assert served == [preds[j][t] for j in range(K)], t
-        drafter.release(seq)
-        engine.cache.free(seq)
-
-
-def test_stride_draft_train_runs_end_to_end(model_dir, tmp_path, reference):
-    out = tmp_path / "trained"
-    parser = argparse.ArgumentParser()
-    configure(parser)
-    args = parser.parse_args([
-        "--model", str(model_dir), "--out", str(out), "--num-prompts", "24",
-        "--self-prompts", "4", "--max-tokens", "12", "--draft-vocab", "100",
-        "--max-steps", "6", "--batch-tokens", "512", "--depth", "3", "--device", "cpu",
-    ])  # fmt: skip
-    assert train_main(args) == 0
-    report = json.loads((out / "training.json").read_text())
-    assert report["steps"] == 6 and report["samples"] > 0 and report["answer_tokens"] > 0
-    assert set(report["chain_acceptance"]) == {"3", "4", "5", "6"}
-    assert all(v >= 1.0 for v in report["chain_acceptance"].values())
-    assert drafts.is_head(out)
-    engine = Engine(EngineConfig(model=str(model_dir), device="cpu", kv_cache_memory=8 << 20))
-    assert load_head(out, engine.model).config.draft_vocab_size == 100
-    core = make(model_dir, out)
-    tokens, _ = run(core, [GenerateRequest("s", PROMPTS[0], greedy(24), "speculative", TREE)])
-    assert tokens["s"] == reference[0]
-    # A second run resumes: the answers and the head are read back, training goes on.
-    args.max_steps = 8
-    assert train_main(args) == 0
-    assert json.loads((out / "training.json").read_text())["steps"] == 8
+        assert tokens["s"] == eagle_ref[i]
 
 
 def test_the_shipped_head_is_the_default_models_default_draft():
@@ -407,14 +290,14 @@ def test_the_shipped_head_is_the_default_models_default_draft():
 
 @pytest.mark.parametrize("k", [1, K])
 def test_device_cycles_decode_exactly_and_accept_what_chains_accept(
-    model_dir, head_dir, reference, k
+    eagle_target, eagle_head, eagle_ref, k
 ):
     """Greedy chains in bursts of cycles (draft, verify, accept, catch up with no host in
     between; eagerly here, CUDA graphs on a GPU): the same tokens as AR, and the same accepted
     drafts as one cycle per step."""
     options = dict(CHAIN, num_speculative_tokens=k)
-    stepwise = make(model_dir, head_dir)
-    bursts = make(model_dir, head_dir, fused_decode_steps=4)
+    stepwise = eagle_core(eagle_target, eagle_head)
+    bursts = eagle_core(eagle_target, eagle_head, fused_decode_steps=4)
     requests = [GenerateRequest(str(i), p, greedy(24), "speculative", options)
                 for i, p in enumerate(PROMPTS)]  # fmt: skip
     ref_tokens, ref_stats = run(stepwise, [replace(r) for r in requests])
@@ -425,11 +308,11 @@ def test_device_cycles_decode_exactly_and_accept_what_chains_accept(
     tokens, stats = run(bursts, requests)
     assert ran and max(ran) > 1  # several cycles per host sync
     for i in range(len(PROMPTS)):
-        assert tokens[str(i)] == reference[i]
+        assert tokens[str(i)] == eagle_ref[i]
         assert stats[str(i)]["accepted_tokens"] == ref_stats[str(i)]["accepted_tokens"]
     assert free(bursts)
     # (mixed with AR or waiting requests, a step runs as usual)
     late = [GenerateRequest("ar", PROMPTS[0], greedy(24))]
     tokens, _ = run(bursts, [replace(r, request_id=f"b{r.request_id}") for r in requests], late)
-    assert tokens["ar"] == reference[0]
-    assert all(tokens[f"b{i}"] == reference[i] for i in range(len(PROMPTS)))
+    assert tokens["ar"] == eagle_ref[0]
+    assert all(tokens[f"b{i}"] == eagle_ref[i] for i in range(len(PROMPTS)))
