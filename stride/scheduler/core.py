@@ -9,7 +9,7 @@ detokenizing, finishing) fails the sequence it raised for. A batched call (a dec
 `propose` or `commit` over its sequences, a model group's step) that raises cannot be pinned on
 one of them: its sequences drop their decoder state (as on preemption), become suspects, and are
 run again in halves, one half per step with the decoder's other sequences held back, until the
-one that fails alone is found and failed (bisection: a few steps for one culprit). A forward
+one that fails alone is found and failed (bisection: `suspects`). A forward
 pass that raises is retried one sequence at a time; sequences whose forward fails alone fail,
 and only if none succeeds does the step raise: then the engine is broken, and the client
 declares it dead (and restarts it).
@@ -48,7 +48,8 @@ from stride.scheduler.outputs import (
     RequestRejected,
     StepStats,
 )
-from stride.scheduler.policy import Scheduled, Scheduler, SchedulerConfig
+from stride.scheduler.policy import Scheduler, SchedulerConfig
+from stride.scheduler.suspects import Suspects
 
 log = logging.getLogger(__name__)
 
@@ -96,9 +97,8 @@ class EngineCore:
         self._next: InFlight | None = None  # the next step, launched on the device already
         self.last_batch_size = 0
         self.last_num_tokens = 0
-        # Fault isolation: per batch (a decoder's name, a model group), groups of request ids
-        # to run apart, first group first; and failed requests' outputs for this step.
-        self._suspects: dict[Hashable, list[set[str]]] = {}
+        # Fault isolation: sequences that run apart (`suspects`), failed requests' outputs.
+        self._suspects = Suspects()
         self._failed: list[RequestOutput] = []
         self._broken: dict[str, tuple[Exception, str]] = {}  # during scheduling
         # Everything alive now (model, tokenizer, graphs, imported modules) lives as long as the
@@ -257,7 +257,7 @@ class EngineCore:
             for rid, (error, what) in self._broken.items():
                 self._fail(self.seqs.get(rid), error, what)
             plan = [item for item in plan if item.seq.status is Status.RUNNING]
-        plan = self._without_held(plan)
+        plan = self._suspects.without_held(plan)
         self.last_batch_size = len(plan)
         if not plan:
             return None
@@ -330,7 +330,7 @@ class EngineCore:
             except Exception as e:
                 self._batch_failed(name, seqs, "committing for", e)
                 continue
-            self._passed(name, seqs)
+            self._suspects.passed(name, seqs)
             for seq, commit in zip(seqs, commits, strict=True):
                 self._apply_guarded(seq, commit, out, trim=not chained)
 
@@ -364,7 +364,7 @@ class EngineCore:
             if group is not None:
                 groups[group].append(seq)
         for group, seqs in groups.items():
-            active = self._active(group, seqs)
+            active = self._suspects.active(group, seqs)
             if active is not None:
                 seqs = [s for s in seqs if s.request_id in active]
             try:
@@ -373,7 +373,7 @@ class EngineCore:
             except Exception as e:
                 self._batch_failed(group, seqs, "stepping the model group of", e)
                 continue
-            self._passed(group, seqs)
+            self._suspects.passed(group, seqs)
             for seq, commit in zip(seqs, commits, strict=True):
                 self._apply_guarded(seq, commit, out)
 
@@ -460,7 +460,7 @@ class EngineCore:
         del self.seqs[seq.request_id]
         self._grouped.pop(seq.request_id, None)
         if self._suspects:
-            self._clear_suspect(seq.request_id)
+            self._suspects.clear(seq.request_id)
         self._num_deadlines -= seq.deadline is not None
         self._in_flight[seq.decoder] -= 1
         try:
@@ -551,8 +551,8 @@ class EngineCore:
     ) -> None:
         """A batched call over `seqs` raised: fail the one sequence, or bisect several.
 
-        They start afresh (`_reset`) and are split in two suspect groups, which run before
-        anything else of `key`, one group per step (`_active`), until the one that fails alone.
+        They start afresh (`_reset`) and run apart until the one that fails alone is found
+        (`suspects`).
         """
         if len(seqs) == 1:
             self._fail(seqs[0], error, what)
@@ -564,52 +564,7 @@ class EngineCore:
             type(error).__name__,
             error,
         )
-        ids = [s.request_id for s in seqs if self._reset(s)]
-        half = (len(ids) + 1) // 2
-        rest = [g - set(ids) for g in self._suspects.get(key, [])]
-        groups = [g for g in (set(ids[:half]), set(ids[half:]), *rest) if g]
-        if groups:
-            self._suspects[key] = groups
-
-    def _passed(self, key: Hashable, seqs: list[Sequence]) -> None:
-        """A batched call over `seqs` went through: they are suspects no more."""
-        groups = self._suspects.get(key)
-        if groups:
-            ids = {s.request_id for s in seqs}
-            groups = [g - ids for g in groups if g - ids]
-            if groups:
-                self._suspects[key] = groups
-            else:
-                del self._suspects[key]
-
-    def _active(self, key: Hashable, candidates: list[Sequence]) -> set[str] | None:
-        """The suspect group of `key` that runs this step: the first one with a member among
-        `candidates`; None: no suspects there, all of them run as usual."""
-        ids = {s.request_id for s in candidates}
-        return next((g for g in self._suspects.get(key, ()) if g & ids), None)
-
-    def _clear_suspect(self, request_id: str) -> None:
-        """A finished request is nobody's suspect (no suspects left: bursts again)."""
-        for key in list(self._suspects):
-            groups = [g - {request_id} for g in self._suspects[key]]
-            if any(groups):
-                self._suspects[key] = [g for g in groups if g]
-            else:
-                del self._suspects[key]
-
-    def _without_held(self, plan: list[Scheduled]) -> list[Scheduled]:
-        """The plan without the sequences that a suspect group of their decoder holds back."""
-        if not self._suspects:
-            return plan
-        active: dict[str, set[str] | None] = {}
-        for name in {item.seq.decoder for item in plan} & self._suspects.keys():
-            active[name] = self._active(name, [i.seq for i in plan if i.seq.decoder == name])
-        return [
-            item
-            for item in plan
-            if active.get(item.seq.decoder) is None
-            or item.seq.request_id in active[item.seq.decoder]
-        ]
+        self._suspects.split(key, [s.request_id for s in seqs if self._reset(s)])
 
 
 def _check_count(name: str, what: str, got: list, seqs: list[Sequence]) -> None:
