@@ -34,6 +34,7 @@ from stride.engine.engine import Engine, EngineConfig  # noqa: E402
 from stride.engine.sequence import SamplingParams  # noqa: E402
 from stride.scheduler.core import EngineCore  # noqa: E402
 from stride.scheduler.outputs import GenerateRequest  # noqa: E402
+from stride.scheduler.policy import SchedulerConfig  # noqa: E402
 from stride.train.data import render  # noqa: E402
 from stride.train.prompts import read_prompts  # noqa: E402
 
@@ -123,6 +124,8 @@ def main() -> None:
     ap.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     ap.add_argument("--skip-acceptance", action="store_true")
     ap.add_argument("--kv-gib", type=float, default=2.0)
+    ap.add_argument("--fused-decode-steps", type=int, default=None,
+                    help="passes per host sync (1: no device cycles; default: the server's)")
     ap.add_argument("--json", type=Path, default=None, help="write the results here")
     args = ap.parse_args()
 
@@ -135,7 +138,8 @@ def main() -> None:
         )
     )
     decoders = build_decoders(engine, DecodersConfig(draft_head=args.draft_head))
-    core = EngineCore(engine, decoders=decoders)
+    scheduler = SchedulerConfig(fused_decode_steps=args.fused_decode_steps)
+    core = EngineCore(engine, scheduler, decoders)
     tok = engine.tokenizer
     prompts = [[{"role": "user", "content": p}] for p in BUILTIN_PROMPTS] + read_prompts(HELDOUT)
     encoded = [render(tok, p) for p in prompts]
@@ -169,6 +173,12 @@ def main() -> None:
         speed(core, encoded, conc, args.tokens, args.speed_prompts, args.configs)
         for conc in args.concurrency
     ]
+    if engine.device.type == "cuda":  # the device's share of a cycle (the rest is the host's)
+        cycles = decoders["speculative"].eagle.cycles
+        result["cycle_gpu_ms"] = {
+            f"batch {b}, K={k}": round(cycles.replay_ms(b, k), 3) for b in (1, 8) for k in (3, 4, 5)
+        }
+        print("GPU time per cycle:", result["cycle_gpu_ms"], flush=True)
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
 

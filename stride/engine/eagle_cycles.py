@@ -164,6 +164,22 @@ class EagleCycles:
             copied.record()
         return CycleResult(tokens, counts, self.g[:n].clone(), copied)
 
+    def replay_ms(self, batch: int, k: int, repeats: int = 50) -> float:
+        """GPU time of one cycle (its graph replayed alone, on padding rows): what a cycle costs
+        the device, against which a cycle's wall time shows the host's share."""
+        graph = self._graph(next(b for b in BUCKETS if b >= batch), k)
+        self.tables.zero_()
+        self.base.fill_(1)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        graph.replay()
+        start.record()
+        for _ in range(repeats):
+            self.cycle.zero_()
+            graph.replay()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / repeats
+
     def _graph(self, bucket: int, k: int) -> torch.cuda.CUDAGraph:
         graph = self._graphs.get((bucket, k))
         if graph is None:

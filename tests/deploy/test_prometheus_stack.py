@@ -107,11 +107,17 @@ def prometheus(stride, tmp_path_factory):
         log.close()
 
 
-def query(prometheus: str, expr: str) -> list[dict]:
-    r = httpx.get(f"{prometheus}/api/v1/query", params={"query": expr}, timeout=10)
-    body = r.json()
-    assert r.status_code == 200 and body["status"] == "success", (expr, body)
-    return body["data"]["result"]
+def query(prometheus: str, expr: str, attempts: int = 10) -> list[dict]:
+    """An instant query; an empty answer is asked again a few times, since a scrape that timed
+    out on a loaded machine marks every series stale until the next one succeeds."""
+    for attempt in range(attempts):
+        r = httpx.get(f"{prometheus}/api/v1/query", params={"query": expr}, timeout=10)
+        body = r.json()
+        assert r.status_code == 200 and body["status"] == "success", (expr, body)
+        if body["data"]["result"] or attempt == attempts - 1:
+            return body["data"]["result"]
+        time.sleep(0.5)
+    raise AssertionError("unreachable")
 
 
 def scrapes(prometheus: str) -> str:
