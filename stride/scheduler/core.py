@@ -40,6 +40,7 @@ from stride.decoders.base import (
 from stride.decoders.registry import build_decoders
 from stride.engine.engine import Engine
 from stride.engine.kv_cache import OutOfBlocks
+from stride.engine.roofline import StepLoad
 from stride.engine.runner import Chunk, SampledTokens
 from stride.engine.sequence import Sequence, Status
 from stride.scheduler.detokenizer import Detokenizer
@@ -52,6 +53,7 @@ from stride.scheduler.outputs import (
     StepStats,
 )
 from stride.scheduler.policy import Scheduled, Scheduler, SchedulerConfig
+from stride.scheduler.timeline import Timeline
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +70,7 @@ class _Launched:
     logits: list[torch.Tensor]
     tokens: SampledTokens | None = None  # fused decode steps: [steps, plan] tokens, no logits
     burst: Burst | None = None  # a decoder's passes on the device (`Decoder.burst`)
+    launched_at: float = 0.0  # time.monotonic() at launch (traced prefill chunks start there)
 
 
 class EngineCore:
@@ -101,6 +104,8 @@ class EngineCore:
         self._max_burst_batch = graphs.max_batch if graphs is not None else 1 << 30
         self.last_batch_size = 0
         self.last_num_tokens = 0
+        self.load = StepLoad()  # this step's work on the device, for the roofline metrics
+        self._timelines: dict[str, Timeline] = {}  # of the traced requests in flight
         # Fault isolation: per batch (a decoder's name, a model group), groups of request ids
         # to run apart, first group first; and failed requests' outputs for this step.
         self._suspects: dict[Hashable, list[set[str]]] = {}
@@ -136,6 +141,8 @@ class EngineCore:
         if seq.decoder not in self._plain:
             self._unplain[seq.decoder] += 1
         self._detok[seq.request_id] = detok
+        if req.trace:
+            self._timelines[seq.request_id] = Timeline(seq.arrival_time)
         if grouped:  # a model of the decoder's own runs it (diffusion); see _step_groups
             seq.status = Status.RUNNING
             self._grouped[seq.request_id] = seq
@@ -222,11 +229,13 @@ class EngineCore:
             num_preemptions=self.scheduler.num_preemptions,
             prefix_cache_queries=self.scheduler.prefix_cache_queries,
             prefix_cache_hits=self.scheduler.prefix_cache_hits,
+            load=self.load.priced(self.engine.shape),
         )
 
     # ---- the step ---------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        self.load = StepLoad()
         outputs = self._expire_deadlines()
         untexted: list[tuple[RequestOutput, Detokenizer]] = []
         if self._grouped:
@@ -321,10 +330,13 @@ class EngineCore:
             sample = Autoregressive.device_sample
             try:
                 tokens = self.engine.runner.decode_steps(seqs, tails, steps, sample)
+                self.load.add_decode_steps(seqs, steps)
                 return _Launched(plan, by_decoder, proposals, [], tokens)
             except Exception:  # the plain forward below tells whose fault it is
                 log.exception("fused decode steps failed; running a plain forward instead")
         self.last_num_tokens = sum(len(c.token_ids) for c in chunks)
+        self.load.add_forward(chunks, [item.num_tail for item in plan])
+        launched_at = time.monotonic()
         logits, failed = self._forward(chunks)
         if failed:
             for i, error in failed.items():
@@ -333,7 +345,7 @@ class EngineCore:
             plan, proposals = [plan[i] for i in kept], [proposals[i] for i in kept]
             logits = [logits[i] for i in kept]
             by_decoder = _by_decoder(plan)
-        return _Launched(plan, by_decoder, proposals, logits)
+        return _Launched(plan, by_decoder, proposals, logits, launched_at=launched_at)
 
     def _forward(self, chunks: list[Chunk]) -> tuple[list[torch.Tensor], dict[int, Exception]]:
         """The step's forward pass: each chunk's logits, and what the chunks that fail alone
@@ -499,6 +511,7 @@ class EngineCore:
         rows = None if plan is old else kept
         sample = Autoregressive.device_sample
         tokens = self.engine.runner.decode_steps(seqs, first, steps, sample, done, rows)
+        self.load.add_decode_steps(seqs, steps, done)
         return _Launched(plan, by_decoder, proposals, [], tokens)
 
     def _commit(
@@ -514,13 +527,20 @@ class EngineCore:
             return
         if launched.burst is not None:
             seqs = [item.seq for item in launched.plan]
-            for seq, commit in zip(seqs, launched.burst.commits(), strict=True):
+            drafted = [seq.stats.draft_tokens for seq in seqs]
+            commits = launched.burst.commits()
+            passes = [c.forward_passes for c in commits]
+            drafted = [seq.stats.draft_tokens - d for seq, d in zip(seqs, drafted, strict=True)]
+            self.load.add_burst(seqs, passes, drafted)
+            for seq, commit in zip(seqs, commits, strict=True):
                 if seq.status is not Status.FINISHED:
                     out = self._apply(seq, commit, untexted)
                     if out is not None:
                         outputs.append(out)
             return
         plan, proposals, logits = launched.plan, launched.proposals, launched.logits
+        if self._timelines:
+            self._note_prefill(launched)
         cache = self.engine.cache
         for item in plan:
             if not item.completes_tail and item.seq.status is not Status.FINISHED:
@@ -542,9 +562,9 @@ class EngineCore:
                 self._batch_failed(name, seqs, "committing for", e)
                 continue
             self._passed(name, seqs)
-            for seq, commit in zip(seqs, commits, strict=True):
+            for seq, prop, commit in zip(seqs, props, commits, strict=True):
                 try:  # (inline: a call per sequence and step is dear at 256 sequences)
-                    out = self._apply(seq, commit, untexted)
+                    out = self._apply(seq, commit, untexted, proposed=len(prop.tokens))
                 except Exception as e:
                     self._fail(seq, e, "applying the tokens of")
                     continue
@@ -615,6 +635,16 @@ class EngineCore:
                     outputs.append(out)
         return outputs
 
+    def _note_prefill(self, launched: _Launched) -> None:
+        """The traced sequences' prefill chunks in a forward being committed (tails of several
+        tokens: a prompt's chunks, or its recomputation after a preemption)."""
+        now = time.monotonic()
+        for item in launched.plan:
+            timeline = self._timelines.get(item.seq.request_id)
+            if timeline is not None and item.num_tail > 1:
+                chunk = (launched.launched_at, now, item.num_tail, item.seq.num_cached)
+                timeline.prefill.append(chunk)
+
     def _chunk(self, item: Scheduled, prop: Proposal | None) -> Chunk:
         seq = item.seq
         start = seq.num_cached
@@ -636,11 +666,14 @@ class EngineCore:
         commit: Commit,
         untexted: list[tuple[RequestOutput, Detokenizer]],
         trim: bool = True,
+        proposed: int = 0,
     ) -> RequestOutput | None:
         """Append a commit's tokens under the stop rules, roll back rejected KV, emit output.
 
         An output that does not end its request gets its text later, from `untexted`. `trim`:
         give back blocks past the cached tokens (not while a chained burst writes into them).
+        `proposed`: how many tokens the decoder proposed after the tail (a traced request's
+        timeline notes refinement passes by it).
         """
         token_ids = seq.token_ids
         cached = len(token_ids)  # the whole tail was scored
@@ -688,6 +721,10 @@ class EngineCore:
             seq.stats.committed_per_pass.append(n)
         else:  # fused decode steps: one token per pass
             seq.stats.committed_per_pass += [1] * n
+        if self._timelines and seq.request_id in self._timelines:
+            refining = proposed > 0 or seq.request_id in self._grouped
+            now = time.monotonic()
+            self._timelines[seq.request_id].committed(now, seq.stats, proposed, n, refining)
         out = RequestOutput(seq.request_id, commit.tokens[:n], logprobs=commit.logprobs[:n])
         if reason is not None:
             return self._finish(seq, reason, out, stop_reason)
@@ -730,7 +767,18 @@ class EngineCore:
         self._fill_counts(seq, out)
         out.decoder_stats = {"decoder": seq.decoder, **seq.stats.as_dict()}
         out.timings = _timings(seq)
+        if self._timelines:
+            out.timeline = self._finish_timeline(seq)
         return out
+
+    def _finish_timeline(self, seq: Sequence) -> Timeline | None:
+        timeline = self._timelines.pop(seq.request_id, None)
+        if timeline is not None:
+            timeline.scheduled = seq.first_scheduled_time
+            timeline.first_token = seq.first_token_time
+            timeline.finished = time.monotonic()
+            timeline.cached_tokens = seq.cached_prompt_tokens
+        return timeline
 
     def _fill_counts(self, seq: Sequence, out: RequestOutput) -> None:
         out.num_prompt_tokens = seq.num_prompt_tokens
@@ -776,6 +824,8 @@ class EngineCore:
 
     def _release(self, seq: Sequence) -> None:
         """The scheduler's callback on preemption (a failure fails `seq` once scheduling ends)."""
+        if self._timelines and seq.request_id in self._timelines:
+            self._timelines[seq.request_id].preempted(time.monotonic())
         try:
             self.decoders[seq.decoder].release(seq, self.ctx)
         except Exception as e:

@@ -42,6 +42,7 @@ from stride.server.streaming import (
     sse,
     unless_disconnected,
 )
+from stride.tracing import RequestTrace, Tracing, request_attributes
 
 
 @dataclass
@@ -88,10 +89,12 @@ class Serving:
         client: BaseClient,
         default_decoder: str | dict[str, Any],
         metrics: Metrics | None = None,
+        tracing: Tracing | None = None,
     ) -> None:
         model = client.model
         self.client = client
         self.metrics = metrics
+        self.tracing = tracing
         self.default_decoder = default_decoder
         self.model_name: str = model.name
         self.tokenizer = model.tokenizer
@@ -260,11 +263,16 @@ class Serving:
         prompts: list[list[int]],
         params: SamplingParams,
         rid: str,
+        operation: str,
     ) -> Generation:
+        """The engine requests of one HTTP request; `operation` (`chat`, `text_completion`)
+        names its trace."""
         try:
             decoder, options = parse_spec(body.decoder, self.default_decoder)
         except DecoderError as e:
             raise from_exception(e) from e
+        arrival = getattr(request.state, "arrival", time.monotonic())
+        trace = self._trace(request, operation, arrival, decoder, options, params, body.n)
         requests = [
             GenerateRequest(
                 request_id=rid if len(prompts) == 1 else f"{rid}-{i}",
@@ -274,13 +282,30 @@ class Serving:
                 decoder_options=options,
                 priority=body.priority,
                 user=body.user,
+                trace=trace is not None,
             )
             for i, prompt in enumerate(prompts)
         ]
         deadline = None
         if body.timeout is not None:  # from the request's arrival (the app notes it)
-            deadline = getattr(request.state, "arrival", time.monotonic()) + body.timeout
-        return Generation(self.client, requests, body.n, self.metrics, deadline)
+            deadline = arrival + body.timeout
+        return Generation(self.client, requests, body.n, self.metrics, deadline, trace)
+
+    def _trace(
+        self,
+        request: Request,
+        operation: str,
+        arrival: float,
+        decoder: str,
+        options: dict[str, Any],
+        params: SamplingParams,
+        n: int,
+    ) -> RequestTrace | None:
+        """The request's trace, if tracing is on and the sampler keeps it."""
+        if self.tracing is None:
+            return None
+        attrs = request_attributes(decoder, options, params.max_tokens, params.temperature, n)
+        return self.tracing.start(operation, self.model_name, request.headers, arrival, attrs)
 
     async def _started(self, request: Request, gen: Generation) -> None:
         try:
@@ -300,7 +325,7 @@ class Serving:
         self.check_context(prompts, max_tokens)
         params = self.sampling(body, max_tokens, body.logprobs)
         rid = f"cmpl-{uuid.uuid4().hex}"
-        gen = self.generation(request, body, prompts, params, rid)
+        gen = self.generation(request, body, prompts, params, rid, "text_completion")
         await self._started(request, gen)
         echo = [texts[i] if body.echo else "" for i in range(len(prompts))]
         view = _CompletionView(self, body, rid, prompts, echo)
@@ -339,7 +364,7 @@ class Serving:
         k = (body.top_logprobs or 0) if body.logprobs else None
         params = self.sampling(body, max_tokens, k)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        gen = self.generation(request, body, [prompt], params, rid)
+        gen = self.generation(request, body, [prompt], params, rid, "chat")
         await self._started(request, gen)
         view = _ChatView(self, body, rid, [prompt])
         if body.stream:
