@@ -189,6 +189,11 @@ class RequestTrace:
             decode.add_event(name, {f"stride.{k}": v for k, v in attrs.items()}, at(t))
         decode.end(end_time=at(end))
 
+    def refused(self, error: BaseException) -> None:
+        """It was not admitted (429, 400, a passed deadline, a dead engine) or the client left
+        while it was: the trace ends in error, saying why."""
+        self._error = f"{type(error).__name__}: {error}"[:500]
+
     def end(self) -> None:
         """The HTTP request is over (its last byte sent, or the client gone)."""
         if self._ended:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -27,7 +28,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 
 from stride.engine.engine import EngineConfig
 from stride.server.app import ServerConfig
-from tests.server_harness import LiveServer
+from tests.server_harness import LiveServer, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 CLIENT_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
@@ -242,7 +243,7 @@ OFF = """
 import sys, httpx
 from stride.engine.engine import EngineConfig
 from stride.server.app import ServerConfig
-from tests.server_harness import LiveServer
+from tests.server_harness import LiveServer, free_port
 server = LiveServer(ServerConfig(engine=EngineConfig(model=sys.argv[1], device="cpu",
                                                      kv_cache_memory=4 << 20)))
 r = server.post("/v1/completions", {"prompt": "hi", "max_tokens": 3, "stream": True})
@@ -271,3 +272,114 @@ def test_cli_refuses_tracing_it_cannot_do():
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2
     assert "--otlp-traces-endpoint: OTLP protocol 'http/json' is not supported" in done.stderr
+
+
+def test_preemptions_are_events_of_the_request(tiny_dir):
+    """7 usable blocks of 16 tokens: four traced requests of 50 tokens cannot all stay resident.
+    The timelines the core returns note each preemption, and the spans show them."""
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from stride.engine.sequence import SamplingParams
+    from stride.scheduler.outputs import GenerateRequest
+    from stride.tracing import RequestTrace
+    from tests.conftest import make_core
+
+    core = make_core(tiny_dir, kv_bytes=8 * 8192)
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    for i in range(4):
+        core.add(GenerateRequest(f"p{i}", [3 + i] * 10, params, trace=True))
+    last = {}
+    while core.has_work:
+        last.update({o.request_id: o for o in core.step() if o.finished})
+    assert core.scheduler.num_preemptions > 0
+    timelines = {rid: out.timeline for rid, out in last.items()}
+    preempted = {rid: sum(e[0] == "preempted" for e in t.events) for rid, t in timelines.items()}
+    assert sum(preempted.values()) == core.scheduler.num_preemptions
+    for t in timelines.values():  # (a preempted prompt's blocks may stay in the prefix cache)
+        assert t.arrival <= t.scheduled <= t.prefill[0][0] <= t.first_token <= t.finished
+        assert all(t.first_token < at < t.finished for name, at, _ in t.events)
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    tracer = provider.get_tracer("test")
+    victim = max(preempted, key=preempted.get)
+    trace = RequestTrace(tracer, tracer.start_span("request"))
+    trace.finished(last[victim])
+    trace.end()
+    spans = {s.name: s for s in exporter.get_finished_spans()}
+    assert [e.name for e in spans["request"].events] == ["preempted"] * preempted[victim]
+    assert spans["request"].attributes["gen_ai.usage.output_tokens"] == 40
+    assert core.seqs == {} and not core._timelines
+
+
+def test_traces_cross_from_an_engine_process(tiny_dir, receiver, monkeypatch):
+    """The step loop in its own process: the timeline comes back over the pipe as plain data."""
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "50")
+    engine = EngineConfig(model=str(tiny_dir), served_name="tiny", device="cpu",
+                          kv_cache_memory=4 << 20)  # fmt: skip
+    config = ServerConfig(engine=engine, engine_process=True, otlp_traces_endpoint=receiver.url)
+    server = LiveServer(config)
+    try:
+        trace_id = "2af7651916cd43dd8448eb211c80319c"
+        headers = {"traceparent": f"00-{trace_id}-b7ad6b7169203331-01"}
+        usage = stream(server, {"prompt": "hello there", "max_tokens": 5}, headers)
+    finally:
+        server.stop()
+    spans = receiver.trace(trace_id, {"text_completion tiny", "queue", "prefill", "decode"})
+    (prefill,) = [s for s in spans if s["name"] == "prefill"]
+    assert prefill["attrs"]["stride.tokens"] == usage["prompt_tokens"]
+
+
+PROMETHEUS = shutil.which("prometheus")
+
+
+@pytest.mark.skipif(PROMETHEUS is None, reason="the prometheus binary is missing")
+def test_prometheus_stores_the_exemplars_that_link_latency_to_traces(traced, tmp_path):
+    """A real Prometheus (exemplar storage on, as in the compose stack) scrapes the traced
+    server: the TTFT histogram's exemplar holds the trace id of the request that made it."""
+    trace_id = "3af7651916cd43dd8448eb211c80319c"
+    stream(traced, {"prompt": "exemplars please", "max_tokens": 3},
+           {"traceparent": f"00-{trace_id}-b7ad6b7169203331-01"})  # fmt: skip
+    config = {"global": {"scrape_interval": "1s"},
+              "scrape_configs": [{"job_name": "stride", "metrics_path": "/metrics",
+                                  "static_configs": [{"targets": [f"127.0.0.1:{traced.port}"]}]}]}
+    (tmp_path / "prometheus.yml").write_text(json.dumps(config))  # JSON is YAML
+    port = free_port()
+    proc = subprocess.Popen(
+        [PROMETHEUS, f"--config.file={tmp_path / 'prometheus.yml'}",
+         f"--storage.tsdb.path={tmp_path / 'data'}", f"--web.listen-address=127.0.0.1:{port}",
+         "--enable-feature=exemplar-storage", "--log.level=warn"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}/api/v1/query_exemplars"
+    found: set[str] = set()
+    try:
+        deadline = time.monotonic() + 30
+        while trace_id not in found and time.monotonic() < deadline:
+            time.sleep(0.5)
+            params = {"query": "stride_time_to_first_token_seconds_bucket",
+                      "start": time.time() - 600, "end": time.time() + 60}  # fmt: skip
+            try:
+                body = httpx.get(url, params=params, timeout=5).json()
+            except httpx.HTTPError:
+                continue
+            found = {e["labels"].get("trace_id") for series in body.get("data") or []
+                     for e in series["exemplars"]}  # fmt: skip
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+    assert trace_id in found
+
+
+def test_a_refused_request_is_a_trace_ending_in_error(traced, receiver):
+    trace_id = "5af7651916cd43dd8448eb211c80319c"
+    headers = {"traceparent": f"00-{trace_id}-b7ad6b7169203331-01"}
+    body = {"prompt": "hi", "max_tokens": 4, "timeout": 1e-6}  # its deadline passes at once
+    r = traced.post("/v1/completions", body, headers=headers)
+    assert r.status_code == 504
+    (root,) = receiver.trace(trace_id, {"text_completion tiny"})
+    assert root["status"] == 2  # ERROR
+    assert root["attrs"]["gen_ai.usage.output_tokens"] == 0

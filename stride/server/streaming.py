@@ -82,7 +82,9 @@ class Generation:
                 outs = await self._next()
                 self._early += outs
                 waiting -= {self._index[o.request_id] // self._n for o in outs}
-        except BaseException:
+        except BaseException as e:
+            if self._trace is not None:
+                self._trace.refused(e)
             self.close()
             raise
 
