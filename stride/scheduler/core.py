@@ -527,11 +527,10 @@ class EngineCore:
             return
         if launched.burst is not None:
             seqs = [item.seq for item in launched.plan]
-            drafted = [seq.stats.draft_tokens for seq in seqs]
-            commits = launched.burst.commits()
-            passes = [c.forward_passes for c in commits]
-            drafted = [seq.stats.draft_tokens - d for seq, d in zip(seqs, drafted, strict=True)]
-            self.load.add_burst(seqs, passes, drafted)
+            before = [seq.stats.draft_tokens for seq in seqs]
+            commits = launched.burst.commits()  # (counts the drafts it verified)
+            drafted = [seq.stats.draft_tokens - b for seq, b in zip(seqs, before, strict=True)]
+            self.load.add_burst(seqs, [c.forward_passes for c in commits], drafted)
             for seq, commit in zip(seqs, commits, strict=True):
                 if seq.status is not Status.FINISHED:
                     out = self._apply(seq, commit, untexted)
