@@ -33,8 +33,12 @@ from tests.server_harness import LiveServer, free_port
 ROOT = Path(__file__).resolve().parent.parent
 CLIENT_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 CLIENT_SPAN = "00f067aa0ba902b7"
-SPECULATIVE = {"type": "speculative", "draft": "early_exit", "adaptive": False,
-               "num_speculative_tokens": 3}
+SPECULATIVE = {
+    "type": "speculative",
+    "draft": "early_exit",
+    "adaptive": False,
+    "num_speculative_tokens": 3,
+}
 
 
 class Receiver(ThreadingHTTPServer):
@@ -222,8 +226,11 @@ def test_latency_histograms_carry_the_trace_id_as_exemplar(traced, receiver):
     r = httpx.get(f"{traced.url}/metrics", headers=openmetrics, timeout=10)
     assert r.headers["content-type"].startswith("application/openmetrics-text")
     for family in ("stride_time_to_first_token_seconds", "stride_e2e_request_latency_seconds"):
-        tagged = [line for line in r.text.splitlines()
-                  if line.startswith(family + "_bucket") and f'trace_id="{trace_id}"' in line]
+        tagged = [
+            line
+            for line in r.text.splitlines()
+            if line.startswith(family + "_bucket") and f'trace_id="{trace_id}"' in line
+        ]
         assert tagged, family  # fmt: skip
     plain = httpx.get(f"{traced.url}/metrics", timeout=10)  # the classic format: no exemplars
     assert plain.headers["content-type"].startswith("text/plain") and "trace_id" not in plain.text
@@ -343,9 +350,16 @@ def test_prometheus_stores_the_exemplars_that_link_latency_to_traces(traced, tmp
     trace_id = "3af7651916cd43dd8448eb211c80319c"
     stream(traced, {"prompt": "exemplars please", "max_tokens": 3},
            {"traceparent": f"00-{trace_id}-b7ad6b7169203331-01"})  # fmt: skip
-    config = {"global": {"scrape_interval": "1s"},
-              "scrape_configs": [{"job_name": "stride", "metrics_path": "/metrics",
-                                  "static_configs": [{"targets": [f"127.0.0.1:{traced.port}"]}]}]}
+    config = {
+        "global": {"scrape_interval": "1s"},
+        "scrape_configs": [
+            {
+                "job_name": "stride",
+                "metrics_path": "/metrics",
+                "static_configs": [{"targets": [f"127.0.0.1:{traced.port}"]}],
+            }
+        ],
+    }
     (tmp_path / "prometheus.yml").write_text(json.dumps(config))  # JSON is YAML
     port = free_port()
     proc = subprocess.Popen(

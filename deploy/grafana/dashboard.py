@@ -83,8 +83,14 @@ class Layout:
         self.panels.append(panel)
         self.x += w
 
-    def stat(self, title: str, targets: list[tuple[str, str]], unit: str, w: int = 8,
-             description: str = "") -> None:
+    def stat(
+        self,
+        title: str,
+        targets: list[tuple[str, str]],
+        unit: str,
+        w: int = 8,
+        description: str = "",
+    ) -> None:
         """One figure per series (e.g. per decoder), its latest value."""
         self._place(w)
         self.panels.append(self._panel(
@@ -96,15 +102,32 @@ class Layout:
         ))  # fmt: skip
         self.x += w
 
-    def xy(self, title: str, targets: list[tuple[str, str]], x: str, ys: dict[str, str],
-           x_unit: str, y_unit: str, w: int = 8, description: str = "") -> None:
+    def xy(
+        self,
+        title: str,
+        targets: list[tuple[str, str]],
+        x: str,
+        ys: dict[str, str],
+        x_unit: str,
+        y_unit: str,
+        w: int = 8,
+        description: str = "",
+    ) -> None:
         """An XY chart of one frame, the targets joined on time: field `x` across, each of
         `ys` (field: how it is drawn, points or lines) up; both axes logarithmic."""
         self._place(w)
         log_scale = {"type": "log", "log": 10}
-        series = [{"frame": 0, "x": x, "y": y, "name": y, "show": show,
-                   "pointSize": {"fixed": 6 if show == "points" else 2}}
-                  for y, show in ys.items()]
+        series = [
+            {
+                "frame": 0,
+                "x": x,
+                "y": y,
+                "name": y,
+                "show": show,
+                "pointSize": {"fixed": 6 if show == "points" else 2},
+            }
+            for y, show in ys.items()
+        ]
         self.panels.append(self._panel(
             "xychart", title, {"h": 8, "w": w}, description=description, datasource=DS,
             fieldConfig={"defaults": {"unit": y_unit,
