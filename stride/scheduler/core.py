@@ -37,9 +37,10 @@ from stride.decoders.base import (
 )
 from stride.decoders.registry import build_decoders
 from stride.engine.engine import Engine, EngineConfig
+from stride.engine.roofline import StepLoad
 from stride.engine.sequence import Sequence, Status
 from stride.scheduler.detokenizer import Detokenizer
-from stride.scheduler.executor import Batch, Executor, InFlight
+from stride.scheduler.executor import Batch, DecoderBurst, Executor, Forward, InFlight
 from stride.scheduler.outputs import (
     EngineError,
     GenerateRequest,
@@ -50,6 +51,7 @@ from stride.scheduler.outputs import (
 )
 from stride.scheduler.policy import Scheduler, SchedulerConfig
 from stride.scheduler.suspects import Suspects
+from stride.scheduler.timeline import Timeline
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +96,7 @@ class EngineCore:
         self._grouped: dict[str, Sequence] = {}  # sequences that a model group runs
         self._num_deadlines = 0  # sequences in flight with a deadline
         self._in_flight: Counter[str] = Counter()  # sequences in flight, by decoder
+        self._timelines: dict[str, Timeline] = {}  # of the traced requests in flight
         self._next: InFlight | None = None  # the next step, launched on the device already
         self.last_batch_size = 0
         self.last_num_tokens = 0
@@ -130,6 +133,8 @@ class EngineCore:
         self._num_deadlines += seq.deadline is not None
         self._in_flight[seq.decoder] += 1
         self._detok[seq.request_id] = detok
+        if req.trace:
+            self._timelines[seq.request_id] = Timeline(seq.arrival_time)
         if grouped:  # a model of the decoder's own runs it (diffusion); see _step_groups
             seq.status = Status.RUNNING
             self._grouped[seq.request_id] = seq
@@ -216,6 +221,7 @@ class EngineCore:
             num_preemptions=self.scheduler.num_preemptions,
             prefix_cache_queries=self.scheduler.prefix_cache_queries,
             prefix_cache_hits=self.scheduler.prefix_cache_hits,
+            load=self.executor.load.priced(self.engine.shape),
         )
 
     # ---- the step ----------------------------------------------------------------------------
@@ -227,6 +233,7 @@ class EngineCore:
         last one on the device: see `executor`); it is committed here, and its successor, if
         any, launched before the commit waits for the device.
         """
+        self.executor.load = StepLoad()
         out = _StepOutputs(self._expire_deadlines())
         if self._grouped:
             self._step_groups(out)
@@ -311,6 +318,8 @@ class EngineCore:
         """Every live sequence of a launched step commits what it made; `chained`: a burst that
         continues it is in flight already (the blocks reserved for that one stay)."""
         cache = self.engine.cache
+        if self._timelines and isinstance(inflight, Forward):
+            self._note_prefill(inflight)
         for item in inflight.batch.plan:  # a prefill chunk: its KV stays, nothing to sample
             if not item.completes_tail and item.seq.status is not Status.FINISHED:
                 item.seq.num_cached += item.num_tail
@@ -324,6 +333,7 @@ class EngineCore:
                 log.exception("decoder %s: advance failed; its sequences start afresh", name)
                 seqs = [seq for seq in seqs if self._reset(seq)]
                 idx = [i for i in idx if plan[i].seq.status is not Status.FINISHED]
+            before = [seq.stats.draft_tokens for seq in seqs]
             try:
                 commits = inflight.commits(decoder, idx, self.ctx)
                 _check_count(name, "commits", commits, seqs)
@@ -331,14 +341,36 @@ class EngineCore:
                 self._batch_failed(name, seqs, "committing for", e)
                 continue
             self._suspects.passed(name, seqs)
-            for seq, commit in zip(seqs, commits, strict=True):
-                self._apply_guarded(seq, commit, out, trim=not chained)
+            if isinstance(inflight, DecoderBurst):  # (the burst's commit counted its drafts)
+                drafted = [s.stats.draft_tokens - b for s, b in zip(seqs, before, strict=True)]
+                passes = [c.forward_passes for c in commits]
+                self.executor.load.add_burst(seqs, passes, drafted)
+            proposals = inflight.batch.proposals
+            for i, seq, commit in zip(idx, seqs, commits, strict=True):
+                proposal = proposals[i]
+                proposed = 0 if proposal is None else len(proposal.tokens)
+                self._apply_guarded(seq, commit, out, trim=not chained, proposed=proposed)
+
+    def _note_prefill(self, inflight: Forward) -> None:
+        """The traced sequences' prefill chunks in a forward being committed (tails of several
+        tokens: a prompt's chunks, or its recomputation after a preemption)."""
+        now = time.monotonic()
+        for item in inflight.batch.plan:
+            timeline = self._timelines.get(item.seq.request_id)
+            if timeline is not None and item.num_tail > 1:
+                chunk = (inflight.launched_at, now, item.num_tail, item.seq.num_cached)
+                timeline.prefill.append(chunk)
 
     def _apply_guarded(
-        self, seq: Sequence, commit: Commit, out: _StepOutputs, trim: bool = True
+        self,
+        seq: Sequence,
+        commit: Commit,
+        out: _StepOutputs,
+        trim: bool = True,
+        proposed: int = 0,
     ) -> None:
         try:
-            output = self._apply(seq, commit, out.untexted, trim)
+            output = self._apply(seq, commit, out.untexted, trim, proposed)
         except Exception as e:
             self._fail(seq, e, "applying the tokens of")
             return
@@ -383,11 +415,14 @@ class EngineCore:
         commit: Commit,
         untexted: list[tuple[RequestOutput, Detokenizer]],
         trim: bool = True,
+        proposed: int = 0,
     ) -> RequestOutput | None:
         """Append a commit's tokens under the stop rules, roll back rejected KV, emit output.
 
         An output that does not end its request gets its text later, from `untexted`. `trim`:
         give back blocks past the cached tokens (not while a chained burst writes into them).
+        `proposed`: how many tokens the decoder proposed after the tail (a traced request's
+        timeline notes refinement passes by it).
         """
         token_ids = seq.token_ids
         cached = len(token_ids)  # the whole tail was scored
@@ -435,6 +470,10 @@ class EngineCore:
             seq.stats.committed_per_pass.append(n)
         else:  # a greedy burst: one token per pass
             seq.stats.committed_per_pass += [1] * n
+        if self._timelines and seq.request_id in self._timelines:
+            refining = proposed > 0 or seq.request_id in self._grouped
+            now = time.monotonic()
+            self._timelines[seq.request_id].committed(now, seq.stats, proposed, n, refining)
         out = RequestOutput(seq.request_id, commit.tokens[:n], logprobs=commit.logprobs[:n])
         if reason is not None:
             return self._finish(seq, reason, out, stop_reason)
@@ -476,7 +515,18 @@ class EngineCore:
         self._fill_counts(seq, out)
         out.decoder_stats = {"decoder": seq.decoder, **seq.stats.as_dict()}
         out.timings = _timings(seq)
+        if self._timelines:
+            out.timeline = self._finish_timeline(seq)
         return out
+
+    def _finish_timeline(self, seq: Sequence) -> Timeline | None:
+        timeline = self._timelines.pop(seq.request_id, None)
+        if timeline is not None:
+            timeline.scheduled = seq.first_scheduled_time
+            timeline.first_token = seq.first_token_time
+            timeline.finished = time.monotonic()
+            timeline.cached_tokens = seq.cached_prompt_tokens
+        return timeline
 
     def _fill_counts(self, seq: Sequence, out: RequestOutput) -> None:
         out.num_prompt_tokens = seq.num_prompt_tokens
@@ -522,6 +572,8 @@ class EngineCore:
 
     def _release(self, seq: Sequence) -> None:
         """The scheduler's callback on preemption (a failure fails `seq` once scheduling ends)."""
+        if self._timelines and seq.request_id in self._timelines:
+            self._timelines[seq.request_id].preempted(time.monotonic())
         try:
             self.decoders[seq.decoder].release(seq, self.ctx)
         except Exception as e:

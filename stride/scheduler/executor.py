@@ -33,6 +33,7 @@ synchronous, and they would only make arrivals wait longer):
 from __future__ import annotations
 
 import logging
+import time
 from collections import defaultdict
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
@@ -43,6 +44,7 @@ from stride.decoders import sampling
 from stride.decoders.base import Burst, Commit, Decoder, Proposal, StepContext
 from stride.engine.engine import Engine
 from stride.engine.kv_cache import OutOfBlocks
+from stride.engine.roofline import StepLoad
 from stride.engine.runner import SampledTokens, Span
 from stride.engine.sequence import Sequence, Status
 from stride.scheduler.policy import Scheduled
@@ -84,6 +86,7 @@ class InFlight:
     def __init__(self, batch: Batch, num_tokens: int) -> None:
         self.batch = batch
         self.num_tokens = num_tokens  # tokens the device scores for it
+        self.launched_at = time.monotonic()  # (a traced request's prefill chunks start there)
         # Sequences whose forward failed alone, with what it raised (they are out of `batch`).
         self.failed: list[tuple[Sequence, Exception]] = []
 
@@ -166,6 +169,7 @@ class Executor:
         self.burst_steps = burst_steps if burst_steps is not None else 8 if graphs else 1
         self.chain = graphs is not None
         self.max_chain_batch = graphs.max_batch if graphs is not None else 1 << 30
+        self.load = StepLoad()  # the current step's work on the device (roofline metrics)
 
     # ---- launching a scheduled batch ------------------------------------------------------
 
@@ -198,10 +202,12 @@ class Executor:
                 tokens = self.engine.runner.decode_steps(
                     batch.seqs, tails, steps, sampling.device_argmax
                 )
+                self.load.add_decode_steps(batch.seqs, steps)
                 return GreedyBurst(batch, tokens)
             except Exception:  # the plain forward below tells whose fault it is
                 log.exception("a greedy burst failed; running a plain forward instead")
         num_tokens = sum(len(span.token_ids) for span in spans)
+        self.load.add_forward(spans, [item.num_tail for item in batch.plan])
         logits, failed = self._forward(spans)
         if not failed:
             return Forward(batch, num_tokens, logits)
@@ -350,6 +356,7 @@ class Executor:
         tokens = self.engine.runner.decode_steps(
             batch.seqs, first, steps, sampling.device_argmax, done, rows
         )
+        self.load.add_decode_steps(batch.seqs, steps, done)
         return GreedyBurst(batch, tokens)
 
     def may_launch_ahead(self, alone: bool, in_flight: Iterable[str]) -> bool:

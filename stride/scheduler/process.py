@@ -32,6 +32,7 @@ from multiprocessing.process import BaseProcess
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
+from stride.engine.roofline import StepLoad
 from stride.scheduler.client import BaseClient, EngineDead, ModelInfo, admit, settle
 from stride.scheduler.core import CoreConfig, EngineCore
 from stride.scheduler.outputs import (
@@ -339,7 +340,9 @@ def _loop(core: EngineCore, pipes: _Pipes) -> None:
             elif kind == "abort":
                 out = core.abort(payload)
                 if out is not None:
-                    idle = dataclasses.replace(core.stats(), batch_size=0, num_tokens=0)
+                    idle = dataclasses.replace(
+                        core.stats(), batch_size=0, num_tokens=0, load=StepLoad()
+                    )
                     pipes.send_outputs([out], idle, 0.0, core)  # gauges see the freed KV at once
             else:
                 key, requests = payload

@@ -46,6 +46,7 @@ from stride.server.errors import APIError
 from stride.server.requests import off_loop
 from stride.server.serving import Serving
 from stride.server.streaming import ClientGone
+from stride.tracing import Tracing, disabled
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +70,7 @@ class ServerConfig:
     engine_conn: Connection | None = None
     engine_updates: Connection | None = None
     step_metrics: bool = True
+    otlp_traces_endpoint: str | None = None  # request traces over OTLP (`stride.tracing`)
 
     @property
     def core(self) -> CoreConfig:
@@ -225,8 +227,9 @@ def create_app(config: ServerConfig | None = None) -> FastAPI:
             if config.step_metrics:
                 client.on_step = metrics.on_step
                 client.on_restart = metrics.engine_restarted
+                metrics.set_peaks(client.model.peak_bandwidth, client.model.peak_flops)
             client.on_give_up = lambda why: loop.call_soon_threadsafe(_failed, why)
-            app.state.serving = Serving(client, config.decoders.default, metrics)
+            app.state.serving = Serving(client, config.decoders.default, metrics, tracing)
             if lifecycle.phase is Phase.LOADING:
                 lifecycle.phase = Phase.READY
             if lifecycle.on_ready is not None:  # before the loop serves anything more
@@ -247,6 +250,8 @@ def create_app(config: ServerConfig | None = None) -> FastAPI:
                 stats.cancel()
             if lifecycle.client is not None:
                 lifecycle.client.shutdown()
+            if tracing is not None:
+                tracing.shutdown()
 
     app = FastAPI(
         title="Stride",
@@ -270,6 +275,11 @@ def create_app(config: ServerConfig | None = None) -> FastAPI:
         spec_tokens=decoders.num_speculative_tokens,
         eagle=head is not None,
     )
+    tracing = None
+    if config.otlp_traces_endpoint and not disabled():
+        tracing = Tracing(config.otlp_traces_endpoint)
+        log.info("tracing requests to %s", tracing.endpoint)
+    app.state.tracing = tracing
     errors.install(app)
     app.add_exception_handler(ClientGone, _client_gone)
     app.add_middleware(_BodyLimit, limit=config.max_request_body)
@@ -340,7 +350,8 @@ def _routes(app: FastAPI) -> None:
     @app.get("/metrics", include_in_schema=False)
     async def metrics(request: Request):
         m: Metrics | None = request.app.state.metrics
-        body, content_type = m.render() if m is not None else (b"", "text/plain")
+        accept = request.headers.get("accept", "")
+        body, content_type = m.render(accept) if m is not None else (b"", "text/plain")
         return Response(body, media_type=content_type)
 
     @app.get("/v1/models", response_model=s.ModelList, responses=ERRORS)

@@ -85,6 +85,14 @@ def parse_speculative_config(text: str) -> dict:
     return out
 
 
+def positive_float(text: str) -> float:
+    """A number above 0, e.g. `3.35e12`."""
+    value = float(text)
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"want a number above 0, got {text!r}")
+    return value
+
+
 def model_path(text: str) -> str:
     """A Hugging Face directory, a .gguf file, or a hub id; a path that is neither is refused."""
     path = Path(text).expanduser()
@@ -249,6 +257,10 @@ def build_parser() -> argparse.ArgumentParser:
           float)  # fmt: skip
     _flag(e, "watchdog-timeout", "seconds without an engine step, with requests in flight, "
           "before /health says 503 (stuck)", 30.0, float)  # fmt: skip
+    _flag(e, "peak-bandwidth", "the device's memory bandwidth in bytes/s (read plus written), "
+          "the roofline's slope", type=positive_float, shown="measured at start")  # fmt: skip
+    _flag(e, "peak-flops", "the device's compute peak in FLOP/s in the engine's dtype, the "
+          "roofline's ceiling", type=positive_float, shown="measured at start")  # fmt: skip
 
     d = p.add_argument_group("decoders")
     names = " | ".join(catalog.DECODERS)
@@ -276,6 +288,9 @@ def build_parser() -> argparse.ArgumentParser:
           shown="1 on CPU; on CUDA one per 4 cores, at most 4")  # fmt: skip
     _flag(h, "log-level", "debug, info, warning or error (info: one line per request)", "info",
           choice("debug", "info", "warning", "error"))  # fmt: skip
+    _flag(h, "otlp-traces-endpoint", "send a trace of every request over OTLP to this URL, e.g. "
+          "http://localhost:4318/v1/traces (needs stride[tracing]; OTEL_* variables apply)",
+          shown="none: no tracing")  # fmt: skip
     from stride.train.cli import add_parser as add_train_parser
 
     add_train_parser(sub)
@@ -301,6 +316,8 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
             gpu_memory_utilization=args.gpu_memory_utilization,
             max_model_len=args.max_model_len,
             enable_prefix_caching=args.enable_prefix_caching,
+            peak_bandwidth=args.peak_bandwidth,
+            peak_flops=args.peak_flops,
         ),
         scheduler=SchedulerConfig(
             max_num_seqs=args.max_num_seqs,
@@ -326,6 +343,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
             watchdog_timeout=args.watchdog_timeout,
         ),
         max_request_body=args.max_request_body,
+        otlp_traces_endpoint=args.otlp_traces_endpoint,
     )
 
 
@@ -340,6 +358,12 @@ def check(args: argparse.Namespace) -> str | None:
         args.api_servers < 1 or (args.api_servers > 1 and args.engine_process is False)
     ):
         return f"--api-servers {args.api_servers}: give 1, or more with the engine process"
+    if args.otlp_traces_endpoint:
+        from stride.tracing import unavailable
+
+        problem = unavailable()
+        if problem is not None:
+            return f"--otlp-traces-endpoint: {problem}"
     from stride.decoders.base import DecoderError
     from stride.decoders.registry import parse_spec
 

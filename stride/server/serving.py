@@ -24,6 +24,7 @@ from stride.server.errors import from_exception
 from stride.server.requests import Inputs, content, num_prompts, off_loop, size
 from stride.server.streaming import ClientGone, Generation, unless_disconnected
 from stride.server.views import ChatView, CompletionView, Pieces, View, sse_response
+from stride.tracing import RequestTrace, Tracing, request_attributes
 
 
 class Serving:
@@ -32,9 +33,11 @@ class Serving:
         client: BaseClient,
         default_decoder: str | dict[str, Any],
         metrics: Metrics | None = None,
+        tracing: Tracing | None = None,
     ) -> None:
         self.client = client
         self.metrics = metrics
+        self.tracing = tracing
         self.inputs = Inputs(client.model, default_decoder)
         self.pieces = Pieces(self.inputs.decode)
         self.model_name = self.inputs.model_name
@@ -52,7 +55,8 @@ class Serving:
         inputs.check_context(prompts, max_tokens)
         params = inputs.sampling(body, max_tokens, body.logprobs)
         rid = f"cmpl-{uuid.uuid4().hex}"
-        gen = await self._start(request, body, inputs.requests(body, prompts, params, rid))
+        requests = inputs.requests(body, prompts, params, rid)
+        gen = await self._start(request, body, requests, "text_completion")
         echo = [texts[i] if body.echo else "" for i in range(len(prompts))]
         view = CompletionView(self.model_name, self.pieces, body, rid, prompts, echo)
         return await self._respond(request, body, view, gen)
@@ -72,21 +76,28 @@ class Serving:
         k = (body.top_logprobs or 0) if body.logprobs else None
         params = inputs.sampling(body, max_tokens, k)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        gen = await self._start(request, body, inputs.requests(body, [prompt], params, rid))
+        gen = await self._start(request, body, inputs.requests(body, [prompt], params, rid), "chat")
         view = ChatView(self.model_name, self.pieces, body, rid, [prompt])
         return await self._respond(request, body, view, gen)
 
     # ---- both -----------------------------------------------------------------------------------
 
     async def _start(
-        self, request: Request, body: s.SamplingFields, requests: list[GenerateRequest]
+        self,
+        request: Request,
+        body: s.SamplingFields,
+        requests: list[GenerateRequest],
+        operation: str,
     ) -> Generation:
         """Submit the requests (their deadline runs from the request's arrival, which the app
-        notes); an error of the engine's is the request's API error."""
-        deadline = None
-        if body.timeout is not None:
-            deadline = getattr(request.state, "arrival", time.monotonic()) + body.timeout
-        gen = Generation(self.client, requests, body.n, self.metrics, deadline)
+        notes); an error of the engine's is the request's API error. `operation` (`chat`,
+        `text_completion`) names the request's trace."""
+        arrival = getattr(request.state, "arrival", time.monotonic())
+        trace = self._trace(request, operation, arrival, requests[0], body.n)
+        for r in requests:
+            r.trace = trace is not None
+        deadline = None if body.timeout is None else arrival + body.timeout
+        gen = Generation(self.client, requests, body.n, self.metrics, deadline, trace)
         try:
             await unless_disconnected(request, gen.start())
         except ClientGone:
@@ -94,6 +105,17 @@ class Serving:
         except Exception as e:
             raise from_exception(e) from e
         return gen
+
+    def _trace(
+        self, request: Request, operation: str, arrival: float, first: GenerateRequest, n: int
+    ) -> RequestTrace | None:
+        """The request's trace, if tracing is on and the sampler keeps it."""
+        if self.tracing is None:
+            return None
+        p = first.params
+        attrs = request_attributes(first.decoder, first.decoder_options, p.max_tokens,
+                                   p.temperature, n)  # fmt: skip
+        return self.tracing.start(operation, self.model_name, request.headers, arrival, attrs)
 
     async def _respond(
         self, request: Request, body: s.SamplingFields, view: View, gen: Generation

@@ -84,7 +84,7 @@ def test_dashboard_structure():
 def test_compose_stack_is_wired_together():
     compose = yaml.safe_load(COMPOSE.read_text())
     services = compose["services"]
-    assert set(services) == {"stride", "prometheus", "grafana"}
+    assert set(services) == {"stride", "prometheus", "grafana", "jaeger"}
     for name, service in services.items():
         assert "image" in service, name
         for volume in service.get("volumes", []):
