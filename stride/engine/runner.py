@@ -33,7 +33,13 @@ from stride.engine.kv_cache import KVCache
 from stride.engine.model import CausalLM
 from stride.engine.sequence import Sequence
 
-MAX_GRAPH_QUERY = 16  # longer spans (prefill chunks) are cheaper as one eager pass than as rows
+# A span replays as rows of the decode graph (no per-kernel launches: a prefill's host work
+# falls from ~20 ms to one replay) while it has at most MAX_GRAPH_QUERY tokens and its rows read
+# at most GRAPH_KV_READ bytes of K/V: each row reads its whole context, which one eager pass
+# (flash attention) reads once, so long spans over long contexts stay eager. Short prompts and
+# the suffixes of prefix-cached prompts are such spans.
+MAX_GRAPH_QUERY = 64
+GRAPH_KV_READ = 4 << 30
 
 
 @dataclass
@@ -88,6 +94,8 @@ class ModelRunner:
         if fused_kernels and fused.supported(model, device):
             self.forward_fn = fused.FusedForward(model)
         self.aux_layers: tuple[int, ...] = ()  # see `capture_features`
+        k = cache.k
+        self._kv_bytes_per_token = 2 * k.shape[0] * k[0, 0].numel() * k.element_size()
         self.graphs: DecodeGraphs | None = None
         head_dim = model.model.layers[0].self_attn.head_dim
         self._graph_args = None
@@ -183,9 +191,12 @@ class ModelRunner:
 
     def _graphable(self, c: Span) -> bool:
         """Short causal spans replay as graph rows: a decode token, K drafts, a Jacobi window."""
+        n = len(c.token_ids)
+        context = c.seq.num_cached + c.offset + n
         return (
             c.mask is None
-            and len(c.token_ids) <= MAX_GRAPH_QUERY
+            and n <= MAX_GRAPH_QUERY
+            and n * context * self._kv_bytes_per_token <= GRAPH_KV_READ
             and len(c.seq.block_table) <= self.graphs.max_blocks
         )
 

@@ -103,7 +103,7 @@ def test_gpu_fp32_greedy_equals_cpu(tiny_dir):
 def test_multi_token_spans_replay_as_graph_rows(tiny_dir, decoder, options, monkeypatch):
     """Drafts and Jacobi windows are scored as graph rows (no eager pass once prompts are in),
     and the tokens still equal the CPU path's in fp32."""
-    prompt = [5, 6, 7, 8, 9] * 4  # repetitive (n-gram drafts), longer than MAX_GRAPH_QUERY
+    prompt = [5, 6, 7, 8, 9] * 14  # repetitive (n-gram drafts), longer than MAX_GRAPH_QUERY
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     outs = {}
     eager_tokens = []
@@ -128,6 +128,43 @@ def test_multi_token_spans_replay_as_graph_rows(tiny_dir, decoder, options, monk
     assert outs["cuda"] == outs["cpu"]
     # Only the prompt's span (with the first proposal riding along) ran eagerly.
     assert len(eager_tokens) == 1 and eager_tokens[0] >= len(prompt)
+
+
+@needs_cuda
+def test_short_prompts_and_cached_prefixes_prefill_as_graph_rows(tiny_dir, monkeypatch):
+    """A short prompt, and the suffix of a prompt whose prefix the cache holds, are scored as
+    rows of the decode graph (no eager pass at all), with the CPU path's tokens in fp32."""
+    prefix = [(7 * i) % 300 + 3 for i in range(48)]  # three full blocks of 16
+    prompts = [prefix + [11] * 8, prefix + [(5 * i) % 200 + 3 for i in range(30)]]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    outs: dict[str, list] = {}
+    eager_tokens: list[int] = []
+    for device in ("cpu", "cuda"):
+        engine = Engine(EngineConfig(model=str(tiny_dir), device=device, dtype="float32",
+                                     kv_cache_memory=64 << 20))  # fmt: skip
+        engine.cache.prefix_caching = True
+        if device == "cuda":
+            eager = engine.runner._forward_eager
+
+            def counting(spans, num_layers, eager=eager):
+                eager_tokens.extend(len(c.token_ids) for c in spans)
+                return eager(spans, num_layers)
+
+            monkeypatch.setattr(engine.runner, "_forward_eager", counting)
+        core = EngineCore(engine)
+        results = []
+        for i, prompt in enumerate(prompts):  # one after the other: the second finds the prefix
+            core.add(GenerateRequest(f"r{i}", prompt, params))
+            tokens, cached = [], None
+            while core.has_work:
+                for o in core.step():
+                    tokens += o.token_ids
+                    cached = o.num_cached_tokens if o.finished else cached
+            results.append((tokens, cached))
+        outs[device] = results
+    assert outs["cuda"] == outs["cpu"]
+    assert outs["cuda"][1][1] == len(prefix)
+    assert eager_tokens == []
 
 
 def _spans(engine: Engine, lengths: list[int]) -> list[Span]:
