@@ -12,24 +12,14 @@ from stride.engine.adapter import MASK_TOKEN, AdapterConfig, MaskAdapter
 from stride.engine.engine import Engine, EngineConfig
 from stride.engine.runner import Span
 from stride.engine.sequence import SamplingParams, Sequence
+from tests.helpers.adapters import SLOTS, random_adapter
 from tests.helpers.models import load_hf
 
 PROMPT = [100, 101, 102, 103, 104, 105, 106]
-SLOTS = 3
 
 
 def engine_over(model_dir) -> Engine:
     return Engine(EngineConfig(model=str(model_dir), device="cpu", kv_cache_memory=8 << 20))
-
-
-def random_adapter(model, seed: int = 0, rank: int = 4) -> MaskAdapter:
-    """An adapter whose every parameter is random: nothing about it is a no-op."""
-    adapter = MaskAdapter.new(model, rank, SLOTS)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in adapter.parameters():
-            p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
-    return adapter
 
 
 def score(engine: Engine, tokens: list[int], positions: list[int] | None = None) -> torch.Tensor:
