@@ -228,3 +228,75 @@ def test_the_shipped_adapter_of_a_model_is_picked_by_its_name(tmp_path, monkeypa
     assert found == str(tmp_path / "SmolLM2-135M-Instruct")
     assert adapters.pick("/mine", "SmolLM2-135M-Instruct") == "/mine"
     assert adapters.pick(None, "other-model") is None
+
+
+def test_logprobs_match_greedy(core):
+    """The committed tokens' logprobs (and top alternatives) are AR's, row for row."""
+    got = {}
+    for name, request in (
+        ("ar", GenerateRequest("a", PROMPTS[0], replace(greedy(12), logprobs=2))),
+        ("intro", intro("i", PROMPTS[0], replace(greedy(12), logprobs=2))),
+    ):
+        core.add(request)
+        got[name] = []
+        while core.has_work:
+            for out in core.step():
+                got[name].extend(out.logprobs)
+    assert [lp.token_id for lp in got["intro"]] == [lp.token_id for lp in got["ar"]]
+    for a, b in zip(got["intro"], got["ar"], strict=True):
+        assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
+        assert [t for t, _ in a.top] == [t for t, _ in b.top]
+
+
+def test_the_server_config_loads_and_attaches_the_adapter(tiny_dir, tmp_path, reference):
+    """`--mask-adapter DIR` (DecodersConfig.mask_adapter): the refine decoder offers the
+    method, and the engine's runner runs the adapter on MASK rows."""
+    from stride.decoders.registry import DecodersConfig, build_decoders
+    from stride.engine.engine import Engine, EngineConfig
+    from stride.scheduler.core import EngineCore
+
+    engine = Engine(EngineConfig(model=str(tiny_dir), device="cpu", kv_cache_memory=8 << 20))
+    random_adapter(engine.model, seed=3).save(tmp_path, dtype=torch.float32)
+    decoders = build_decoders(engine, DecodersConfig(mask_adapter=str(tmp_path)))
+    assert engine.runner.adapter is decoders["refine"].causal["introspective"].adapter
+    core = EngineCore(engine, decoders=decoders)
+    tokens, _ = run(core, [intro("i", PROMPTS[3], greedy(24))])
+    assert tokens["i"] == reference[3]
+    bare = build_decoders(
+        Engine(EngineConfig(model=str(tiny_dir), device="cpu", kv_cache_memory=8 << 20))
+    )
+    assert "introspective" not in bare["refine"].causal
+
+
+@pytest.mark.parametrize("adapter", ["random", "shipped"])
+def test_default_model_matches_greedy(default_engine, adapter):
+    """SmolLM2-135M-Instruct with a random adapter, and with the one shipped for it: equal to
+    greedy AR, mixed in one batch."""
+    from stride import adapters
+    from stride.decoders.autoregressive import Autoregressive
+    from stride.engine.adapter import MaskAdapter
+    from stride.scheduler.core import EngineCore
+
+    if adapter == "shipped":
+        path = adapters.shipped_adapter(default_engine.name)
+        if path is None:
+            pytest.skip("no adapter is shipped for the default model yet")
+        loaded = MaskAdapter.load(path, default_engine.model)
+    else:
+        loaded = random_adapter(default_engine.model, rank=8, slots=4)
+    default_engine.runner.attach_adapter(loaded)
+    decoders = {"ar": Autoregressive(), "refine": Refine(adapter=loaded)}
+    core = EngineCore(default_engine, decoders=decoders)
+    tok = default_engine.tokenizer
+    chats = ["Write a Python function that adds two numbers.", "Name three colors."]
+    prompts = [
+        tok.apply_chat_template([{"role": "user", "content": c}], add_generation_prompt=True)
+        for c in chats
+    ]
+    prompts = [p if isinstance(p, list) else p["input_ids"] for p in prompts]
+    batch = [GenerateRequest(f"a{i}", p, greedy(24)) for i, p in enumerate(prompts)]
+    batch += [intro(f"i{i}", p, greedy(24)) for i, p in enumerate(prompts)]
+    got, stats = run(core, batch)
+    for i in range(len(prompts)):
+        assert got[f"i{i}"] == got[f"a{i}"]
+        assert stats[f"i{i}"]["draft_tokens"] > 0
