@@ -64,7 +64,8 @@ def configure(p: argparse.ArgumentParser) -> None:
                    "included, takes at most this many seconds")  # fmt: skip
     p.add_argument("--max-steps", type=int, default=None, help="stop after this many steps")
     p.add_argument("--lr", type=float, default=5e-4)
-    p.add_argument("--batch-tokens", type=int, default=16384, help="padded tokens per step")
+    p.add_argument("--batch-tokens", type=int, default=16384,
+                   help="padded rows per step (introspective: slots included)")  # fmt: skip
     p.add_argument("--device", default="auto", help="cpu, cuda or auto")
     p.add_argument("--seed", type=int, default=0)
 
@@ -190,9 +191,11 @@ def _introspective(args, target_model, samples, train_set, held, common, eos, na
     else:
         adapter = MaskAdapter.new(target_model, args.rank, args.slots, base_model=name)
     adapter.attach(target_model).train()
-    config = introspective.IntrospectiveConfig(anchors=args.anchors, **common)
-    rng = random.Random(args.seed)
     k = adapter.config.slots
+    config = introspective.IntrospectiveConfig(
+        anchors=args.anchors, extra_rows=args.anchors * k, **common
+    )
+    rng = random.Random(args.seed)
 
     def loss_fn(batch):
         return introspective.slot_losses(target_model, adapter, batch, k, config.anchors, rng)

@@ -38,17 +38,21 @@ class LoopConfig:
     seconds: float = 300.0  # training time budget
     max_steps: int | None = None
     seed: int = 0
+    extra_rows: int = 0  # rows each sample adds to its tokens in a batch (see `batches`)
 
 
-def batches(samples: list[Sample], batch_tokens: int, rng: random.Random) -> list[list[Sample]]:
-    """Samples of similar length together, at most `batch_tokens` padded tokens per batch."""
+def batches(
+    samples: list[Sample], batch_tokens: int, rng: random.Random, extra: int = 0
+) -> list[list[Sample]]:
+    """Samples of similar length together, at most `batch_tokens` padded rows per batch, each
+    sample's tokens plus `extra` rows (a MASK-slot adapter's slots)."""
     order = sorted(samples, key=lambda s: len(s.token_ids))
     out, current, longest = [], [], 0
     for s in order:
-        longest_if = max(longest, len(s.token_ids))
+        longest_if = max(longest, len(s.token_ids) + extra)
         if current and longest_if * (len(current) + 1) > batch_tokens:
             out.append(current)
-            current, longest_if = [], len(s.token_ids)
+            current, longest_if = [], len(s.token_ids) + extra
         current.append(s)
         longest = longest_if
     if current:
@@ -102,7 +106,7 @@ def fit(
     bar = tqdm(desc="training", unit="step", initial=step, disable=None)
     done = False
     while not done:
-        for batch in batches(samples, config.batch_tokens, rng):
+        for batch in batches(samples, config.batch_tokens, rng, config.extra_rows):
             if config.max_steps:
                 progress = min(step / config.max_steps, 1.0)
             else:
