@@ -93,6 +93,7 @@ def main(args: argparse.Namespace) -> int:
     kv = 6 << 30 if device.type == "cuda" else None
     engine = Engine(EngineConfig(model=args.model, device=str(device), kv_cache_memory=kv))
     data_file = out / "data.pt"
+    answered_in = None  # seconds the engine took to answer the prompts (this run)
     if data_file.exists():
         saved = torch.load(data_file, weights_only=False)
         samples = [data.Sample(*s) for s in saved["samples"]]
@@ -107,7 +108,9 @@ def main(args: argparse.Namespace) -> int:
         if args.self_prompts:
             todo += data.self_prompts(core, args.self_prompts, args.seed)
         log.info("answering %d prompts with the target", len(todo))
+        answering = time.monotonic()
         samples = data.generate(core, todo, args.max_tokens, args.sampled_share, seed=args.seed)
+        answered_in = round(time.monotonic() - answering, 1)
         torch.save(
             {"samples": [(s.token_ids, s.num_prompt, s.greedy) for s in samples]}, data_file
         )
@@ -143,7 +146,12 @@ def main(args: argparse.Namespace) -> int:
         device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         seconds_total=round(time.monotonic() - started, 1),
     )
+    if answered_in is not None:
+        result["answer_seconds"] = answered_in
     (out / "training.json").write_text(json.dumps(result, indent=2) + "\n")
+    if args.kind == "introspective":
+        result["arguments"] = _arguments(args)
+        (out / "MODEL_CARD.md").write_text(_adapter_card(name, result))
     log.info("written to %s: %s", out, {k: v for k, v in result.items() if k != "history"})
     return 0
 
@@ -212,6 +220,55 @@ def _introspective(args, target_model, samples, train_set, held, common, eos, na
     result.update(rank=adapter.config.rank, slots=k, heldout_samples=len(held),
                   parameters=sum(p.numel() for p in params))  # fmt: skip
     return result
+
+
+def _arguments(args: argparse.Namespace) -> list[str]:
+    """The training options of `args` as command-line arguments (what reproduces the run),
+    without the other kind's."""
+    options = argparse.ArgumentParser()
+    configure(options)
+    eagle_only = {"draft_vocab", "layers", "depth"}
+    other = eagle_only if args.kind == "introspective" else {"rank", "slots", "anchors"}
+    out = []
+    for action in options._actions:
+        value = getattr(args, action.dest, None)
+        if action.option_strings and value is not None and action.dest not in other | {"help"}:
+            out += [action.option_strings[0], str(value)]
+    return out
+
+
+def _adapter_card(name: str, result: dict) -> str:
+    """A MASK-slot adapter's model card: how it was made and what it makes, from this run."""
+    command = " ".join(["python -m stride.train", *result["arguments"]])
+    answers = (
+        f"answered by Stride's engine in {result['answer_seconds']} s"
+        if "answer_seconds" in result
+        else "read back from an earlier run's data.pt"
+    )
+    return f"""# MASK-slot adapter for {name}
+
+What `"decoder": {{"type": "refine", "method": "introspective"}}` uses with this model: a learned
+MASK embedding and rank-{result["rank"]} adapters on the seven projections of every layer, gated
+to MASK rows ({result["parameters"]:,} parameters, bf16), trained for k = {result["slots"]}
+slots per set.
+
+## How it was made
+
+```bash
+{command}
+```
+
+- Data: the model's own answers to {result["samples"]:,} prompts ({result["answer_tokens"]:,}
+  answer tokens), {answers}.
+- Training: base model frozen; the slots' cross-entropy against the base model's
+  distributions of the next {result["slots"]} tokens; {result["steps"]:,} steps,
+  {result["seconds"]} s of training, {result["seconds_total"]} s in all, on {result["device"]}.
+
+## What it makes
+
+Greedy tokens per verification pass on {result.get("heldout_samples", 0)} answers held out of
+the training data (the trainer's estimate): {result.get("heldout_tokens_per_pass", "n/a")}.
+"""
 
 
 def teacher(engine):

@@ -94,6 +94,8 @@ def test_train_introspective_runs_end_to_end(tiny_dir, tmp_path):
     report = json.loads((out / "training.json").read_text())
     assert report["steps"] == 6 and report["samples"] > 0 and report["answer_tokens"] > 0
     assert 1.0 <= report["heldout_tokens_per_pass"] <= K + 1
+    card = (out / "MODEL_CARD.md").read_text()
+    assert "--kind introspective" in card and str(report["heldout_tokens_per_pass"]) in card
     config = json.loads((out / "config.json").read_text())
     assert config["rank"] == 4 and config["slots"] == K
     core = introspective_core(tiny_dir, adapter=out)
