@@ -300,3 +300,13 @@ def test_default_model_matches_greedy(default_engine, adapter):
     for i in range(len(prompts)):
         assert got[f"i{i}"] == got[f"a{i}"]
         assert stats[f"i{i}"]["draft_tokens"] > 0
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "mistral"])
+def test_other_archs_match_greedy(arch, tiny_dirs):
+    """Biased projections (qwen2) and normed queries and keys (qwen3) take the adapter alike."""
+    core = introspective_core(tiny_dirs[arch])
+    for i, prompt in enumerate(PROMPTS[:2]):
+        ar, _ = run(core, [GenerateRequest("a", prompt, greedy(16))])
+        got, _ = run(core, [intro("i", prompt, greedy(16), slots=2)])
+        assert got["i"] == ar["a"], i

@@ -32,8 +32,9 @@ def score(engine: Engine, tokens: list[int], positions: list[int] | None = None)
         engine.cache.free(seq)
 
 
-def test_real_rows_equal_the_base_model_bit_for_bit(tiny_dir):
-    engine = engine_over(tiny_dir)
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_real_rows_equal_the_base_model_bit_for_bit(tiny_dirs, arch):
+    engine = engine_over(tiny_dirs[arch])
     plain = score(engine, PROMPT + [7] * SLOTS)  # before any adapter exists
     engine.runner.attach_adapter(random_adapter(engine.model))
     gated = score(engine, PROMPT + [MASK_TOKEN] * SLOTS)
