@@ -24,12 +24,13 @@ log = logging.getLogger("stride.train")
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     """`draft train` under the `stride` command."""
-    draft = sub.add_parser("draft", help="train draft heads for speculative decoding")
+    draft = sub.add_parser("draft", help="train draft heads and MASK-slot adapters")
     actions = draft.add_subparsers(dest="draft_command", required=True)
     configure(
         actions.add_parser(
             "train",
-            help="self-distil an EAGLE-3 draft head for a model",
+            help="self-distil an EAGLE-3 draft head (or, --kind introspective, a MASK-slot "
+            "adapter) for a model",
             formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         )
     )

@@ -92,7 +92,10 @@ def forward(model, adapter: MaskAdapter, lay: Layout) -> torch.Tensor:
     """The final hidden states [B, L, H] of a laid-out batch, the adapter on its slot rows."""
     with adapter.on_rows(lay.slot_rows):
         out = model.model(
-            input_ids=lay.ids, attention_mask=lay.allowed, position_ids=lay.positions
+            input_ids=lay.ids,
+            attention_mask=lay.allowed,
+            position_ids=lay.positions,
+            use_cache=False,
         )
     return out.last_hidden_state
 
