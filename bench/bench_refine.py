@@ -69,7 +69,9 @@ DECODERS = {
         "refine",
         {"method": "lookahead", "window": 8, "ngram": 5, "candidates": 8},
     ),
-    "introspective": ("refine", {"method": "introspective"}),
+    "introspective": ("refine", {"method": "introspective"}),  # the adapter's k slots
+    "introspective-k2": ("refine", {"method": "introspective", "slots": 2}),  # fewer rows a pass
+    "introspective-k3": ("refine", {"method": "introspective", "slots": 3}),
 }
 
 
