@@ -121,7 +121,7 @@ class Introspective(Decoder):
         else:
             accepted, last = verify_sampled(adjusted, rows, seqs, drafts)
 
-        commits, offset = [], 0
+        commits, offset, chosen = [], 0, []
         for seq, st, draft, lg, n_acc, token in zip(
             seqs, states, drafts, logits, accepted, last, strict=True
         ):
@@ -131,33 +131,45 @@ class Introspective(Decoder):
             offset += len(draft.tokens) + 1
             _record(seq, len(draft.tokens), n_acc)
             start = 1 + st.drafts + n_acc * st.slots  # the slot set after the last accepted row
-            slots = lg[start : start + st.slots]
-            self._next_proposals(seq, st, slots, tokens, ctx.eos_ids)
+            chosen.append(lg[start : start + st.slots])
             commits.append(Commit(tokens, lps, kv_keep=n_acc))
+        self._next_proposals(seqs, states, chosen, [c.tokens for c in commits], ctx.eos_ids)
         return commits
 
     def _next_proposals(
         self,
-        seq: Sequence,
-        st: IntrospectiveState,
-        slots: torch.Tensor,
-        committed: list[int],
+        seqs: list[Sequence],
+        states: list[IntrospectiveState],
+        slots: list[torch.Tensor],
+        committed: list[list[int]],
         eos_ids: set[int],
     ) -> None:
-        """Greedy: the slots' argmax. Sampled: a draw from each slot's distribution, which the
-        rejection rule needs as q. Both under the request's adjustments (bias, penalties, as if
-        this pass's tokens were out already) and truncation: the closer to p, the more pass."""
-        st.q = None
-        if not len(slots):
-            st.proposals = []
+        """Each sequence's guesses from its chosen slot set. Greedy: the argmax. Sampled: a draw
+        from each slot's distribution, which the rejection rule needs as q. Both under the
+        request's adjustments (bias, penalties, as if this pass's tokens were out already) and
+        truncation: the closer to p, the more pass. One batched pass over all the slots."""
+        rows = [
+            sampling.Row(seq, tokens)
+            for seq, tokens, s in zip(seqs, committed, slots, strict=True)
+            for _ in range(len(s))
+        ]
+        for st in states:
+            st.proposals, st.q = [], None
+        if not rows:
             return
-        rows = [sampling.Row(seq, committed)] * len(slots)
-        slots = sampling.adjust(slots, rows, eos_ids)
-        if seq.params.greedy:
-            st.proposals = slots.argmax(-1).tolist()
-        else:
-            st.q = sampling.probabilities(slots, rows)
-            st.proposals = sampling.draw(st.q, rows)
+        adjusted = sampling.adjust(torch.cat(slots), rows, eos_ids)
+        sampled = [not seq.params.greedy for seq in seqs]
+        best = [] if all(sampled) else adjusted.argmax(-1).tolist()
+        probs = sampling.probabilities(adjusted, rows) if any(sampled) else None
+        draws = [] if probs is None else sampling.draw(probs, rows)
+        offset = 0
+        for st, s, is_sampled in zip(states, slots, sampled, strict=True):
+            n = len(s)
+            if is_sampled:
+                st.q, st.proposals = probs[offset : offset + n], draws[offset : offset + n]
+            else:
+                st.proposals = best[offset : offset + n]
+            offset += n
 
 
 def _rows(q: torch.Tensor | None, n: int) -> torch.Tensor | None:
