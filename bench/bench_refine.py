@@ -1,12 +1,17 @@
-"""Jacobi and lookahead decoding against plain greedy AR on the default model (real weights).
+"""Refinement (Jacobi, lookahead, introspective) against plain greedy AR on the default model.
 
-For code-like and free-text chat prompts, at each concurrency (requests in flight at once), every
-decoder generates the same greedy continuations; the script reports output tok/s, tokens
-committed per forward pass (what refinement buys), the speed-up over AR measured in the same
-process, and whether the outputs equal AR's token for token (exact in fp32; bf16 may differ).
+For code-like and free-text chat prompts, and held-out chat prompts (loadtest's built-in ones
+plus `bench/data/heldout_prompts.jsonl`, none from the training prompt generator), at each
+concurrency (requests in flight at once), every decoder generates the same greedy
+continuations; the script reports output tok/s, tokens committed per forward pass (what
+refinement buys; the prompt's pass included), the speed-up over AR measured in the same process,
+and whether the outputs equal AR's token for token (exact in fp32; bf16 may differ).
+`introspective` needs a MASK-slot adapter: the one shipped for the model, or `--mask-adapter`.
 
     python bench/bench_refine.py                      # CPU, fp32, small
     python bench/bench_refine.py --device cuda --prompts 8 --tokens 128 --json out.json
+    python bench/bench_refine.py --device cuda --dtype bfloat16 --kinds heldout --prompts 64 \
+        --tokens 128 --concurrency 1,8,64 --decoders ar,introspective --json intro.json
 """
 
 from __future__ import annotations
@@ -21,12 +26,17 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from loadtest.prompts import BUILTIN_PROMPTS  # noqa: E402
 from stride.decoders.autoregressive import Autoregressive  # noqa: E402
+from stride.decoders.base import DecodersConfig  # noqa: E402
 from stride.decoders.refine import Refine  # noqa: E402
 from stride.engine.engine import Engine, EngineConfig  # noqa: E402
 from stride.engine.sequence import SamplingParams  # noqa: E402
 from stride.scheduler.core import EngineCore  # noqa: E402
 from stride.scheduler.outputs import GenerateRequest  # noqa: E402
+from stride.train.prompts import read_prompts  # noqa: E402
+
+HELDOUT = Path(__file__).parent / "data" / "heldout_prompts.jsonl"
 
 PROMPTS = {
     "code": [
@@ -49,6 +59,7 @@ PROMPTS = {
         "Give me a recipe idea for a quick vegetarian dinner.",
         "Why do cats purr?",
     ],
+    "heldout": BUILTIN_PROMPTS + [m[-1]["content"] for m in read_prompts(HELDOUT)],
 }
 DECODERS = {
     "ar": ("ar", {}),
@@ -58,6 +69,9 @@ DECODERS = {
         "refine",
         {"method": "lookahead", "window": 8, "ngram": 5, "candidates": 8},
     ),
+    "introspective": ("refine", {"method": "introspective"}),  # the adapter's k slots
+    "introspective-k2": ("refine", {"method": "introspective", "slots": 2}),  # fewer rows a pass
+    "introspective-k3": ("refine", {"method": "introspective", "slots": 3}),
 }
 
 
@@ -87,8 +101,8 @@ def run_wave(core: EngineCore, requests: list[GenerateRequest]) -> tuple[dict, i
     return tokens, sum(map(len, tokens.values())), passes
 
 
-def bench(engine: Engine, kind: str, decoder: str, concurrency: int, args) -> dict:
-    core = EngineCore(engine, decoders={"ar": Autoregressive(), "refine": Refine()})
+def bench(engine: Engine, refine: Refine, kind: str, decoder: str, concurrency: int, args):
+    core = EngineCore(engine, decoders={"ar": Autoregressive(), "refine": refine})
     name, options = DECODERS[decoder]
     count = max(args.prompts, concurrency)  # at least one full wave
     prompts = [chat_ids(engine, p) for p in PROMPTS[kind][:count]]
@@ -129,8 +143,10 @@ def main() -> None:
         "--prompts",
         type=int,
         default=4,
-        help="prompts per kind (at most 8; at least the concurrency)",
+        help="prompts per kind (code, text: at most 8; heldout: 70; at least the concurrency)",
     )
+    ap.add_argument("--kinds", default="code,text", help="of code, text, heldout")
+    ap.add_argument("--mask-adapter", default=None, help="default: the one shipped, if any")
     ap.add_argument("--tokens", type=int, default=48, help="max new tokens per request")
     ap.add_argument("--concurrency", default="1,8")
     ap.add_argument("--decoders", default="ar,jacobi,lookahead,lookahead-wide")
@@ -147,15 +163,18 @@ def main() -> None:
     print(f"# {engine.name} on {card}, {engine.dtype}, torch {torch.__version__}")
     levels = [int(c) for c in args.concurrency.split(",")]
     decoders = args.decoders.split(",")
-    bench(engine, "text", "ar", 1, argparse.Namespace(**{**vars(args), "prompts": 1}))  # warm-up
+    refine = Refine.from_config(engine, DecodersConfig(mask_adapter=args.mask_adapter))
+    warm = argparse.Namespace(**{**vars(args), "prompts": 1})
+    for decoder in decoders:  # warm-up (the eager path too)
+        bench(engine, refine, "text", decoder, 1, warm)
     results = []
     header = "kind  conc  decoder          tok/s   tokens/pass  speed-up  same-as-AR"
     print(header)
-    for kind in PROMPTS:
+    for kind in args.kinds.split(","):
         for conc in levels:
             base = None
             for decoder in decoders:
-                r = bench(engine, kind, decoder, conc, args)
+                r = bench(engine, refine, kind, decoder, conc, args)
                 base = base or r
                 r["speedup"] = round(r["tok_s"] / base["tok_s"], 2)
                 same = sum(r["outputs"][k] == base["outputs"][k] for k in base["outputs"])

@@ -109,6 +109,7 @@ DECODER_PRESETS: dict[str, str | dict[str, Any]] = {
     "refine": {"type": "refine", "method": "jacobi"},
     "jacobi": {"type": "refine", "method": "jacobi"},
     "lookahead": {"type": "refine", "method": "lookahead"},
+    "introspective": {"type": "refine", "method": "introspective"},
 }
 
 

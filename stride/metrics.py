@@ -104,10 +104,13 @@ def strategy(
 
 
 def strategies(
-    draft_model: bool = False, diffusion: bool = False, eagle: bool = False
+    draft_model: bool = False,
+    diffusion: bool = False,
+    eagle: bool = False,
+    introspective: bool = False,
 ) -> tuple[str, ...]:
     """Every `decoder` label a server offers out of the box (`catalog.strategies`)."""
-    return catalog.strategies(catalog.Offered(eagle, draft_model, diffusion))
+    return catalog.strategies(catalog.Offered(eagle, draft_model, diffusion, introspective))
 
 
 def parse_users(value: str | Iterable[str] | None) -> frozenset[str]:
@@ -130,14 +133,15 @@ class Metrics:
         diffusion: bool = False,
         spec_tokens: int = 0,
         eagle: bool = False,
+        introspective: bool = False,
     ) -> None:
-        """`draft_model`, `diffusion`, `eagle`: whether the server has those models (an EAGLE
-        head); `spec_tokens`: its default K (the draft positions whose series exist from the
-        start)."""
+        """`draft_model`, `diffusion`, `eagle`, `introspective`: whether the server has those
+        models (an EAGLE head, a MASK-slot adapter); `spec_tokens`: its default K (the draft
+        positions whose series exist from the start)."""
         self.model = model
         self.draft_model = draft_model
         self.eagle = eagle
-        self.strategies = strategies(draft_model, diffusion, eagle)
+        self.strategies = strategies(draft_model, diffusion, eagle, introspective)
         self.spec_tokens = spec_tokens
         self.users = parse_users(users)
         self.registry = registry if registry is not None else CollectorRegistry()

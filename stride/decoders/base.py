@@ -114,6 +114,7 @@ class DecodersConfig:
     draft_head: str | None = None  # speculative: an EAGLE head directory for the target
     num_speculative_tokens: int = 4  # speculative: default K (the adaptive policy may lower it)
     diffusion_model: str | None = None  # refine/diffusion: a masked diffusion LM
+    mask_adapter: str | None = None  # refine/introspective (None: the one shipped for the model)
     trust_remote_code: bool = False  # diffusion models loaded through AutoModel need it
 
 

@@ -4,7 +4,7 @@ A request's strategy is its decoder and the variant its options choose: `ar`,
 `speculative/<draft>`, `refine/<method>`. Metrics label by it, the CLI lists it, and the
 decoders validate against the same names (`registry` holds the classes behind them; a test
 keeps the two in step). A variant is offered only where the server has what it needs: an
-EAGLE head, a draft model, a masked diffusion LM (`Offered`).
+EAGLE head, a draft model, a MASK-slot adapter, a masked diffusion LM (`Offered`).
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ DECODERS = (AR, SPECULATIVE, REFINE)
 NGRAM, EARLY_EXIT, EAGLE, DRAFT_MODEL = "ngram", "early_exit", "eagle", "draft_model"
 DRAFTS = (NGRAM, EARLY_EXIT, EAGLE, DRAFT_MODEL)  # any other draft name is the draft model
 
-JACOBI, LOOKAHEAD, DIFFUSION = "jacobi", "lookahead", "diffusion"
-REFINE_METHODS = (JACOBI, LOOKAHEAD, DIFFUSION)
+JACOBI, LOOKAHEAD, INTROSPECTIVE, DIFFUSION = "jacobi", "lookahead", "introspective", "diffusion"
+REFINE_METHODS = (JACOBI, LOOKAHEAD, INTROSPECTIVE, DIFFUSION)
 OTHER = "other"  # the label of a variant nobody offers (validation refuses it anyway)
 
 
@@ -31,6 +31,7 @@ class Offered:
     eagle: bool = False  # an EAGLE head: draft `eagle`, the default draft
     draft_model: bool = False  # a draft model: draft `draft_model` (the default without a head)
     diffusion: bool = False  # a masked diffusion LM: refine method `diffusion`
+    introspective: bool = False  # a MASK-slot adapter: refine method `introspective`
 
     @property
     def default_draft(self) -> str:
@@ -41,13 +42,14 @@ class Offered:
         return tuple(d for d in DRAFTS if wanted[d])
 
     def methods(self) -> tuple[str, ...]:
-        return tuple(m for m in REFINE_METHODS if m != DIFFUSION or self.diffusion)
+        wanted = {DIFFUSION: self.diffusion, INTROSPECTIVE: self.introspective}
+        return tuple(m for m in REFINE_METHODS if wanted.get(m, True))
 
 
 def strategy(decoder: str, options: Mapping[str, Any] | None, offered: Offered) -> str:
     """The strategy of a request: `ar`, `speculative/{ngram,early_exit,eagle,draft_model}`,
-    `refine/{jacobi,lookahead,diffusion}`. Bounded whatever the options say: a draft model is
-    never named by its path, and an unknown method is `<decoder>/other`."""
+    `refine/{jacobi,lookahead,introspective,diffusion}`. Bounded whatever the options say: a
+    draft model is never named by its path, and an unknown method is `<decoder>/other`."""
     options = options or {}
     if decoder == SPECULATIVE:
         draft = options.get("draft", offered.default_draft)

@@ -1,8 +1,10 @@
 """The iterative-refinement decoder family behind one registry name, chosen by `method`.
 
-`{"type": "refine", "method": "jacobi" | "lookahead" | "diffusion", ...}`: Jacobi and lookahead
-refine guesses inside the target's shared forward (greedy only, lossless); diffusion unmasks
-blocks on a masked diffusion LM of its own, run as a separate model group.
+`{"type": "refine", "method": "jacobi" | "lookahead" | "introspective" | "diffusion", ...}`:
+Jacobi and lookahead refine guesses inside the target's shared forward (greedy only, lossless);
+introspective makes its guesses at MASK slots of the same forward through a MASK-slot adapter
+(greedy and sampled, lossless; needs an adapter for the model); diffusion unmasks blocks on a
+masked diffusion LM of its own, run as a separate model group.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from typing import Any
 
 import torch
 
+from stride import adapters
 from stride.decoders.base import (
     Commit,
     Decoder,
@@ -23,16 +26,19 @@ from stride.decoders.base import (
     StepContext,
     parse_options,
 )
-from stride.decoders.catalog import DIFFUSION, JACOBI, LOOKAHEAD, REFINE
+from stride.decoders.catalog import DIFFUSION, INTROSPECTIVE, JACOBI, LOOKAHEAD, REFINE
 from stride.decoders.diffusion import DiffusionGroup, DiffusionOptions
+from stride.decoders.introspective import Introspective, IntrospectiveOptions
 from stride.decoders.jacobi import Jacobi, JacobiOptions
 from stride.decoders.lookahead import Lookahead, LookaheadOptions
+from stride.engine.adapter import MaskAdapter
 from stride.engine.engine import Engine
 from stride.engine.sequence import SamplingParams, Sequence
 
 METHODS: dict[str, type[Options]] = {  # one per `catalog.REFINE_METHODS`
     JACOBI: JacobiOptions,
     LOOKAHEAD: LookaheadOptions,
+    INTROSPECTIVE: IntrospectiveOptions,
     DIFFUSION: DiffusionOptions,
 }
 DEFAULT_METHOD = JACOBI
@@ -41,22 +47,31 @@ DEFAULT_METHOD = JACOBI
 class Refine(Decoder):
     name = REFINE
 
-    def __init__(self, diffusion: DiffusionGroup | None = None) -> None:
+    def __init__(
+        self, diffusion: DiffusionGroup | None = None, adapter: MaskAdapter | None = None
+    ) -> None:
+        """`adapter`: a MASK-slot adapter attached to the engine's runner (`introspective`)."""
         self.causal: dict[str, Decoder] = {JACOBI: Jacobi(), LOOKAHEAD: Lookahead()}
+        if adapter is not None:
+            self.causal[INTROSPECTIVE] = Introspective(adapter)
         self.diffusion = diffusion
 
     @classmethod
     def from_config(cls, engine: Engine, config: DecodersConfig) -> Refine:
-        if config.diffusion_model is None:
-            return cls()
-        group = DiffusionGroup.load(
-            config.diffusion_model,
-            engine.tokenizer,
-            engine.device,
-            engine.dtype,
-            config.trust_remote_code,
-        )
-        return cls(group)
+        group = adapter = None
+        if config.diffusion_model is not None:
+            group = DiffusionGroup.load(
+                config.diffusion_model,
+                engine.tokenizer,
+                engine.device,
+                engine.dtype,
+                config.trust_remote_code,
+            )
+        path = adapters.pick(config.mask_adapter, engine.name)
+        if path is not None:
+            adapter = MaskAdapter.load(path, engine.model)
+            engine.runner.attach_adapter(adapter)
+        return cls(group, adapter)
 
     @classmethod
     def check_options(cls, options: dict[str, Any]) -> Options:
@@ -84,6 +99,12 @@ class Refine(Decoder):
                     "--diffusion-model PATH"
                 )
             return self.diffusion.validate(params, options)
+        if method not in self.causal:
+            raise DecoderError(
+                "refine method 'introspective' needs a MASK-slot adapter for this model; start "
+                "the server with --mask-adapter DIR (python -m stride.train --kind introspective "
+                "trains one)"
+            )
         return {"method": method, **self.causal[method].validate(params, options)}
 
     def model_group(self, seq: Sequence) -> ModelGroup | None:

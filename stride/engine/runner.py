@@ -13,6 +13,10 @@ path: each of their tokens becomes one row of a decode step replayed as a CUDA g
 masked branches) runs eagerly beside them. Both write disjoint KV slots, so the split is
 invisible to callers.
 
+A span may hold MASK slots (`adapter.MASK_TOKEN`, the `introspective` refine method): with a
+`MaskAdapter` attached, a pass that has any runs the module forward with the adapter gated to
+their rows (never the graphs or the fused kernels, which know nothing of it).
+
 A sequence whose `features` list is set (an EAGLE-drafted one) also gets, for every token this
 pass scores, the residual stream after the layers `capture_features` named, appended to that
 list as one [tokens, width] tensor per pass: the draft head reads them without extra passes.
@@ -20,12 +24,14 @@ list as one [tokens, width] tensor per pass: the draft head reads them without e
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from stride.engine import fused
+from stride.engine.adapter import MASK_TOKEN, MaskAdapter
 from stride.engine.attention import AttentionMetadata
 from stride.engine.cuda_graphs import DecodeGraphs
 from stride.engine.kernels.decode_attention import decode_kernel_supported
@@ -94,6 +100,7 @@ class ModelRunner:
         if fused_kernels and fused.supported(model, device):
             self.forward_fn = fused.FusedForward(model)
         self.aux_layers: tuple[int, ...] = ()  # see `capture_features`
+        self.adapter: MaskAdapter | None = None  # see `attach_adapter`
         k = cache.k
         self._kv_bytes_per_token = 2 * k.shape[0] * k[0, 0].numel() * k.element_size()
         self.graphs: DecodeGraphs | None = None
@@ -116,6 +123,10 @@ class ModelRunner:
             self.graphs = DecodeGraphs(
                 self.model, self.forward_fn, self.cache, *self._graph_args, aux=self.aux_layers
             )
+
+    def attach_adapter(self, adapter: MaskAdapter) -> None:
+        """From now on, MASK slots in spans run `adapter` (on their rows only)."""
+        self.adapter = adapter.attach(self.model)
 
     @torch.inference_mode()
     def forward(self, spans: list[Span], num_layers: int | None = None) -> list[torch.Tensor]:
@@ -198,6 +209,7 @@ class ModelRunner:
             and n <= MAX_GRAPH_QUERY
             and n * context * self._kv_bytes_per_token <= GRAPH_KV_READ
             and len(c.seq.block_table) <= self.graphs.max_blocks
+            and MASK_TOKEN not in c.token_ids
         )
 
     def _forward_eager(
@@ -207,11 +219,18 @@ class ModelRunner:
         meta, packed, positions, rows = prepare(spans, self.cache.block_size, self.device)
         tokens = packed if tokens is None else tokens
         kv = (self.cache.k, self.cache.v)
-        if num_layers is None and self._wants_features(spans):
-            hidden, aux = self.forward_fn(tokens, positions, kv, meta, aux=self.aux_layers)
-            _hand_out(spans, range(len(spans)), aux)
-        else:
-            hidden = self.forward_fn(tokens, positions, kv, meta, num_layers)
+        masked = _mask_rows(spans) if self.adapter is not None else []
+        forward_fn, gate = self.forward_fn, contextlib.nullcontext()
+        if masked:  # the slots' embedding comes from the adapter: any id will do for the lookup
+            tokens = tokens.clamp(min=0)
+            forward_fn = self.model
+            gate = self.adapter.on_rows(torch.tensor(masked).to(self.device, non_blocking=True))
+        with gate:
+            if num_layers is None and self._wants_features(spans):
+                hidden, aux = forward_fn(tokens, positions, kv, meta, aux=self.aux_layers)
+                _hand_out(spans, range(len(spans)), aux)
+            else:
+                hidden = forward_fn(tokens, positions, kv, meta, num_layers)
         logits = self.model.logits(hidden[rows])
         return list(logits.split([c.num_logits for c in spans]))
 
@@ -247,6 +266,17 @@ class ModelRunner:
             c = spans[i]
             offset += len(c.token_ids)
             out[i] = logits[offset - c.num_logits : offset]
+
+
+def _mask_rows(spans: list[Span]) -> list[int]:
+    """The packed rows of the spans' MASK slots."""
+    out: list[int] = []
+    offset = 0
+    for c in spans:
+        if MASK_TOKEN in c.token_ids:
+            out.extend(offset + i for i, t in enumerate(c.token_ids) if t == MASK_TOKEN)
+        offset += len(c.token_ids)
+    return out
 
 
 def _hand_out(spans: list[Span], which, aux: torch.Tensor) -> None:

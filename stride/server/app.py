@@ -29,7 +29,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from stride import drafts
+from stride import adapters, drafts
 from stride.decoders.base import DecodersConfig
 from stride.engine.engine import EngineConfig
 from stride.engine.loader import served_name
@@ -274,6 +274,7 @@ def create_app(config: ServerConfig | None = None) -> FastAPI:
         diffusion=decoders.diffusion_model is not None,
         spec_tokens=decoders.num_speculative_tokens,
         eagle=head is not None,
+        introspective=adapters.pick(decoders.mask_adapter, name) is not None,
     )
     tracing = None
     if config.otlp_traces_endpoint and not disabled():

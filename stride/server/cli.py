@@ -274,6 +274,8 @@ def build_parser() -> argparse.ArgumentParser:
     _flag(d, "num-speculative-tokens", "speculative decoding's default K", 4, int)
     _flag(d, "diffusion-model", "a masked diffusion LM for the refine decoder", type=model_path,
           shown="none")  # fmt: skip
+    _flag(d, "mask-adapter", "a MASK-slot adapter directory for refine method introspective",
+          type=model_path, shown="the adapter shipped for the served model, if any")  # fmt: skip
 
     h = p.add_argument_group("http")
     _flag(h, "host", "address to listen on", "127.0.0.1")
@@ -331,6 +333,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
             draft_head=spec.get("draft_head"),
             num_speculative_tokens=spec.get("num_speculative_tokens", args.num_speculative_tokens),
             diffusion_model=args.diffusion_model,
+            mask_adapter=args.mask_adapter,
             trust_remote_code=args.trust_remote_code,
         ),
         api_key=args.api_key,

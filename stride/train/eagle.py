@@ -16,38 +16,27 @@ of greedy chain drafting on held-out answers (`chain_acceptance`).
 
 from __future__ import annotations
 
-import logging
 import math
-import random
-import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from tqdm import tqdm
 
 from stride.engine.eagle import EagleConfig, EagleHead, load_head, save_head
 from stride.engine.model import rotate
 from stride.train.data import Sample
-
-log = logging.getLogger(__name__)
+from stride.train.loop import LoopConfig, autocast, fit, pad, tokens_per_pass
 
 STEP_WEIGHT = 0.8  # loss weight decay per TTT step, as in EAGLE-3
 
 
 @dataclass
-class TrainConfig:
+class TrainConfig(LoopConfig):
     depth: int = 5  # TTT steps: chained drafts trained per position
-    lr: float = 5e-4
-    warmup: int = 100
-    batch_tokens: int = 16384  # padded tokens per optimizer step
-    seconds: float = 300.0  # training time budget
-    max_steps: int | None = None
     regress: float = 0.1  # weight of the feature regression
     holdout: int = 64  # greedy samples kept out for measuring acceptance
-    seed: int = 0
 
 
 def choose_draft_vocab(
@@ -143,37 +132,6 @@ def _ttt_attention(q, cache, allowed) -> torch.Tensor:
     return out.transpose(1, 2)
 
 
-def batches(samples: list[Sample], batch_tokens: int, rng: random.Random) -> list[list[Sample]]:
-    """Samples of similar length together, at most `batch_tokens` padded tokens per batch."""
-    order = sorted(samples, key=lambda s: len(s.token_ids))
-    out, current, longest = [], [], 0
-    for s in order:
-        longest_if = max(longest, len(s.token_ids))
-        if current and longest_if * (len(current) + 1) > batch_tokens:
-            out.append(current)
-            current, longest_if = [], len(s.token_ids)
-        current.append(s)
-        longest = longest_if
-    if current:
-        out.append(current)
-    rng.shuffle(out)
-    return out
-
-
-def pad(samples: list[Sample], device: torch.device):
-    """(ids [B, T], valid [B, T], answer [B, T]: the position holds an answer token)."""
-    t = max(len(s.token_ids) for s in samples)
-    ids = torch.zeros(len(samples), t, dtype=torch.long)
-    valid = torch.zeros(len(samples), t, dtype=torch.bool)
-    answer = torch.zeros(len(samples), t, dtype=torch.bool)
-    for i, s in enumerate(samples):
-        n = len(s.token_ids)
-        ids[i, :n] = torch.tensor(s.token_ids)
-        valid[i, :n] = True
-        answer[i, s.num_prompt : n] = True
-    return ids.to(device), valid.to(device), answer.to(device)
-
-
 def step_losses(head: EagleHead, target: Target, samples: list[Sample], depth: int, regress: float):
     """Per-step (loss, top-1 agreement with the target) of one batch; the loss is weighted."""
     device = head.d2t.device
@@ -207,9 +165,8 @@ def step_losses(head: EagleHead, target: Target, samples: list[Sample], depth: i
 def chain_acceptance(head: EagleHead, target: Target, samples: list[Sample], k: int) -> float:
     """Mean tokens per verification pass of greedy chain drafting with k drafts.
 
-    For greedy answers, drafting from origin t (the last position with target features; token
-    t+1 known) accepts the leading drafts that equal tokens t+2.. and commits them plus one
-    token; the next origin is t+1+accepted. The unrolled forward gives every origin's drafts.
+    Origin t is the last position with target features (`loop.tokens_per_pass`); the unrolled
+    forward gives every origin's drafts.
     """
     device = head.d2t.device
     draft_ids = head.draft_ids
@@ -222,17 +179,8 @@ def chain_acceptance(head: EagleHead, target: Target, samples: list[Sample], k: 
         preds = torch.stack([draft_ids[head.logits(g).argmax(-1)] for g in outs])  # [k, B, T]
         preds = preds.cpu().tolist()
         for b, s in enumerate(group):
-            n = len(s.token_ids)
-            t = s.num_prompt - 1  # the prefill made token t+1
-            while t + 2 < n:
-                accepted = 0
-                while accepted < k and t + 2 + accepted < n:
-                    if preds[accepted][b][t] != s.token_ids[t + 2 + accepted]:
-                        break
-                    accepted += 1
-                passes += 1
-                committed += min(accepted + 1, n - (t + 2))
-                t += 1 + accepted
+            p, c = tokens_per_pass(s, [row[b] for row in preds], k)
+            passes, committed = passes + p, committed + c
     return committed / max(passes, 1)
 
 
@@ -245,73 +193,22 @@ def train(
     eval_samples: list[Sample] | None = None,
 ) -> dict:
     """Train `head` in place; checkpoints (head + optimizer) go to `out`, and resume from it."""
-    rng = random.Random(config.seed)
-    held = eval_samples if eval_samples is not None else []
-    train_set = samples
     device = head.d2t.device
     params = [p for p in head.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=config.lr, betas=(0.9, 0.95), weight_decay=0.0)
-    state_file = out / "trainer_state.pt"
-    step = 0
-    if state_file.exists():
-        state = torch.load(state_file, map_location=device, weights_only=True)
-        opt.load_state_dict(state["optimizer"])
-        step = state["step"]
-        log.info("resumed from %s at step %d", out, step)
-    autocast = torch.autocast("cuda", torch.bfloat16) if device.type == "cuda" else _Null()
-    start = time.monotonic()
-    history: list[dict] = []
-    bar = tqdm(desc="training", unit="step", initial=step, disable=None)
-    done = False
-    while not done:
-        for batch in batches(train_set, config.batch_tokens, rng):
-            lr = config.lr * min(1.0, (step + 1) / config.warmup)
-            if config.max_steps:
-                lr *= 0.5 * (1 + math.cos(math.pi * min(step / config.max_steps, 1.0)))
-            else:
-                lr *= 0.5 * (1 + math.cos(math.pi * min((time.monotonic() - start) /
-                                                        config.seconds, 1.0)))  # fmt: skip
-            for group in opt.param_groups:
-                group["lr"] = lr
-            with autocast:
-                loss, agree = step_losses(head, target, batch, config.depth, config.regress)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, 0.5)
-            opt.step()
-            step += 1
-            bar.update(1)
-            if step % 50 == 0:
-                top1 = "/".join(f"{a:.2f}" for a in agree)
-                bar.set_postfix(loss=f"{loss.item():.3f}", top1=top1)
-                history.append({"step": step, "loss": loss.item(), "top1": agree})
-                if step % 250 == 0:
-                    log.info("step %d, %.0f s: loss %.3f, top-1 per depth %s", step,
-                             time.monotonic() - start, loss.item(), top1)  # fmt: skip
-            elapsed = time.monotonic() - start
-            if elapsed >= config.seconds or (config.max_steps and step >= config.max_steps):
-                done = True
-                break
-    bar.close()
+
+    def loss_fn(batch: list[Sample]) -> tuple[torch.Tensor, list[float]]:
+        return step_losses(head, target, batch, config.depth, config.regress)
+
+    result = fit(params, loss_fn, samples, config, out / "trainer_state.pt", device)
     save_head(head, out)
-    torch.save({"optimizer": opt.state_dict(), "step": step}, state_file)
-    result = {"steps": step, "seconds": round(time.monotonic() - start, 1), "history": history}
-    if held:
+    if eval_samples:
         head.eval()
-        with autocast:
+        with autocast(device):
             result["chain_acceptance"] = {
-                k: round(chain_acceptance(head, target, held, k), 3) for k in (3, 4, 5, 6)
+                k: round(chain_acceptance(head, target, eval_samples, k), 3) for k in (3, 4, 5, 6)
             }
         head.train()
     return result
-
-
-class _Null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def new_head(target_model, draft_ids: torch.Tensor, num_layers: int = 1) -> EagleHead:

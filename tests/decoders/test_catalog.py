@@ -18,7 +18,9 @@ def test_strategies_offer_only_what_the_server_has():
     assert catalog.strategies(catalog.Offered()) == (
         "ar", "speculative/ngram", "speculative/early_exit", "refine/jacobi", "refine/lookahead"
     )  # fmt: skip
-    every = catalog.strategies(catalog.Offered(eagle=True, draft_model=True, diffusion=True))
+    every = catalog.strategies(
+        catalog.Offered(eagle=True, draft_model=True, diffusion=True, introspective=True)
+    )
     assert every == (
         "ar",
         *(f"speculative/{d}" for d in catalog.DRAFTS),

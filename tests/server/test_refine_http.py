@@ -1,5 +1,6 @@
-"""The refine decoder over real HTTP: diffusion on a tiny random BERT, Jacobi/lookahead on the
-tiny causal target, through the `openai` SDK against a live uvicorn server."""
+"""The refine decoder over real HTTP: diffusion on a tiny random BERT, Jacobi/lookahead and
+introspective (a random MASK-slot adapter, `--mask-adapter`) on the tiny causal target, through
+the `openai` SDK against a live uvicorn server."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import pytest
 from stride.decoders.registry import DecodersConfig
 from stride.engine.engine import EngineConfig
 from stride.server.app import ServerConfig
-from tests.helpers.models import make_diffusion_dir
+from tests.helpers.adapters import random_adapter
+from tests.helpers.models import load_hf, make_diffusion_dir
 from tests.helpers.servers import LiveServer
 
 DIFFUSION = {"type": "refine", "method": "diffusion", "block_size": 4}
@@ -18,9 +20,11 @@ DIFFUSION = {"type": "refine", "method": "diffusion", "block_size": 4}
 @pytest.fixture(scope="module")
 def server(tiny_dir, tmp_path_factory):
     bert = make_diffusion_dir(tmp_path_factory.mktemp("bert"))
+    adapter = tmp_path_factory.mktemp("adapter")
+    random_adapter(load_hf(tiny_dir)).save(adapter)
     config = ServerConfig(
         engine=EngineConfig(model=str(tiny_dir), device="cpu", kv_cache_memory=8 << 20),
-        decoders=DecodersConfig(diffusion_model=str(bert)),
+        decoders=DecodersConfig(diffusion_model=str(bert), mask_adapter=str(adapter)),
     )
     live = LiveServer(config)
     yield live
@@ -87,12 +91,26 @@ def test_jacobi_and_lookahead_match_greedy(client, model):
         assert out.usage.model_extra["decoder"]["forward_passes"] <= 16
 
 
+def test_introspective_matches_greedy_and_samples_reproducibly(client, model, server):
+    assert "refine/introspective" in server.app.state.metrics.strategies  # a label from the start
+    plain = complete(client, model, "ar", max_tokens=16).choices[0].text
+    spec = {"type": "refine", "method": "introspective", "slots": 2}
+    out = complete(client, model, spec, max_tokens=16)
+    assert out.choices[0].text == plain
+    usage = out.usage.model_extra["decoder"]
+    assert usage["forward_passes"] <= 16 and usage["draft_tokens"] > 0
+    sampled = [complete(client, model, spec, max_tokens=12, temperature=0.9, seed=5)
+               for _ in range(2)]  # fmt: skip
+    assert sampled[0].choices[0].text == sampled[1].choices[0].text
+
+
 @pytest.mark.parametrize(
     "decoder, temperature, message",
     [
         ({"type": "refine", "method": "jacobi"}, 0.8, "greedy"),
         ({"type": "refine", "method": "lookahead", "window": 99}, 0.0, "window"),
         ({**DIFFUSION, "threshold": 2}, 0.0, "threshold"),
+        ({"type": "refine", "method": "introspective", "slots": 0}, 0.0, "slots"),
     ],
 )
 def test_bad_refine_requests_are_400(client, model, decoder, temperature, message):
