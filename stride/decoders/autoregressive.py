@@ -31,7 +31,7 @@ class Autoregressive(Decoder):
         """May this sequence's next tokens come from fused decode steps (`device_sample`)?
 
         Greedy, with nothing that needs the host between two tokens: no logit bias, penalties,
-        pending min_tokens or logprobs.
+        pending min_tokens, logprobs or grammar.
         """
         return seq.params.logprobs is None and sampling.plain_greedy(sampling.Row(seq))
 

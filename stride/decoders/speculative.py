@@ -89,7 +89,7 @@ import torch
 from pydantic import Field
 
 from stride import drafts
-from stride.decoders import sampling
+from stride.decoders import grammar, sampling
 from stride.decoders.autoregressive import Autoregressive, sample_one_each
 from stride.decoders.base import (
     Burst,
@@ -613,8 +613,10 @@ class Speculative(Decoder):
                 self._choices.clear()
             for i, d in zip(idx, made, strict=True):
                 drafts[i] = d
-        for st, d in zip(states, drafts, strict=True):
-            st.drafts = {"tokens": d.tokens, "q": d.q}
+        for i, (seq, st) in enumerate(zip(seqs, states, strict=True)):
+            if seq.grammar is not None and drafts[i].tokens:
+                drafts[i] = _within_grammar(seq, st, drafts[i])
+            st.drafts = {"tokens": drafts[i].tokens, "q": drafts[i].q}
         self._drafted = any(d.tokens for d in drafts)
         self._start_timing(seqs, len(seqs) + sum(len(d.tokens) for d in drafts), self._drafted)
         return [self._proposal(s, st, d) for s, st, d in zip(seqs, states, drafts, strict=True)]
@@ -886,6 +888,23 @@ class _EagleBurst(Burst):
             )
         spec._quiet = spec._quiet_at(spec._last_batch)
         return out
+
+
+def _within_grammar(seq: Sequence, state: _State, draft: Draft) -> Draft:
+    """The draft without the tokens the sequence's grammar forbids: a chain cut at the first,
+    a tree without the nodes under one (they would be scored for nothing)."""
+    tree = state.tree
+    if tree is None:
+        n = seq.grammar.valid_prefix(draft.tokens)
+        return draft if n == len(draft.tokens) else Draft(draft.tokens[:n], _rows(draft.q, n))
+    nodes = grammar.allowed_nodes(seq.grammar, tree.tokens, tree.parents)
+    if len(nodes) < len(tree):
+        state.tree = tree.subtree(nodes) if nodes else None
+    return Draft(list(state.tree.tokens) if state.tree else [])
+
+
+def _rows(q: torch.Tensor | None, n: int) -> torch.Tensor | None:
+    return None if q is None else q[:n]
 
 
 def _paths(tree: Tree) -> list[list[int]]:

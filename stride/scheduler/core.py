@@ -37,11 +37,13 @@ from stride.decoders.base import (
     Proposal,
     StepContext,
 )
+from stride.decoders.grammar import GrammarError, Grammars
 from stride.decoders.registry import build_decoders
 from stride.engine.engine import Engine
 from stride.engine.kv_cache import OutOfBlocks
 from stride.engine.runner import Chunk, SampledTokens
 from stride.engine.sequence import Sequence, Status
+from stride.scheduler import prompt_logprobs
 from stride.scheduler.detokenizer import Detokenizer
 from stride.scheduler.outputs import (
     EngineError,
@@ -81,6 +83,7 @@ class EngineCore:
         self.config = config or SchedulerConfig()
         self.scheduler = Scheduler(self.config, engine.cache, engine.max_model_len)
         self.decoders = decoders or build_decoders(engine)
+        self.grammars = Grammars(engine.tokenizer, engine.hf_config.vocab_size, engine.eos_ids)
         self.ctx = StepContext(eos_ids=engine.eos_ids, device=engine.device, engine=engine)
         self.seqs: dict[str, Sequence] = {}
         self._detok: dict[str, Detokenizer] = {}
@@ -106,6 +109,10 @@ class EngineCore:
         self._suspects: dict[Hashable, list[set[str]]] = {}
         self._failed: list[RequestOutput] = []
         self._broken: dict[str, tuple[Exception, str]] = {}  # during scheduling
+        # Prompt logprobs: the rows of this launch's chunks that score prompt tokens (plan
+        # index -> first position, count), and after the forward their logits, until commit.
+        self._prompt_rows: dict[int, tuple[int, int]] = {}
+        self._prompt_logits: list[tuple[Sequence, int, torch.Tensor]] = []
         # Everything alive now (model, tokenizer, graphs, imported modules) lives as long as the
         # loop: keep it out of the cyclic collector, whose full passes over that heap would
         # otherwise stall a step for hundreds of ms every few dozen steps. Collect first, so that
@@ -190,11 +197,26 @@ class EngineCore:
             priority=req.priority,
             deadline=None if req.timeout is None else time.monotonic() + req.timeout,
         )
+        grouped = decoder.model_group(seq) is not None
+        if p.constraint is not None:
+            if grouped:
+                raise RequestRejected(
+                    f"structured outputs are not supported by decoder {req.decoder!r} "
+                    f"with these options ({seq.decoder_options})",
+                    code="invalid_decoder",
+                    param="decoder",
+                )
+            try:
+                seq.grammar = self.grammars.matcher(p.constraint)
+            except GrammarError as e:
+                raise RequestRejected(str(e), param="response_format") from e
+        if p.prompt_logprobs is not None:
+            seq.prompt_logprobs = [None]  # the first token has no logprob
         if p.seed is not None:
             seq.generator = torch.Generator(self.engine.device).manual_seed(p.seed)
         decoder.admit(seq)  # (what the decoder sets up on the new sequence only)
         detok = Detokenizer(self.engine.tokenizer, p.stop, p.skip_special_tokens)
-        return seq, detok, decoder.model_group(seq) is not None
+        return seq, detok, grouped
 
     def abort(self, request_id: str) -> RequestOutput | None:
         seq = self.seqs.get(request_id)
@@ -313,7 +335,11 @@ class EngineCore:
             if not plan:
                 return None
 
-        chunks = [self._chunk(item, prop) for item, prop in zip(plan, proposals, strict=True)]
+        self._prompt_rows = {}  # filled by _chunk
+        chunks = [
+            self._chunk(i, item, prop)
+            for i, (item, prop) in enumerate(zip(plan, proposals, strict=True))
+        ]
         steps = self._fused_steps_guarded(plan, by_decoder)
         if steps:
             self.last_num_tokens = len(chunks) * steps
@@ -326,6 +352,10 @@ class EngineCore:
                 log.exception("fused decode steps failed; running a plain forward instead")
         self.last_num_tokens = sum(len(c.token_ids) for c in chunks)
         logits, failed = self._forward(chunks)
+        for i, rows in self._prompt_rows.items():  # split off the rows that score prompt tokens
+            if i not in failed:
+                self._prompt_logits.append((plan[i].seq, rows[0], logits[i][: rows[1]]))
+                logits[i] = logits[i][rows[1] :]
         if failed:
             for i, error in failed.items():
                 self._fail(plan[i].seq, error, "scoring")
@@ -521,6 +551,13 @@ class EngineCore:
                         outputs.append(out)
             return
         plan, proposals, logits = launched.plan, launched.proposals, launched.logits
+        for seq, first, rows in self._prompt_logits:
+            if seq.status is not Status.FINISHED:
+                try:
+                    prompt_logprobs.record(seq, first, rows)
+                except Exception as e:
+                    self._fail(seq, e, "scoring the prompt of")
+        self._prompt_logits = []
         cache = self.engine.cache
         for item in plan:
             if not item.completes_tail and item.seq.status is not Status.FINISHED:
@@ -615,12 +652,22 @@ class EngineCore:
                     outputs.append(out)
         return outputs
 
-    def _chunk(self, item: Scheduled, prop: Proposal | None) -> Chunk:
+    def _chunk(self, index: int, item: Scheduled, prop: Proposal | None) -> Chunk:
         seq = item.seq
         start = seq.num_cached
         tail = seq.token_ids[start : start + item.num_tail]
         if seq.first_scheduled_time is None:
             seq.first_scheduled_time = time.monotonic()
+        chunk = self._decoder_chunk(seq, start, tail, prop)
+        if seq.prompt_logprobs is not None:
+            rows = prompt_logprobs.rows_wanted(seq, start, item.num_tail)
+            if rows is not None:  # they come before the decoder's rows
+                self._prompt_rows[index] = rows
+                chunk.num_logits += rows[1]
+        return chunk
+
+    @staticmethod
+    def _decoder_chunk(seq: Sequence, start: int, tail: list[int], prop: Proposal | None) -> Chunk:
         if prop is None:
             return Chunk(seq, tail, num_logits=0)
         if not prop.tokens and prop.positions is None:
@@ -656,7 +703,9 @@ class EngineCore:
 
         p, detok = seq.params, self._detok[seq.request_id]
         num_prompt = len(seq.prompt_ids)
+        first = len(token_ids) == num_prompt
         eos_ids = () if p.ignore_eos else self.ctx.eos_ids
+        grammar = seq.grammar
         reason: str | None = None
         stop_reason: str | int | None = None
         n = 0
@@ -665,7 +714,9 @@ class EngineCore:
             n += 1
             produced = len(token_ids) - num_prompt
             stop_string = detok.add(token)
-            if produced >= p.min_tokens:
+            if grammar is not None and grammar.advance(token):
+                reason = "stop"  # the grammar allows nothing more
+            elif produced >= p.min_tokens:
                 if token in p.stop_token_ids:
                     reason, stop_reason = "stop", token
                 elif token in eos_ids:
@@ -689,6 +740,8 @@ class EngineCore:
         else:  # fused decode steps: one token per pass
             seq.stats.committed_per_pass += [1] * n
         out = RequestOutput(seq.request_id, commit.tokens[:n], logprobs=commit.logprobs[:n])
+        if first and seq.prompt_logprobs is not None:
+            out.prompt_logprobs = seq.prompt_logprobs
         if reason is not None:
             return self._finish(seq, reason, out, stop_reason)
         untexted.append((out, detok))
