@@ -350,6 +350,17 @@ def _routes(app: FastAPI) -> None:
         card = s.ModelCard(id=srv.model_name, max_model_len=srv.max_model_len)
         return s.ModelList(data=[card])
 
+    @app.get("/v1/models/{model:path}", response_model=s.ModelCard, responses=ERRORS)
+    async def model(model: str, srv: Model):
+        """One model's card (the SDK's `models.retrieve`); names may hold slashes."""
+        srv.check_model(model)
+        return s.ModelCard(id=srv.model_name, max_model_len=srv.max_model_len)
+
+    @app.get("/tokenizer_info", response_model=s.TokenizerInfo, responses=ERRORS)
+    async def tokenizer_info(srv: Model):
+        """The tokenizer's settings, as vLLM's route says them (lm-eval's remote tokenizer)."""
+        return srv.tokenizer_info()
+
     @app.post(
         "/v1/completions",
         response_model=s.CompletionResponse,

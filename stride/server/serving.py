@@ -28,11 +28,12 @@ from starlette.requests import Request
 from stride.decoders.base import DecoderError
 from stride.decoders.registry import parse_spec
 from stride.decoders.sampling import TokenLogprob
-from stride.engine.sequence import SamplingParams
+from stride.engine.sequence import Constraint, SamplingParams
 from stride.metrics import Metrics
 from stride.scheduler.client import BaseClient
 from stride.scheduler.outputs import GenerateRequest, RequestOutput
 from stride.server import schemas as s
+from stride.server import structured
 from stride.server.errors import APIError, from_engine_error, from_exception
 from stride.server.streaming import (
     SSE_DONE,
@@ -42,6 +43,8 @@ from stride.server.streaming import (
     sse,
     unless_disconnected,
 )
+from stride.server.tools import AnswerParser, Call, Tools, split_answer, template_messages
+from stride.server.tools import resolve as resolve_tools
 
 
 @dataclass
@@ -51,14 +54,22 @@ class Choice:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob | None] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
     last: RequestOutput | None = None
 
     def add(self, out: RequestOutput) -> None:
         self.text += out.text
         self.token_ids += out.token_ids
         self.logprobs += out.logprobs
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
         if out.finished:
             self.last = out
+
+    def mean_logprob(self) -> float:
+        """What best_of ranks samples by: the mean log-probability of their tokens."""
+        scored = [lp.logprob for lp in self.logprobs if lp is not None]
+        return sum(scored) / len(scored) if scored else -math.inf
 
 
 def _failure(out: RequestOutput) -> APIError | None:
@@ -176,6 +187,20 @@ class Serving:
                 "n",
             )
 
+    def tokenizer_info(self) -> s.TokenizerInfo:
+        tok = self.tokenizer
+        template = tok.chat_template
+        return s.TokenizerInfo(
+            tokenizer_class=type(tok).__name__,
+            model_max_length=self.max_model_len,
+            vocab_size=self.vocab_size,
+            bos_token=tok.bos_token,
+            eos_token=tok.eos_token,
+            pad_token=tok.pad_token,
+            unk_token=tok.unk_token,
+            chat_template=template if isinstance(template, str) else None,
+        )
+
     def decode(self, ids: list[int]) -> str:
         return self._backend.decode(ids, skip_special_tokens=False)
 
@@ -192,27 +217,37 @@ class Serving:
                 "invalid_request", f"token ids must lie in [0, {self.vocab_size})", param
             )
 
-    def render_chat(self, messages: list[s.ChatMessage]) -> str:
-        """The chat template applied to `messages` (special tokens are part of the text)."""
-        plain = [{"role": m.role, "content": _content(m.content)} for m in messages]
+    def render_chat(self, messages: list[s.ChatMessage], tools: Tools | None = None) -> str:
+        """The chat template applied to `messages`, with the tools on offer (special tokens
+        are part of the text)."""
+        template = self.tokenizer.chat_template
+        source = template if isinstance(template, str) else str(template)
+        plain = template_messages(messages, tools, source)
+        offered = tools.template_tools() if tools is not None and "tools" in source else None
         try:
             return self.tokenizer.apply_chat_template(
-                plain, add_generation_prompt=True, tokenize=False
+                plain, tools=offered, add_generation_prompt=True, tokenize=False
             )
         except Exception as e:
             raise APIError("invalid_request", f"chat template failed: {e}", "messages") from e
 
-    def chat_prompt(self, messages: list[s.ChatMessage]) -> list[int]:
+    def chat_prompt(self, messages: list[s.ChatMessage], tools: Tools | None = None) -> list[int]:
         """The token ids of a chat's prompt, refusing one too long for the context early."""
         size = sum(len(_content(m.content)) for m in messages)
         if size > self._max_text:
             raise self._too_long(f"{size} characters", "messages")
-        return self.encode_prompt(self.render_chat(messages), special=False, param="messages")
+        text = self.render_chat(messages, tools)
+        return self.encode_prompt(text, special=False, param="messages")
 
     # ---- requests -------------------------------------------------------------------------------
 
     def sampling(
-        self, body: s.SamplingFields, max_tokens: int, logprobs: int | None
+        self,
+        body: s.SamplingFields,
+        max_tokens: int,
+        logprobs: int | None,
+        constraint: Constraint | None = None,
+        prompt_logprobs: int | None = None,
     ) -> SamplingParams:
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         stop_ids = list(body.stop_token_ids or [])
@@ -246,7 +281,9 @@ class Serving:
             stop=stop,
             stop_token_ids=stop_ids,
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
             skip_special_tokens=body.skip_special_tokens,
+            constraint=constraint,
         )
 
     def default_max_tokens(self, prompts: list[list[int]]) -> int:
@@ -260,6 +297,7 @@ class Serving:
         prompts: list[list[int]],
         params: SamplingParams,
         rid: str,
+        samples: int | None = None,
     ) -> Generation:
         try:
             decoder, options = parse_spec(body.decoder, self.default_decoder)
@@ -280,7 +318,8 @@ class Serving:
         deadline = None
         if body.timeout is not None:  # from the request's arrival (the app notes it)
             deadline = getattr(request.state, "arrival", time.monotonic()) + body.timeout
-        return Generation(self.client, requests, body.n, self.metrics, deadline)
+        samples = samples or body.n
+        return Generation(self.client, requests, samples, self.metrics, deadline)
 
     async def _started(self, request: Request, gen: Generation) -> None:
         try:
@@ -294,16 +333,23 @@ class Serving:
 
     async def completions(self, request: Request, body: s.CompletionRequest):
         self.check_model(body.model)
-        self.check_sequences(_num_prompts(body.prompt) * body.n)
+        if body.suffix is not None:
+            why = "suffix (fill-in-the-middle) is not supported"
+            raise APIError("invalid_request", why, "suffix")
+        samples = _best_of(body)
+        self.check_sequences(_num_prompts(body.prompt) * samples)
+        constraint = structured.constraint_of(body)
         prompts, texts = await off_loop(lambda: self._prompts(body.prompt), _size(body.prompt))
         max_tokens = body.max_tokens or self.default_max_tokens(prompts)
         self.check_context(prompts, max_tokens)
-        params = self.sampling(body, max_tokens, body.logprobs)
+        logprobs = body.logprobs if samples == body.n else max(body.logprobs or 0, 0)
+        prompt_k = _prompt_logprobs(body.logprobs if body.echo else None, body.prompt_logprobs)
+        params = self.sampling(body, max_tokens, logprobs, constraint, prompt_k)
         rid = f"cmpl-{uuid.uuid4().hex}"
-        gen = self.generation(request, body, prompts, params, rid)
+        gen = self.generation(request, body, prompts, params, rid, samples)
         await self._started(request, gen)
         echo = [texts[i] if body.echo else "" for i in range(len(prompts))]
-        view = _CompletionView(self, body, rid, prompts, echo)
+        view = _CompletionView(self, body, rid, prompts, echo, samples)
         if body.stream:
             return _sse(view.stream(gen))
         return await unless_disconnected(request, view.collect(gen))
@@ -329,19 +375,27 @@ class Serving:
 
     async def chat(self, request: Request, body: s.ChatCompletionRequest):
         self.check_model(body.model)
+        _check_modalities(body)
         self.check_sequences(body.n)
+        tools = resolve_tools(body)
+        constraint = structured.constraint_of(body)
+        if tools is not None and tools.constraint() is not None:
+            if constraint is not None:
+                why = "a required or named tool call cannot also follow another output constraint"
+                raise APIError("invalid_request", why, "tool_choice")
+            constraint = structured.checked(tools.constraint(), "tools")
         size = sum(len(_content(m.content)) for m in body.messages)
-        prompt = await off_loop(lambda: self.chat_prompt(body.messages), size)
+        prompt = await off_loop(lambda: self.chat_prompt(body.messages, tools), size)
         max_tokens = (
             body.max_completion_tokens or body.max_tokens or self.default_max_tokens([prompt])
         )
         self.check_context([prompt], max_tokens)
         k = (body.top_logprobs or 0) if body.logprobs else None
-        params = self.sampling(body, max_tokens, k)
+        params = self.sampling(body, max_tokens, k, constraint, body.prompt_logprobs)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         gen = self.generation(request, body, [prompt], params, rid)
         await self._started(request, gen)
-        view = _ChatView(self, body, rid, [prompt])
+        view = _ChatView(self, body, rid, [prompt], tools=tools)
         if body.stream:
             return _sse(view.stream(gen))
         return await unless_disconnected(request, view.collect(gen))
@@ -387,6 +441,24 @@ class Serving:
             )
         return s.ChatLogprobs(content=content)
 
+    def vllm_prompt_logprobs(
+        self, prompt: list[int], lps: list[TokenLogprob | None] | None
+    ) -> list[dict[str, s.PromptLogprob] | None]:
+        """vLLM's `prompt_logprobs`: per prompt token (the first: None), the token's own
+        logprob and rank, then its alternatives', keyed by token id."""
+        out: list[dict[str, s.PromptLogprob] | None] = []
+        for token, lp in zip(prompt, lps or [None] * len(prompt), strict=True):
+            if lp is None:
+                out.append(None)
+                continue
+            entry = {str(token): s.PromptLogprob(
+                logprob=_finite(lp.logprob), rank=lp.rank, decoded_token=self.piece(token))}
+            for rank, (t, v) in enumerate(lp.top, 1):
+                entry.setdefault(str(t), s.PromptLogprob(
+                    logprob=_finite(v), rank=rank, decoded_token=self.piece(t)))
+            out.append(entry)
+        return out
+
 
 def _num_prompts(prompt: Any) -> int:
     """How many prompts a completion request's `prompt` holds (without reading them)."""
@@ -402,12 +474,40 @@ def _size(prompt: Any) -> int:
     return sum(1 if isinstance(p, int) else len(p) for p in prompt)
 
 
-def _content(content: str | list[s.TextPart] | None) -> str:
+def _content(content: str | list | None) -> str:
+    """A message's text, for sizing it (parts that are no text count nothing)."""
     if content is None:
         return ""
     if isinstance(content, str):
         return content
-    return "".join(part.text for part in content)
+    return "".join(getattr(part, "text", "") for part in content)
+
+
+def _best_of(body: s.CompletionRequest) -> int:
+    """Samples drawn per prompt: best_of (at least n), of which the n best return."""
+    if body.best_of is None or body.best_of == body.n:
+        return body.n
+    if body.best_of < body.n:
+        raise APIError("invalid_request", "best_of must be at least n", "best_of")
+    if body.stream:
+        raise APIError("invalid_request", "best_of cannot be used with stream", "best_of")
+    return body.best_of
+
+
+def _prompt_logprobs(*asked: int | None) -> int | None:
+    """The most prompt alternatives any field asks for (None: none asked)."""
+    given = [k for k in asked if k is not None]
+    return max(given) if given else None
+
+
+def _check_modalities(body: s.ChatCompletionRequest) -> None:
+    """Text in, text out: audio output or web search is a clear 400, not silently dropped."""
+    if body.modalities is not None and body.modalities != ["text"]:
+        raise APIError("invalid_request", 'modalities: only ["text"] is supported', "modalities")
+    if body.audio is not None:
+        raise APIError("invalid_request", "audio output is not supported", "audio")
+    if body.web_search_options is not None:
+        raise APIError("invalid_request", "web search is not supported", "web_search_options")
 
 
 def _sse(events: AsyncIterator[str]) -> StreamingResponse:
@@ -425,13 +525,23 @@ class _View:
     CHUNK: type  # the pydantic model of a streamed chunk
 
     def __init__(
-        self, serving: Serving, body: s.SamplingFields, rid: str, prompts: list[list[int]]
+        self,
+        serving: Serving,
+        body: s.SamplingFields,
+        rid: str,
+        prompts: list[list[int]],
+        samples: int | None = None,
     ):
         self.serving = serving
         self.body = body
         self.rid = rid
         self.prompts = prompts
-        self.choices = [Choice() for _ in range(len(prompts) * body.n)]
+        self.samples = samples or body.n  # per prompt (best_of draws more than it returns)
+        self.choices = [Choice() for _ in range(len(prompts) * self.samples)]
+        options = body.stream_options
+        self.include_usage = bool(options and options.include_usage)
+        # vLLM's continuous_usage_stats: the usage so far in every chunk
+        self.usage_always = self.include_usage and bool(options and options.continuous_usage_stats)
         self.created = int(time.time())  # every chunk carries the same, as OpenAI's do
         self._text_events: dict[int, tuple[str, str]] = {}  # choice -> around a text delta
 
@@ -452,6 +562,8 @@ class _View:
         done = [c.last for c in self.choices if c.last is not None]
         completion = sum(o.num_output_tokens for o in done)
         prompt = sum(len(p) for p in self.prompts)
+        if len(done) < len(self.choices):  # in a stream: the usage so far
+            completion = sum(len(c.token_ids) for c in self.choices)
         decoder = [o.decoder_stats for o in done]
         timings = [o.timings for o in done]
         return s.Usage(
@@ -466,7 +578,7 @@ class _View:
     def cached_tokens(self) -> int:
         """Prompt tokens read from the prefix cache, each prompt counted once (as in
         `prompt_tokens`): for the sample of it that found the fewest."""
-        n = self.body.n
+        n = self.samples
         total = 0
         for i in range(len(self.prompts)):
             samples = [c.last for c in self.choices[i * n : (i + 1) * n] if c.last is not None]
@@ -484,7 +596,7 @@ class _View:
         return self.response()
 
     async def stream(self, gen: Generation) -> AsyncIterator[str]:
-        include_usage = bool(self.body.stream_options and self.body.stream_options.include_usage)
+        include_usage = self.include_usage
         try:
             for event in self.opening():
                 yield self._chunk(event, include_usage)
@@ -511,6 +623,8 @@ class _View:
             gen.close()
 
     def _chunk(self, chunk: s.Response, include_usage: bool) -> str:
+        if self.usage_always and getattr(chunk, "usage", 0) is None:
+            chunk.usage = self.usage()
         data = chunk.model_dump_json() if include_usage else chunk.model_dump_json(exclude=_USAGE)
         return f"data: {data}\n\n"
 
@@ -518,7 +632,7 @@ class _View:
         """The SSE event of one output. Most carry only text: those are the choice's text-delta
         event, serialized once with a placeholder, with the text put in its place (the same
         bytes as serializing each chunk, at a tenth of the cost)."""
-        if not out.text or out.finished or self.wants_logprobs:
+        if not out.text or out.finished or self.wants_logprobs or self.shaped:
             chunk = self.delta(index, out)
             return None if chunk is None else self._chunk(chunk, include_usage)
         around = self._text_events.get(index)
@@ -532,20 +646,32 @@ class _View:
     def wants_logprobs(self) -> bool:
         raise NotImplementedError
 
+    @property
+    def shaped(self) -> bool:
+        """Does a text output take more than its text in its chunk (usage, tool calls, the
+        prompt)? Then every chunk is serialized whole."""
+        return self.usage_always
+
     def opening(self) -> list[s.Response]:
         return []
 
 
 class _CompletionView(_View):
     CHUNK = s.CompletionResponse  # a streamed chunk is shaped as the whole response
+    body: s.CompletionRequest
 
-    def __init__(self, serving, body: s.CompletionRequest, rid, prompts, echo: list[str]):
-        super().__init__(serving, body, rid, prompts)
+    def __init__(
+        self, serving, body: s.CompletionRequest, rid, prompts, echo: list[str], samples: int
+    ):
+        super().__init__(serving, body, rid, prompts, samples)
         self.echo = echo
         self.offsets = [0] * len(self.choices)
+        # Echoed prompts whose logprobs are asked for go out with the choice's first tokens,
+        # which bring them.
+        self.echo_later = [body.echo and body.logprobs is not None] * len(self.choices)
 
     def _prompt_of(self, index: int) -> int:
-        return index // self.body.n
+        return index // self.samples
 
     def _logprobs(self, index: int, ids: list[int], lps: list) -> s.CompletionLogprobs:
         out = self.serving.completion_logprobs(ids, lps, self.offsets[index])
@@ -555,41 +681,62 @@ class _CompletionView(_View):
 
     def response(self) -> s.CompletionResponse:
         choices = []
-        for i, c in enumerate(self.choices):
+        for i in self._returned():
+            c, prompt = self.choices[i], self.prompts[self._prompt_of(i)]
             logprobs = None
             if self.body.logprobs is not None:
                 ids, lps = c.token_ids, c.logprobs
                 if self.body.echo:
-                    prompt = self.prompts[self._prompt_of(i)]
-                    ids, lps = prompt + ids, [None] * len(prompt) + lps
+                    ids, lps = prompt + ids, self._prompt_lps(c, prompt) + lps
                 logprobs = self._logprobs(i, ids, lps)
             choices.append(
                 s.CompletionChoice(
-                    index=i,
+                    index=len(choices),
                     text=self.echo[self._prompt_of(i)] + c.text,
                     logprobs=logprobs,
                     finish_reason=c.last.finish_reason,
                     stop_reason=c.last.stop_reason,
+                    prompt_logprobs=self._vllm_prompt(c, prompt),
                 )
             )
         return self._chunk_of(choices, self.usage())
+
+    def _returned(self) -> list[int]:
+        """The choices that return, in order: all of them, or with best_of the n samples of
+        each prompt with the best mean logprob."""
+        n, samples = self.body.n, self.samples
+        if samples == n:
+            return list(range(len(self.choices)))
+        out = []
+        for start in range(0, len(self.choices), samples):
+            ranked = sorted(range(start, start + samples),
+                            key=lambda i: -self.choices[i].mean_logprob())  # fmt: skip
+            out += sorted(ranked[:n])
+        return out
+
+    @staticmethod
+    def _prompt_lps(c: Choice, prompt: list[int]) -> list[TokenLogprob | None]:
+        return c.prompt_logprobs if c.prompt_logprobs is not None else [None] * len(prompt)
+
+    def _vllm_prompt(self, c: Choice, prompt: list[int]) -> list | None:
+        if self.body.prompt_logprobs is None:
+            return None
+        return self.serving.vllm_prompt_logprobs(prompt, c.prompt_logprobs)
+
+    @property
+    def shaped(self) -> bool:
+        return self.usage_always or any(self.echo_later) or self.body.prompt_logprobs is not None
 
     @property
     def wants_logprobs(self) -> bool:
         return self.body.logprobs is not None
 
     def opening(self) -> list[s.Response]:
-        if not self.body.echo:
-            return []
+        if not self.body.echo or self.body.logprobs is not None:
+            return []  # (with logprobs: with the first tokens)
         chunks = []
         for i in range(len(self.choices)):
-            prompt = self.prompts[self._prompt_of(i)]
-            logprobs = None
-            if self.body.logprobs is not None:
-                logprobs = self._logprobs(i, prompt, [None] * len(prompt))
-            choice = s.CompletionChoice(
-                index=i, text=self.echo[self._prompt_of(i)], logprobs=logprobs
-            )
+            choice = s.CompletionChoice(index=i, text=self.echo[self._prompt_of(i)])
             chunks.append(self._chunk_of([choice]))
         return chunks
 
@@ -597,15 +744,26 @@ class _CompletionView(_View):
         wants_logprobs = self.body.logprobs is not None and out.token_ids
         if not (out.text or out.finished or wants_logprobs):
             return None
+        prompt = self.prompts[self._prompt_of(index)]
+        text, ids, lps = out.text, out.token_ids, out.logprobs
+        if self.echo_later[index]:
+            self.echo_later[index] = False
+            text = self.echo[self._prompt_of(index)] + text
+            ids = prompt + ids
+            lps = self._prompt_lps(self.choices[index], prompt) + lps
         logprobs = None
         if self.body.logprobs is not None:
-            logprobs = self._logprobs(index, out.token_ids, out.logprobs)
+            logprobs = self._logprobs(index, ids, lps)
+        vllm = None
+        if out.prompt_logprobs is not None and self.body.prompt_logprobs is not None:
+            vllm = self.serving.vllm_prompt_logprobs(prompt, out.prompt_logprobs)
         choice = s.CompletionChoice(
             index=index,
-            text=out.text,
+            text=text,
             logprobs=logprobs,
             finish_reason=out.finish_reason,
             stop_reason=out.stop_reason,
+            prompt_logprobs=vllm,
         )
         return self._chunk_of([choice])
 
@@ -617,22 +775,60 @@ class _ChatView(_View):
     CHUNK = s.ChatCompletionChunk
     body: s.ChatCompletionRequest
 
+    def __init__(self, serving, body, rid, prompts, tools: Tools | None = None):
+        super().__init__(serving, body, rid, prompts)
+        self.tools = tools
+        self.parsers = [AnswerParser(tools) for _ in self.choices] if tools is not None else []
+        self.announced: list[set[str]] = [set() for _ in self.choices]  # calls begun, by id
+
     def response(self) -> s.ChatCompletionResponse:
-        choices = [
-            s.ChatChoice(
-                index=i,
-                message=s.AssistantMessage(content=c.text),
-                logprobs=self.serving.chat_logprobs(c.logprobs) if self.body.logprobs else None,
-                finish_reason=c.last.finish_reason,
-                stop_reason=c.last.stop_reason,
+        choices = []
+        for i, c in enumerate(self.choices):
+            message, reason = self._message(c)
+            choices.append(
+                s.ChatChoice(
+                    index=i,
+                    message=message,
+                    logprobs=self.serving.chat_logprobs(c.logprobs) if self.body.logprobs else None,
+                    finish_reason=reason,
+                    stop_reason=c.last.stop_reason,
+                )
             )
-            for i, c in enumerate(self.choices)
-        ]
-        return self._envelope(s.ChatCompletionResponse, choices, self.usage())
+        response = self._envelope(s.ChatCompletionResponse, choices, self.usage())
+        if self.body.prompt_logprobs is not None:
+            first = self.choices[0].prompt_logprobs
+            response.prompt_logprobs = self.serving.vllm_prompt_logprobs(self.prompts[0], first)
+        return response
+
+    def _message(self, c: Choice) -> tuple[s.AssistantMessage, str | None]:
+        """The answer, with its tool calls parsed out (see `tools`), and its finish reason."""
+        reason = c.last.finish_reason
+        if self.tools is None:
+            return s.AssistantMessage(content=c.text), reason
+        content, calls = split_answer(c.text, self.tools)
+        if not calls:
+            return s.AssistantMessage(content=content), reason
+        reason = self._called(reason)
+        functions = [s.CalledFunction(name=k.name, arguments=k.arguments) for k in calls]
+        if self.tools.legacy:
+            return s.AssistantMessage(content=content, function_call=functions[0]), reason
+        pairs = zip(calls, functions, strict=True)
+        tool_calls = [s.CalledTool(id=k.id, function=f) for k, f in pairs]
+        return s.AssistantMessage(content=content, tool_calls=tool_calls), reason
+
+    def _called(self, reason: str | None) -> str | None:
+        """An answer that calls tools says so where it stopped of its own accord."""
+        if reason != "stop":
+            return reason
+        return "function_call" if self.tools is not None and self.tools.legacy else "tool_calls"
 
     @property
     def wants_logprobs(self) -> bool:
         return bool(self.body.logprobs)
+
+    @property
+    def shaped(self) -> bool:
+        return self.usage_always or self.tools is not None
 
     def opening(self) -> list[s.Response]:
         return [
@@ -643,17 +839,50 @@ class _ChatView(_View):
         ]
 
     def delta(self, index: int, out: RequestOutput) -> s.Response | None:
+        content, calls, reason = out.text, [], out.finish_reason
+        if self.tools is not None:
+            parser = self.parsers[index]
+            piece = parser.feed(out.text)
+            content, calls = piece.content, piece.calls
+            if out.finished:
+                rest = parser.finish()
+                content, calls = content + rest.content, calls + rest.calls
+                if parser.calls:
+                    reason = self._called(reason)
         wants_logprobs = self.body.logprobs and out.token_ids
-        if not (out.text or out.finished or wants_logprobs):
+        if not (content or calls or out.finished or wants_logprobs):
             return None
+        delta = s.Delta(content=content or None)
+        if calls:
+            self._add_calls(index, delta, calls)
         choice = s.ChatChunkChoice(
             index=index,
-            delta=s.Delta(content=out.text or None),
+            delta=delta,
             logprobs=self.serving.chat_logprobs(out.logprobs) if self.body.logprobs else None,
-            finish_reason=out.finish_reason,
+            finish_reason=reason,
             stop_reason=out.stop_reason,
         )
         return self._chunk_of([choice])
+
+    def _add_calls(self, index: int, delta: s.Delta, calls: list[Call]) -> None:
+        """Tool-call deltas as the SDK accumulates them: a call's first one carries its index,
+        id, type and name; later ones (a named call's arguments as they come) more arguments."""
+        made = self.parsers[index].calls
+        begun = self.announced[index]
+        deltas = []
+        for call in calls:
+            first = call.id not in begun
+            begun.add(call.id)
+            function = s.FunctionDelta(name=call.name if first else None, arguments=call.arguments)
+            if self.tools.legacy:
+                delta.function_call = function
+                continue
+            at = next(i for i, made_call in enumerate(made) if made_call.id == call.id)
+            deltas.append(
+                s.ToolCallDelta(index=at, id=call.id if first else None,
+                                type="function" if first else None, function=function)
+            )  # fmt: skip
+        delta.tool_calls = deltas or None
 
     def final_chunk(self) -> s.Response:
         return self._chunk_of([], self.usage())
