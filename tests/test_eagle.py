@@ -433,3 +433,18 @@ def test_device_cycles_decode_exactly_and_accept_what_chains_accept(
     tokens, _ = run(bursts, [replace(r, request_id=f"b{r.request_id}") for r in requests], late)
     assert tokens["ar"] == reference[0]
     assert all(tokens[f"b{i}"] == reference[i] for i in range(len(PROMPTS)))
+
+
+def test_a_prompt_the_prefix_cache_holds_but_its_last_token_drafts_after_its_first_pass(
+    model_dir, head_dir
+):
+    """Found in the prefix cache but for its last token, a prompt has no features before its
+    first pass: the head drafts from the second step on, and the output is AR's."""
+    core = make(model_dir, head_dir)
+    prompt = list(range(40, 72))  # two full blocks
+    first, _ = run(core, [GenerateRequest("a", prompt, greedy(12), "speculative", CHAIN)])
+    again = prompt + [first["a"][0]]  # the cached blocks, then one more token
+    tokens, stats = run(core, [GenerateRequest("b", again, greedy(12), "speculative", CHAIN)])
+    ref, _ = run(make(model_dir, None), [GenerateRequest("r", again, greedy(12))])
+    assert tokens["b"] == ref["r"]
+    assert stats["b"]["drafts"] > 0

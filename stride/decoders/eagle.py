@@ -70,8 +70,15 @@ class EagleDrafter(Drafter):
         seq.features = []
 
     def available(self, seq: Sequence, k: int) -> int:
-        """Drafts need the target's features up to the token before the last one."""
-        return k if seq.num_tokens - seq.num_cached == 1 else 0
+        """Drafts need the target's features up to the token before the last one: features
+        not yet caught up on, or a head caught up on the device. (A prompt the prefix cache
+        holds but for its last token has neither before its first pass.)"""
+        if seq.num_tokens - seq.num_cached != 1:
+            return 0
+        if seq.features:
+            return k
+        cur = self._cursors.get(seq.request_id)
+        return k if cur is not None and cur.root is not None and cur.done == seq.num_cached else 0
 
     # ---- drafting ---------------------------------------------------------------------------
 
