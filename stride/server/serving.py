@@ -661,7 +661,7 @@ class _CompletionView(_View):
     body: s.CompletionRequest
 
     def __init__(
-        self, serving, body: s.CompletionRequest, rid, prompts, echo: list[str], samples: int
+        self, serving, body: s.CompletionRequest, rid, prompts, echo: list[str], samples=None
     ):
         super().__init__(serving, body, rid, prompts, samples)
         self.echo = echo
