@@ -66,3 +66,14 @@ def default_hf(default_engine):
     return AutoModelForCausalLM.from_pretrained(
         path, **transformers_kwargs(path), dtype=torch.float32
     )
+
+
+@pytest.fixture(scope="session")
+def default_server():
+    """A live server of the default model on loopback, shared by the modules that use one."""
+    from stride.server.app import ServerConfig
+    from tests.server_harness import LiveServer
+
+    live = LiveServer(ServerConfig(engine=EngineConfig(device="cpu", kv_cache_memory=256 << 20)))
+    yield live
+    live.stop()

@@ -20,8 +20,6 @@ import openai
 import pytest
 from openai.lib._pydantic import to_strict_json_schema
 
-from stride.engine.engine import EngineConfig
-from stride.server.app import ServerConfig
 from tests.server_harness import LiveServer
 from tests.structured_schemas import SCHEMAS
 
@@ -36,11 +34,8 @@ MAX_TOKENS = 200
 
 
 @pytest.fixture(scope="module")
-def server():
-    engine = EngineConfig(device="cpu", kv_cache_memory=256 << 20)
-    live = LiveServer(ServerConfig(engine=engine))
-    yield live
-    live.stop()
+def server(default_server) -> LiveServer:
+    return default_server
 
 
 @pytest.fixture(scope="module")

@@ -45,6 +45,7 @@ from stride.server.auth import APIKeyMiddleware
 from stride.server.errors import APIError
 from stride.server.serving import Serving, off_loop
 from stride.server.streaming import ClientGone
+from stride.server.tools import Tools
 
 log = logging.getLogger(__name__)
 
@@ -390,7 +391,12 @@ def _routes(app: FastAPI) -> None:
         else:
             messages = body.messages
             size = sum(len(str(m.content or "")) for m in messages)
-            ids = await off_loop(lambda: srv.encode(srv.render_chat(messages), special=False), size)
+            tools = None
+            if body.tools:  # as a chat request with these tools would show them
+                functions = [t.function for t in body.tools]
+                tools = Tools(functions, "auto")
+            text = await off_loop(lambda: srv.render_chat(messages, tools), size)
+            ids = await off_loop(lambda: srv.encode(text, special=False), len(text))
         return s.TokenizeResponse(tokens=ids, count=len(ids), max_model_len=srv.max_model_len)
 
     @app.post("/detokenize", response_model=s.DetokenizeResponse, responses=ERRORS)

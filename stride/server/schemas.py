@@ -322,6 +322,7 @@ class TokenizeRequest(Request):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[FunctionTool] | None = Field(None, description="with messages: shown as chat")
     add_special_tokens: bool = True
 
 
