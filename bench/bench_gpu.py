@@ -30,7 +30,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from stride.engine import engine as engine_mod  # noqa: E402
 from stride.engine import loader  # noqa: E402
 from stride.engine.cuda_graphs import DecodeGraphs  # noqa: E402
 from stride.engine.engine import Engine, EngineConfig  # noqa: E402
@@ -145,24 +144,17 @@ def stride_engine(state: dict, config, tokenizer) -> Engine:
     """Stride's engine over the very tensors of `state` (no copy); `state` is emptied, so that
     the engine alone owns them and can concatenate its fused weights without doubling memory."""
 
-    def load(model, device, dtype, name):
-        with torch.device("meta"):
-            net = CausalLM(config)
-        net.load_state_dict(state, strict=False, assign=True)
-        state.clear()
-        if config.tie_word_embeddings:
-            net.lm_head.weight = net.model.embed_tokens.weight
-        net.rotary = loader._rotary(config, device)
-        return loader.LoadedModel("random", Path(tempfile.mkdtemp()), config, tokenizer, net.eval())
-
-    original, engine_mod.loader.load = engine_mod.loader.load, load
-    try:
-        config_ = EngineConfig(
-            model="random", device=ARGS.device, dtype=str(DTYPE[ARGS.device])[6:]
-        )
-        return Engine(config_)
-    finally:
-        engine_mod.loader.load = original
+    with torch.device("meta"):
+        net = CausalLM(config)
+    net.load_state_dict(state, strict=False, assign=True)
+    state.clear()
+    if config.tie_word_embeddings:
+        net.lm_head.weight = net.model.embed_tokens.weight
+    net.rotary = loader.rotary_embedding(config, torch.device(ARGS.device))
+    path = Path(tempfile.mkdtemp())
+    loaded = loader.LoadedModel("random", path, config, tokenizer, net.eval())
+    config_ = EngineConfig(model="random", device=ARGS.device, dtype=str(DTYPE[ARGS.device])[6:])
+    return Engine(config_, loaded)
 
 
 def weight_bytes(model: torch.nn.Module) -> tuple[int, int]:
@@ -245,13 +237,14 @@ def bench_stride(core: EngineCore, vocab: int, shape: str, bytes_read: int, bw: 
     run_core(core, prompts(4, vocab, seed=2), new=16)  # warm-up
     b1 = run_core(core, prompts(1, vocab))
     record(f"{shape}/stride/batch1_tok_s", round(b1["decode_tok_s"], 1))
-    chain, core.chain_fused = core.chain_fused, False  # ablation: a sync between bursts
+    executor = core.executor
+    chain, executor.chain = executor.chain, False  # ablation: a sync between bursts
     unchained = run_core(core, prompts(1, vocab))["decode_tok_s"]
     record(f"{shape}/stride_unchained/batch1_tok_s", round(unchained, 1))
-    fused, core.fused_decode_steps = core.fused_decode_steps, 1  # ablation: a sync every token
+    steps, executor.burst_steps = executor.burst_steps, 1  # ablation: a sync every token
     single = run_core(core, prompts(1, vocab))["decode_tok_s"]
     record(f"{shape}/stride_no_fused_steps/batch1_tok_s", round(single, 1))
-    core.fused_decode_steps, core.chain_fused = fused, chain
+    executor.burst_steps, executor.chain = steps, chain
     for name, rate in bw.items():
         record(
             f"{shape}/stride/batch1_roofline_{name}",
@@ -302,12 +295,12 @@ def bench_stride(core: EngineCore, vocab: int, shape: str, bytes_read: int, bw: 
 
 def replay_ms(runner: ModelRunner, batch: int) -> float:
     """GPU time of one decode step (graph replay alone): the step time minus this is host time."""
-    graph = runner.graphs._graphs[batch, False]
+    graphs = runner.graphs
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    graph.replay()
+    graphs.replay(batch)
     start.record()
     for _ in range(50):
-        graph.replay()
+        graphs.replay(batch)
     end.record()
     end.synchronize()
     return start.elapsed_time(end) / 50

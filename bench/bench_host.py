@@ -16,7 +16,7 @@ told otherwise, so that it weighs drafting as it would on the GPU; with the repl
 whatever a speculative step costs beyond an `ar` step is the decoder's own host work.
 
 How each decode step's forward was launched tells how much of that host work a GPU would
-overlap: "chained" bursts (`EngineCore._chain`) were queued before the burst they continue was
+overlap: "chained" bursts (`Executor.follow`) were queued before the burst they continue was
 committed, fed its last tokens on the device ("picked": minus the rows of finished sequences),
 so the host's sync, commit, schedule and pack all overlap the device; "launched ahead" forwards
 were started before the previous step's text was decoded (only that overlaps); the rest leave
@@ -43,13 +43,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from stride.decoders.registry import build_decoders  # noqa: E402
 from stride.decoders.speculative import Speculative  # noqa: E402
-from stride.engine.cuda_graphs import _TABLE, DecodeGraphs  # noqa: E402
+from stride.engine.cuda_graphs import TABLE, DecodeGraphs  # noqa: E402
 from stride.engine.engine import Engine, EngineConfig  # noqa: E402
 from stride.engine.runner import MAX_GRAPH_QUERY  # noqa: E402
 from stride.engine.sequence import SamplingParams  # noqa: E402
 from stride.scheduler.core import EngineCore  # noqa: E402
 from stride.scheduler.outputs import GenerateRequest  # noqa: E402
-from tests.tiny import make_model_dir  # noqa: E402
+from tests.helpers.models import make_model_dir  # noqa: E402
 
 MAX_FUSED_STEPS = 16
 
@@ -61,7 +61,7 @@ class HostGraphs(DecodeGraphs):
         self.cache = cache
         self.max_blocks = max_blocks
         self.buckets = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b <= max_batch]
-        width = _TABLE + max_blocks
+        width = TABLE + max_blocks
         self._host = torch.zeros(max_batch, width, dtype=torch.int32)
         self._host_np = self._host.numpy()
         self._inputs = torch.zeros(max_batch, width, dtype=torch.int32)
@@ -71,7 +71,7 @@ class HostGraphs(DecodeGraphs):
         steps = torch.zeros(MAX_FUSED_STEPS * max_batch, width, dtype=torch.int32)
         self._steps_host, self._steps_inputs = steps, steps.clone()
         self._copied = _NoEvent()
-        self._graphs = {b: _NoGraph() for b in self.buckets}
+        self._graphs = {(b, False): _NoGraph() for b in self.buckets}
 
 
 class _NoEvent:
@@ -145,13 +145,13 @@ def run(args: argparse.Namespace, decoder: str) -> dict[str, Any]:
 def count_launch_ahead(core: EngineCore) -> Counter:
     """Count the core's launch-ahead answers: on a GPU an unoverlapped step waits for the host."""
     answers: Counter = Counter()
-    decide = core._may_launch_ahead
+    decide = core.executor.may_launch_ahead
 
-    def counted() -> bool:
-        answers[ok := decide()] += 1
+    def counted(*args) -> bool:
+        answers[ok := decide(*args)] += 1
         return ok
 
-    core._may_launch_ahead = counted
+    core.executor.may_launch_ahead = counted
     return answers
 
 

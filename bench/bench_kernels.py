@@ -1,9 +1,9 @@
 """The decode step's own kernels on one GPU, each timed inside a CUDA graph as the engine runs them.
 
 For the real shapes of the default model (SmolLM2-135M) and an 8B Llama:
-  - the one-row GEMV of `stride.engine.fused` (RMSNorm / SiLU*up / residual add folded in) with
-    the tile shape the engine picks, against a sweep of tile shapes and against cuBLAS plus the
-    separate norm and SiLU kernels it replaces; bandwidth = weight bytes / time;
+  - the one-row GEMV of `stride.engine.kernels.layer` (RMSNorm / SiLU*up / residual add folded
+    in) with the tile shape the engine picks, against a sweep of tile shapes and against cuBLAS
+    plus the separate norm and SiLU kernels it replaces; bandwidth = weight bytes / time;
   - paged decode attention with the engine's launch shape against a sweep of (splits, tokens per
     tile, warps), at batch 1 / 16 / 64 and contexts 256 / 1024 / 4096.
 Each number is the mean of 20 back-to-back launches captured in one graph, replayed 10 times;
@@ -25,7 +25,9 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from stride.engine import attention, fused  # noqa: E402
+from stride.engine.attention import DecodeMetadata  # noqa: E402
+from stride.engine.kernels import decode_attention as attention  # noqa: E402
+from stride.engine.kernels import layer  # noqa: E402
 from stride.engine.model import RMSNorm  # noqa: E402
 
 DEV = torch.device("cuda")
@@ -80,8 +82,8 @@ def bench_gemv(name: str, n: int, k: int, silu: bool) -> dict:
         kwargs = dict(norm=norm, silu_mul=silu)
 
         def cublas(i):
-            y = F.linear(fused.rms_norm(x, norm, None), ws[i % copies])
-            return fused.silu_and_mul(y) if silu else y
+            y = F.linear(layer.rms_norm(x, norm, None), ws[i % copies])
+            return layer.silu_and_mul(y) if silu else y
     else:
         kwargs = dict(add_to=residual)
 
@@ -89,13 +91,13 @@ def bench_gemv(name: str, n: int, k: int, silu: bool) -> dict:
             return residual.add_(F.linear(x, ws[i % copies]))
 
     gigabytes = ws[0].numel() * ws[0].element_size() / 1e9
-    result = {"shipped_us": graph_us(lambda i: fused.gemv(x, ws[i % copies], **kwargs))}
+    result = {"shipped_us": graph_us(lambda i: layer.gemv(x, ws[i % copies], **kwargs))}
     result["cublas_and_separate_kernels_us"] = graph_us(cublas)
     sweep = {}
     for bn, bk, warps, stages in TILES:
         tile = dict(BN=bn, BK=bk, num_warps=warps, num_stages=stages)
         key = f"BN{bn}/BK{bk}/w{warps}/s{stages}"
-        us = graph_us(lambda i, tile=tile: fused.gemv(x, ws[i % copies], **kwargs, tile=tile))
+        us = graph_us(lambda i, tile=tile: layer.gemv(x, ws[i % copies], **kwargs, tile=tile))
         sweep[key] = round(us, 2)
     best = min(sweep, key=sweep.get)
     result.update(best_tile=best, best_us=sweep[best], sweep_us=sweep)
@@ -111,7 +113,7 @@ def bench_attention(heads: int, kv_heads: int, dim: int, context: int, batch: in
                           dtype=torch.bfloat16)  # fmt: skip
     v_cache = torch.randn_like(k_cache)
     tables = (torch.arange(batch * per_seq, device=DEV, dtype=torch.int32) + 1).view(batch, -1)
-    meta = attention.DecodeMetadata(
+    meta = DecodeMetadata(
         slot_mapping=torch.zeros(batch, dtype=torch.long, device=DEV),
         block_tables=tables,
         context_lens=torch.full((batch,), context, device=DEV, dtype=torch.int32),

@@ -40,7 +40,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench_gpu import llama_config, word_tokenizer  # noqa: E402
 
-from stride.engine import engine as engine_mod  # noqa: E402
 from stride.engine import loader  # noqa: E402
 from stride.engine.engine import Engine, EngineConfig  # noqa: E402
 from stride.engine.model import CausalLM  # noqa: E402
@@ -76,29 +75,22 @@ def random_engine(shape: str) -> Engine:
     config = llama_config(shape)
     dtype = getattr(torch, dtype_name())
     device = torch.device(ARGS.device)
-
-    def load(model, dev, dt, name) -> loader.LoadedModel:
-        with torch.device("meta"):
-            net = CausalLM(config)
-        net = net.to(dtype).to_empty(device=device)
-        torch.manual_seed(0)
-        with torch.no_grad():
-            for pname, p in net.named_parameters():
-                if "norm" in pname:
-                    p.fill_(1.0)
-                else:
-                    p.normal_(0.0, 0.02)
-        if config.tie_word_embeddings:
-            net.lm_head.weight = net.model.embed_tokens.weight
-        net.rotary = loader._rotary(config, device)
-        tokenizer = word_tokenizer(config.vocab_size)
-        return loader.LoadedModel(shape, Path(tempfile.mkdtemp()), config, tokenizer, net.eval())
-
-    original, engine_mod.loader.load = engine_mod.loader.load, load
-    try:
-        return Engine(EngineConfig(model=shape, device=ARGS.device, dtype=dtype_name()))
-    finally:
-        engine_mod.loader.load = original
+    with torch.device("meta"):
+        net = CausalLM(config)
+    net = net.to(dtype).to_empty(device=device)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for pname, p in net.named_parameters():
+            if "norm" in pname:
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02)
+    if config.tie_word_embeddings:
+        net.lm_head.weight = net.model.embed_tokens.weight
+    net.rotary = loader.rotary_embedding(config, device)
+    tokenizer = word_tokenizer(config.vocab_size)
+    loaded = loader.LoadedModel(shape, Path(tempfile.mkdtemp()), config, tokenizer, net.eval())
+    return Engine(EngineConfig(model=shape, device=ARGS.device, dtype=dtype_name()), loaded)
 
 
 # ---- driving the engine -------------------------------------------------------------------------

@@ -172,6 +172,7 @@ def _write_summary(environment, **_: Any) -> None:
             "host": environment.host,
             "steps": [w.__dict__ for w in shape.windows],
             "decoders": summary,
+            "requests": [r.to_dict() for r in _records],  # raw, for the timeline picture
         }
         Path(options.summary_out).write_text(json.dumps(result, indent=1))
 
@@ -255,6 +256,7 @@ class StrideUser(HttpUser):
         record.ok = True
         record.e2e, record.ttft, record.tpot = timing.e2e, timing.ttft, timing.tpot
         record.chunk_gaps, record.output_tokens = timing.chunk_gaps, timing.output_tokens
+        record.server_timings = timing.server_timings
         _records.append(record)
         self._fire(record)
 

@@ -25,6 +25,7 @@ class RequestRecord:
     tpot: float | None = None
     output_tokens: int = 0
     error: str | None = None
+    server_timings: dict[str, float] | None = None  # the server's queue, ttft and e2e, if told
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -25,6 +25,9 @@ class StreamTiming:
     e2e: float = 0.0  # until the stream ended ([DONE])
     output_tokens: int = 0  # from the final usage chunk, else the number of text chunks
     finish_reason: str | None = None
+    # The server's own account (Stride's usage.timings: queue, ttft, e2e in seconds from its
+    # arrival), when the final usage chunk carries one.
+    server_timings: dict[str, float] | None = None
 
     @property
     def tpot(self) -> float | None:
@@ -78,6 +81,8 @@ def time_stream(
             raise StreamError(message)
         if event.get("usage"):
             usage_tokens = event["usage"].get("completion_tokens")
+            if isinstance(event["usage"].get("timings"), dict):
+                timing.server_timings = event["usage"]["timings"]
         for choice in event.get("choices") or []:
             if choice.get("finish_reason"):
                 timing.finish_reason = choice["finish_reason"]

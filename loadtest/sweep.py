@@ -4,6 +4,8 @@
         --concurrency 1,2,4,8,16 --hold 20 --max-tokens 128 --out results/
 
 Each decoder gets its own run (same steps, prompts and seed), so curves compare like with like.
+`gantt.png` draws the requests of one step (`--gantt-step`, by default the busiest) over time,
+coloured by phase, from the per-request timings the server returns (Stride's `usage.timings`).
 Progress is printed as steps start; Locust's full output goes to `OUT/locust-DECODER.log`.
 Environment variables reach the Locust runs, e.g. STRIDE_LT_API_KEY for a server with --api-key.
 """
@@ -57,6 +59,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds in-flight requests get to finish after the last step",
     )
     p.add_argument("--title", default="", help="plot title")
+    p.add_argument(
+        "--gantt-step",
+        type=int,
+        default=None,
+        help="the concurrency whose requests gantt.png draws (default: the highest)",
+    )
     p.add_argument("--out", type=Path, default=Path("results"), help="output folder")
     return p
 
@@ -77,8 +85,9 @@ def locust_command(args: argparse.Namespace, decoder: str, summary_path: Path) -
     return command
 
 
-def run_decoder(args: argparse.Namespace, decoder: str, label: str) -> list[dict]:
-    """One headless Locust run; echoes its progress lines and returns its per-step results."""
+def run_decoder(args: argparse.Namespace, decoder: str, label: str) -> dict:
+    """One headless Locust run; echoes its progress lines and returns what it wrote: its steps'
+    windows (`steps`), per-step results (`decoders`) and raw request records (`requests`)."""
     summary_path = args.out / f"steps-{decoder}.json"
     summary_path.unlink(missing_ok=True)
     log_path = args.out / f"locust-{decoder}.log"
@@ -105,10 +114,10 @@ def run_decoder(args: argparse.Namespace, decoder: str, label: str) -> list[dict
         code = process.wait()
     if not summary_path.exists():
         raise RuntimeError(f"locust exited with {code} and no results; see {log_path}")
-    steps = json.loads(summary_path.read_text())["decoders"].get(decoder, [])
-    if not steps:
+    result = json.loads(summary_path.read_text())
+    if not result["decoders"].get(decoder):
         raise RuntimeError(f"no request finished for decoder {decoder!r}; see {log_path}")
-    return steps
+    return result
 
 
 def print_table(summary: dict) -> None:
@@ -126,6 +135,24 @@ def print_table(summary: dict) -> None:
                 f"{ms(s['ttft_ms']['p50']):>10}{ms(s['ttft_ms']['p99']):>7}"
                 f"{ms(s['itl_ms']['p50']):>9}{ms(s['itl_ms']['p99']):>7}"
             )
+
+
+def draw_gantt(args: argparse.Namespace, runs: dict[str, dict], steps: list[int]) -> Path | None:
+    """gantt.png: the requests of the `--gantt-step` concurrency step of every decoder's run."""
+    from loadtest.plots import plot_gantt
+
+    users = args.gantt_step if args.gantt_step is not None else max(steps)
+    picked = {}
+    for decoder, run in runs.items():
+        window = next((w for w in run["steps"] if w["users"] == users), None)
+        if window is not None:
+            picked[decoder] = (run.get("requests", []), window)
+    title = f"{users} concurrent users, {args.endpoint} endpoint, max_tokens {args.max_tokens}"
+    try:
+        return plot_gantt(picked, args.out / "gantt.png", title)
+    except ValueError as error:  # e.g. a server that returns no per-request timings
+        print(f"no gantt.png: {error}", file=sys.stderr)
+        return None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -146,11 +173,11 @@ def main(argv: list[str] | None = None) -> int:
         "decoders": {},
     }
     failed: list[str] = []
+    runs: dict[str, dict] = {}
     for i, decoder in enumerate(decoders):
         try:
-            summary["decoders"][decoder] = run_decoder(
-                args, decoder, f"[{decoder} {i + 1}/{len(decoders)}]"
-            )
+            runs[decoder] = run_decoder(args, decoder, f"[{decoder} {i + 1}/{len(decoders)}]")
+            summary["decoders"][decoder] = runs[decoder]["decoders"][decoder]
         except RuntimeError as error:
             print(f"[{decoder}] failed: {error}", file=sys.stderr, flush=True)
             failed.append(decoder)
@@ -165,6 +192,9 @@ def main(argv: list[str] | None = None) -> int:
         plot = plot_sweep(summary, args.out / "sweep.png", title)
         print_table(summary)
         print(f"wrote {args.out / 'summary.json'} and {plot}")
+        gantt = draw_gantt(args, runs, steps)
+        if gantt is not None:
+            print(f"wrote {gantt}")
     failures = sum(s["failures"] for steps in summary["decoders"].values() for s in steps)
     return 1 if failed or failures else 0
 

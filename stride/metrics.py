@@ -1,7 +1,8 @@
 """Every Prometheus metric Stride emits, defined here and recorded where the event happens.
 
 Two feeders: the step loop calls `Metrics.on_step` after every engine step (gauges, step time,
-tokens per step, preemptions, prefix-cache queries and hits), and the HTTP edge wraps each
+tokens per step, preemptions, prefix-cache queries and hits, and the step's roofline count:
+bytes read, FLOPs, passes and scored tokens by kind), and the HTTP edge wraps each
 request in `Metrics.track(...)`, which
 sees the request's outputs as they stream (tokens, TTFT, inter-token latency) and its last one
 (finish reason, engine-side timings, the decoder's summary). Labels stay bounded: `user` comes
@@ -14,6 +15,15 @@ naming guide recommends, so dashboards and `rate()` alerts have data from the fi
 decoders on offer (`Metrics.strategies`) x the users' labels, each finish and rejection reason,
 and the draft positions up to the server's default K.
 One `CollectorRegistry` per server, so tests can build many apps in a process.
+
+The roofline (`stride.engine.roofline`): the engine's bytes read, FLOPs and step wall time are
+counters by `decoder`, the registry name of the decoder of every sequence a step scored (`ar`,
+`speculative`, `refine`; `mixed` when several), so achieved bandwidth, FLOP/s and arithmetic
+intensity are ratios of their rates, and the device's peaks are gauges: the roof they sit under.
+
+Exemplars: a traced request's latency observations carry its trace id (`trace_id`), which the
+OpenMetrics exposition shows (`GET /metrics` answers in it when the scraper asks for it, as
+Prometheus does); a point of a latency panel then links to the request's trace.
 
 The HTTP edge also logs here, from the numbers it keeps anyway: one access line per request
 (`stride.access`: method, path, status, decoder, tokens, latency) and, every few seconds while
@@ -38,15 +48,16 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import (
-    CONTENT_TYPE_LATEST,
     CollectorRegistry,
     Counter,
     Gauge,
     Histogram,
     ProcessCollector,
-    generate_latest,
 )
+from prometheus_client.exposition import choose_encoder
 from prometheus_client.multiprocess import MultiProcessCollector
+
+from stride.decoders import catalog
 
 if TYPE_CHECKING:
     from stride.scheduler.outputs import RequestOutput, StepStats
@@ -76,9 +87,8 @@ TOKENS_PER_STEP_BUCKETS = tuple(float(2**i) for i in range(15))  # 1 .. 16384
 TOKENS_PER_PASS_BUCKETS = (1.0, 1.1, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 4.0, 5.0, 6.0, 8.0, 12.0, 16.0,
                            32.0, 64.0)  # fmt: skip
 
-SPEC_DRAFTS = ("ngram", "early_exit")  # any other draft name is the server's draft model
-EAGLE = "eagle"  # the EAGLE head's draft, when the server has one
-REFINE_METHODS = ("jacobi", "lookahead", "diffusion")
+STEP_DECODER_MIXED = "mixed"  # a step's sequences used several decoders
+SCORED_KINDS = ("decode", "prefill", "draft")  # rows of a forward pass, by what they are
 
 
 def strategy(
@@ -87,34 +97,17 @@ def strategy(
     draft_model: bool = False,
     eagle: bool = False,
 ) -> str:
-    """The `decoder` label of a request: its decoder and the variant its options choose.
-
-    `ar`, `speculative/{ngram,early_exit,eagle,draft_model}`,
-    `refine/{jacobi,lookahead,diffusion}`. Bounded whatever the options say: a draft model is
-    never named by its path, and an unknown method maps to `<decoder>/other` (validation
-    refuses it anyway). `eagle`, `draft_model`: whether the server has an EAGLE head or a draft
-    model, which makes it the default draft of speculative requests (the head first).
-    """
-    options = options or {}
-    if decoder == "speculative":
-        default = EAGLE if eagle else "draft_model" if draft_model else "ngram"
-        draft = options.get("draft", default)
-        known = SPEC_DRAFTS + ((EAGLE,) if eagle else ())
-        return f"speculative/{draft if draft in known else 'draft_model'}"
-    if decoder == "refine":
-        method = options.get("method", "jacobi")
-        return f"refine/{method if method in REFINE_METHODS else 'other'}"
-    return decoder
+    """The `decoder` label of a request (`catalog.strategy`). `eagle`, `draft_model`: whether
+    the server has an EAGLE head or a draft model, which makes it the default draft of
+    speculative requests (the head first)."""
+    return catalog.strategy(decoder, options, catalog.Offered(eagle, draft_model))
 
 
 def strategies(
     draft_model: bool = False, diffusion: bool = False, eagle: bool = False
 ) -> tuple[str, ...]:
-    """Every `decoder` label a server offers out of the box (its drafts and methods: the EAGLE
-    head, the draft model and masked diffusion only when the server has those models)."""
-    drafts = SPEC_DRAFTS + ((EAGLE,) if eagle else ()) + (("draft_model",) if draft_model else ())
-    methods = [m for m in REFINE_METHODS if m != "diffusion" or diffusion]
-    return ("ar", *(f"speculative/{d}" for d in drafts), *(f"refine/{m}" for m in methods))
+    """Every `decoder` label a server offers out of the box (`catalog.strategies`)."""
+    return catalog.strategies(catalog.Offered(eagle, draft_model, diffusion))
 
 
 def parse_users(value: str | Iterable[str] | None) -> frozenset[str]:
@@ -280,6 +273,45 @@ class Metrics:
             ["model", "decoder", "position"],
             registry=r,
         )
+        # ---- roofline (see stride.engine.roofline) ----
+        mstep = ["model", "decoder"]
+        self.read_bytes = Counter(
+            "stride_engine_read_bytes",
+            "Bytes the target's forward passes read (weights once per pass, the K/V of the "
+            "context attended), counted from the model's shapes; by the decoder of the step's "
+            "sequences (mixed: several).",
+            mstep, registry=r,
+        )  # fmt: skip
+        self.flops = Counter(
+            "stride_engine_flops",
+            "Floating-point operations of the target's forward passes (linear maps, LM head, "
+            "attention), counted from the model's shapes; by the decoder of the step's sequences.",
+            mstep, registry=r,
+        )  # fmt: skip
+        self.step_seconds = Counter(
+            "stride_engine_step_seconds",
+            "Wall time of engine steps that ran the target, by the decoder of their sequences.",
+            mstep, registry=r,
+        )  # fmt: skip
+        self.passes = Counter(
+            "stride_engine_forward_passes",
+            "Forward passes of the target, by the decoder of their sequences.",
+            mstep, registry=r,
+        )  # fmt: skip
+        self.scored_tokens = Counter(
+            "stride_engine_scored_tokens",
+            "Tokens the target scored, by kind: decode (a one-token tail), prefill (longer tails: "
+            "prompts, recomputation), draft (proposed by a decoder: drafts, Jacobi guesses).",
+            ["model", "kind"], registry=r,
+        )  # fmt: skip
+        self.peak_bandwidth = engine_gauge(
+            "stride_device_peak_bandwidth_bytes_per_second",
+            "The device's memory bandwidth (read plus written), measured at start or given.",
+        )
+        self.peak_flops = engine_gauge(
+            "stride_device_peak_flops_per_second",
+            "The device's compute peak in the engine's dtype, measured at start or given.",
+        )
         self._preemptions_seen = 0
         self._totals: dict[Counter, int] = {}  # engine totals counted so far (`_advance`)
 
@@ -297,6 +329,14 @@ class Metrics:
         self._batch = self.batch_size.labels(model)
         self._step = self.step_duration.labels(model)
         self._step_tokens = self.step_tokens.labels(model)
+        step_decoders = dict.fromkeys(s.split("/")[0] for s in self.strategies)
+        self._roofline = {
+            d: (self.read_bytes.labels(model, d), self.flops.labels(model, d),
+                self.step_seconds.labels(model, d), self.passes.labels(model, d))
+            for d in (*step_decoders, STEP_DECODER_MIXED)
+        }  # fmt: skip
+        self._scored = {k: self.scored_tokens.labels(model, k) for k in SCORED_KINDS}
+        self._peaks = (self.peak_bandwidth.labels(model), self.peak_flops.labels(model))
         self._series: dict[tuple[str, str, str], RequestSeries] = {}
         self._gauges: dict[Gauge, float] = {}  # last value set
         for decoder in self.strategies:
@@ -327,6 +367,28 @@ class Metrics:
             self._preemptions_seen += preempted
         self._advance(self._prefix_queries, stats.prefix_cache_queries)
         self._advance(self._prefix_hits, stats.prefix_cache_hits)
+        load = stats.load
+        if load.passes:
+            children = self._roofline.get(load.decoder)
+            if children is None:  # a decoder registered outside Stride: bounded by the registry
+                children = self._roofline[load.decoder] = tuple(
+                    c.labels(self.model, load.decoder)
+                    for c in (self.read_bytes, self.flops, self.step_seconds, self.passes)
+                )
+            read, flops, seconds, passes = children
+            read.inc(load.read_bytes)
+            flops.inc(load.flops)
+            seconds.inc(step_seconds)
+            passes.inc(load.passes)
+            for kind, n in zip(SCORED_KINDS, (load.decode_rows, load.prefill_tokens,
+                                              load.draft_rows), strict=True):  # fmt: skip
+                if n:
+                    self._scored[kind].inc(n)
+
+    def set_peaks(self, bandwidth: float, flops: float) -> None:
+        """The device's roof, once the engine is loaded (it measures it when it starts)."""
+        self._put(self._peaks[0], bandwidth)
+        self._put(self._peaks[1], flops)
 
     def _advance(self, counter: Counter, total: int) -> None:
         """Count what one of the engine's running totals grew by since it was last seen."""
@@ -361,15 +423,21 @@ class Metrics:
         self._rejected[reason].inc()
 
     def track(
-        self, decoder: str, user: str | None, options: Mapping[str, Any] | None = None
+        self,
+        decoder: str,
+        user: str | None,
+        options: Mapping[str, Any] | None = None,
+        trace_id: str | None = None,
     ) -> RequestTracker:
         """Start timing one admitted-to-be request (arrival is now); feed it every output.
 
         `decoder` and `options` are the request's parsed decoder spec; the label is its strategy.
+        `trace_id`: a traced request's (hex), the exemplar of its latency observations.
         """
         label = strategy(decoder, options, self.draft_model, self.eagle)
         labels = (self.model, label, self.user_label(user))
-        return RequestTracker(self, self._series_of(labels))
+        exemplar = None if trace_id is None else {"trace_id": trace_id}
+        return RequestTracker(self, self._series_of(labels), exemplar=exemplar)
 
     def _series_of(self, labels: tuple[str, str, str]) -> RequestSeries:
         series = self._series.get(labels)
@@ -413,13 +481,18 @@ class Metrics:
                     totals[sample.name] += sample.value
         return totals["stride_prompt_tokens_total"], totals["stride_generation_tokens_total"]
 
-    def render(self) -> tuple[bytes, str]:
-        """The exposition for `GET /metrics`: (body, content type); every API process's."""
+    def render(self, accept: str = "") -> tuple[bytes, str]:
+        """The exposition for `GET /metrics`: (body, content type); every API process's.
+
+        In the format `accept` (the request's Accept header) asks for: OpenMetrics, which
+        carries exemplars, for Prometheus; else the classic text format. (Exemplars are lost
+        with several API processes: prometheus_client's multiprocess mode keeps none.)"""
+        encode, content_type = choose_encoder(accept)
         if not self.multiprocess:
-            return generate_latest(self.registry), CONTENT_TYPE_LATEST
+            return encode(self.registry), content_type
         merged = CollectorRegistry()
         MultiProcessCollector(merged)
-        return generate_latest(merged), CONTENT_TYPE_LATEST
+        return encode(merged), content_type
 
 
 class RequestSeries:
@@ -470,6 +543,7 @@ class RequestTracker:
     streams: dict[str, _Stream] = field(default_factory=dict)
     finished: set[str] = field(default_factory=set)
     http: _HttpRequest | None = field(default_factory=lambda: _current_http.get())
+    exemplar: dict[str, str] | None = None  # {"trace_id": ...} of a traced request
 
     def __enter__(self) -> RequestTracker:
         return self
@@ -504,12 +578,12 @@ class RequestTracker:
             if http is not None:
                 http.completion_tokens += k
             if s.first_token is None:  # tokens arriving with the first one have no gap
-                series.ttft.observe(now - self.arrival)
+                series.ttft.observe(now - self.arrival, self.exemplar)
                 s.first_token = now
             else:
                 gap = (now - s.last_token) / k
                 for _ in range(k):
-                    series.itl.observe(gap)
+                    series.itl.observe(gap, self.exemplar)
             s.last_token = now
             s.num_tokens += k
         if out.finished and out.request_id not in self.finished:
@@ -524,17 +598,18 @@ class RequestTracker:
         self._count_finish(reason)
         if reason == "deadline":
             m.rejected("deadline")
-        series.e2e.observe(now - self.arrival)
+        exemplar = self.exemplar
+        series.e2e.observe(now - self.arrival, exemplar)
         if s.first_token is not None and s.num_tokens > 1:
-            series.tpot.observe((s.last_token - s.first_token) / (s.num_tokens - 1))
+            series.tpot.observe((s.last_token - s.first_token) / (s.num_tokens - 1), exemplar)
 
         t = out.timings
         if "queue" in t:
-            series.queue_time.observe(t["queue"])
+            series.queue_time.observe(t["queue"], exemplar)
             if "ttft" in t:
-                series.prefill_time.observe(t["ttft"] - t["queue"])
+                series.prefill_time.observe(t["ttft"] - t["queue"], exemplar)
         if "ttft" in t and "e2e" in t:
-            series.decode_time.observe(t["e2e"] - t["ttft"])
+            series.decode_time.observe(t["e2e"] - t["ttft"], exemplar)
 
         stats = out.decoder_stats
         passes = int(stats.get("forward_passes", 0))

@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from stride.engine.engine import Engine, EngineConfig
-from stride.scheduler.core import EngineCore
-from stride.scheduler.policy import SchedulerConfig
-from tests.tiny import load_hf, make_model_dir
+from stride.scheduler.outputs import GenerateRequest
+from tests.helpers.cores import PROMPTS, greedy, run
+from tests.helpers.eagle import eagle_core, random_head
+from tests.helpers.models import load_hf, make_model_dir
 
 # One thread: tiny models gain nothing from more, and on a shared 2-core box the pytest process,
 # the servers tests spawn (OMP_NUM_THREADS=1) and others' tests contend; an OpenMP team waiting
@@ -37,15 +38,6 @@ def tiny_hf(tiny_dir):
     return load_hf(tiny_dir)
 
 
-def make_core(model_dir: Path | str | None, kv_bytes: int = 16 << 20, **sched) -> EngineCore:
-    engine = Engine(
-        EngineConfig(
-            model=None if model_dir is None else str(model_dir),
-            device="cpu",
-            kv_cache_memory=kv_bytes,
-        )
-    )
-    return EngineCore(engine, SchedulerConfig(**sched))
 
 
 @pytest.fixture(scope="session")
@@ -69,10 +61,32 @@ def default_hf(default_engine):
 
 
 @pytest.fixture(scope="session")
+def eagle_target(tmp_path_factory) -> Path:
+    """A tiny target deep enough for EAGLE-3's low, middle and high layers."""
+    return make_model_dir(tmp_path_factory.mktemp("eagle") / "target", layers=4)
+
+
+@pytest.fixture(scope="session")
+def eagle_head(eagle_target, tmp_path_factory) -> Path:
+    return random_head(eagle_target, tmp_path_factory.mktemp("eagle") / "head")
+
+
+@pytest.fixture(scope="session")
+def eagle_ref(eagle_target) -> dict[int, list[int]]:
+    """Plain greedy decoding of every prompt on the EAGLE target, one request at a time."""
+    out = {}
+    for i, prompt in enumerate(PROMPTS + [list(range(30, 90))]):
+        core = eagle_core(eagle_target, None)
+        tokens, _ = run(core, [GenerateRequest("r", prompt, greedy(24))])
+        out[i] = tokens["r"]
+    return out
+
+
+@pytest.fixture(scope="session")
 def default_server():
     """A live server of the default model on loopback, shared by the modules that use one."""
     from stride.server.app import ServerConfig
-    from tests.server_harness import LiveServer
+    from tests.helpers.servers import LiveServer
 
     live = LiveServer(ServerConfig(engine=EngineConfig(device="cpu", kv_cache_memory=256 << 20)))
     yield live

@@ -53,9 +53,11 @@ class Layout:
         description: str = "",
         right_axis: str | None = None,
         right_unit: str = "short",
+        exemplars: bool = False,
     ) -> None:
-        if self.x + w > 24:
-            self.x, self.y = 0, self.y + 8
+        """A time series panel; `exemplars`: show the latency histograms' exemplars, each a
+        link to its request's trace."""
+        self._place(w)
         overrides = []
         if right_axis:
             overrides.append(
@@ -76,19 +78,88 @@ class Layout:
             fieldConfig={"defaults": {"unit": unit, "min": 0}, "overrides": overrides},
             options={"legend": {"displayMode": "list", "placement": "bottom"},
                      "tooltip": {"mode": "multi"}},
-            targets=[
-                {"datasource": DS, "expr": expr, "legendFormat": legend, "refId": chr(65 + i)}
-                for i, (expr, legend) in enumerate(targets)
-            ],
+            targets=_targets(targets, exemplars),
         )  # fmt: skip
         self.panels.append(panel)
         self.x += w
+
+    def stat(
+        self,
+        title: str,
+        targets: list[tuple[str, str]],
+        unit: str,
+        w: int = 8,
+        description: str = "",
+    ) -> None:
+        """One figure per series (e.g. per decoder), its latest value."""
+        self._place(w)
+        self.panels.append(self._panel(
+            "stat", title, {"h": 8, "w": w}, description=description, datasource=DS,
+            fieldConfig={"defaults": {"unit": unit, "min": 0, "decimals": 1}, "overrides": []},
+            options={"reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False},
+                     "colorMode": "value", "graphMode": "area", "textMode": "value_and_name"},
+            targets=_targets(targets),
+        ))  # fmt: skip
+        self.x += w
+
+    def xy(
+        self,
+        title: str,
+        targets: list[tuple[str, str]],
+        x: str,
+        ys: dict[str, str],
+        x_unit: str,
+        y_unit: str,
+        w: int = 8,
+        description: str = "",
+    ) -> None:
+        """An XY chart of one frame, the targets joined on time: field `x` across, each of
+        `ys` (field: how it is drawn, points or lines) up; both axes logarithmic."""
+        self._place(w)
+        log_scale = {"type": "log", "log": 10}
+        series = [
+            {
+                "frame": 0,
+                "x": x,
+                "y": y,
+                "name": y,
+                "show": show,
+                "pointSize": {"fixed": 6 if show == "points" else 2},
+            }
+            for y, show in ys.items()
+        ]
+        self.panels.append(self._panel(
+            "xychart", title, {"h": 8, "w": w}, description=description, datasource=DS,
+            fieldConfig={"defaults": {"unit": y_unit,
+                                      "custom": {"scaleDistribution": log_scale}},
+                         "overrides": [{"matcher": {"id": "byName", "options": x},
+                                        "properties": [{"id": "unit", "value": x_unit}]}]},
+            options={"seriesMapping": "manual", "dims": {"frame": 0, "x": x}, "series": series,
+                     "legend": {"displayMode": "list", "placement": "bottom", "showLegend": True},
+                     "tooltip": {"mode": "single"}},
+            transformations=[{"id": "joinByField", "options": {"byField": "Time",
+                                                                 "mode": "outer"}}],
+            targets=_targets(targets),
+        ))  # fmt: skip
+        self.x += w
+
+    def _place(self, w: int) -> None:
+        if self.x + w > 24:
+            self.x, self.y = 0, self.y + 8
 
     def _panel(self, kind: str, title: str, size: dict, **extra) -> dict:
         panel = {"id": self.next_id, "type": kind, "title": title,
                  "gridPos": {**size, "x": self.x, "y": self.y}, **extra}  # fmt: skip
         self.next_id += 1
         return panel
+
+
+def _targets(targets: list[tuple[str, str]], exemplars: bool = False) -> list[dict]:
+    return [
+        {"datasource": DS, "expr": expr, "legendFormat": legend, "refId": chr(65 + i),
+         **({"exemplar": True} if exemplars else {})}
+        for i, (expr, legend) in enumerate(targets)
+    ]  # fmt: skip
 
 
 def variable(name: str, metric: str, label: str) -> dict:
@@ -113,7 +184,8 @@ def build() -> dict:
     tokens = rate("stride_generation_tokens_total")
 
     d.row("Latency against throughput")
-    d.add("Time to first token", quantiles("stride_time_to_first_token_seconds"), "s")
+    d.add("Time to first token", quantiles("stride_time_to_first_token_seconds"), "s",
+          exemplars=True, description="Exemplars (dots) open their request's trace.")  # fmt: skip
     d.add("Inter-token latency", quantiles("stride_inter_token_latency_seconds"), "s")
     d.add(
         "p99 latency against throughput",
@@ -139,6 +211,7 @@ def build() -> dict:
         + [(quantile(0.5, "stride_e2e_request_latency_seconds"), "e2e p50"),
            (quantile(0.99, "stride_e2e_request_latency_seconds"), "e2e p99")],
         "s",
+        exemplars=True,
     )  # fmt: skip
     d.add(
         "Where requests spend time (p90)",
@@ -217,6 +290,64 @@ def build() -> dict:
           f"sum({rate('stride_prefix_cache_queries_total', MODEL)})", "cached / prompt tokens")],
         "percentunit",
         description="Share of admitted prompt tokens whose KV came from the prefix cache.",
+    )  # fmt: skip
+
+    d.row("Roofline")
+    flops = f"sum({rate('stride_engine_flops_total', MODEL)})"
+    read = f"sum({rate('stride_engine_read_bytes_total', MODEL)})"
+    busy = f"sum({rate('stride_engine_step_seconds_total', MODEL)})"
+    peak_bw = f"scalar(max(stride_device_peak_bandwidth_bytes_per_second{{{MODEL}}}))"
+    peak_flops = f"scalar(max(stride_device_peak_flops_per_second{{{MODEL}}}))"
+    intensity = f"{flops} / {read}"
+    d.xy(
+        "Roofline: arithmetic intensity against achieved FLOP/s",
+        [(intensity, "intensity"),
+         (f"{flops} / {busy}", "achieved"),
+         (f"clamp_max({intensity} * {peak_bw}, {peak_flops})", "roofline")],
+        x="intensity",
+        ys={"achieved": "points", "roofline": "points"},
+        x_unit="FLOP/byte",
+        y_unit="flops",
+        w=12,
+        description="Each point is one moment: the engine's FLOPs per byte read (counted from "
+                    "the model's shapes) against its FLOPs per second of step time, under the "
+                    "roof min(intensity x peak bandwidth, peak FLOP/s) at that intensity. Left "
+                    "of the ridge decoding is bandwidth-bound: batching moves it right and up.",
+    )  # fmt: skip
+    by_decoder = "sum by (decoder) "
+    d.stat(
+        "Share of the bandwidth roofline, by decoder",
+        [(f"{by_decoder}({rate('stride_engine_read_bytes_total', MODEL)}) / {by_decoder}"
+          f"({rate('stride_engine_step_seconds_total', MODEL)}) / {peak_bw}", "{{decoder}}")],
+        "percentunit",
+        w=6,
+        description="Bytes read per second of the steps that ran only this decoder's "
+                    "sequences (mixed: several decoders), over the device's peak bandwidth.",
+    )  # fmt: skip
+    d.add(
+        "Step composition: tokens per forward pass",
+        [(f"sum by (kind) ({rate('stride_engine_scored_tokens_total', MODEL)}) / ignoring(kind) "
+          f"group_left sum({rate('stride_engine_forward_passes_total', MODEL)})", "{{kind}}")],
+        w=6,
+        description="What a pass of the target scores: decode rows, prefill tokens, and draft "
+                    "rows (speculative drafts, Jacobi guesses).",
+    )  # fmt: skip
+    d.add(
+        "Arithmetic intensity by decoder",
+        [(f"{by_decoder}({rate('stride_engine_flops_total', MODEL)}) / {by_decoder}"
+          f"({rate('stride_engine_read_bytes_total', MODEL)})", "{{decoder}}"),
+         (f"max(stride_device_peak_flops_per_second{{{MODEL}}}) / "
+          f"max(stride_device_peak_bandwidth_bytes_per_second{{{MODEL}}})", "ridge point")],
+        description="FLOPs per byte read; above the ridge point a step is compute-bound.",
+    )  # fmt: skip
+    d.add(
+        "Achieved bandwidth against the peak",
+        [(f"{read} / {busy}", "achieved"),
+         (f"max(stride_device_peak_bandwidth_bytes_per_second{{{MODEL}}})", "peak")],
+        "Bps",
+        w=8,
+        description="Bytes the target's passes read per second of step time (weights once per "
+                    "pass, the K/V attended), and the device's copy bandwidth.",
     )  # fmt: skip
 
     d.row("Errors")

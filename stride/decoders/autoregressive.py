@@ -6,13 +6,14 @@ import torch
 
 from stride.decoders import sampling
 from stride.decoders.base import Commit, Decoder, Proposal, StepContext
+from stride.decoders.catalog import AR
 from stride.engine.sequence import Sequence
 
 _NOTHING = Proposal()  # shared: nobody mutates a proposal, and a step makes one per sequence
 
 
 class Autoregressive(Decoder):
-    name = "ar"
+    name = AR
 
     def propose(self, seqs: list[Sequence], ctx: StepContext) -> list[Proposal]:
         return [_NOTHING] * len(seqs)
@@ -26,19 +27,11 @@ class Autoregressive(Decoder):
     ) -> list[Commit]:
         return sample_one_each(seqs, logits, ctx)
 
-    @staticmethod
-    def fusable(seq: Sequence) -> bool:
-        """May this sequence's next tokens come from fused decode steps (`device_sample`)?
+    def plain_steps(self, seqs: list[Sequence]) -> int:
+        return 1 << 30  # plain decoding, for any number of steps
 
-        Greedy, with nothing that needs the host between two tokens: no logit bias, penalties,
-        pending min_tokens, logprobs or grammar.
-        """
-        return seq.params.logprobs is None and sampling.plain_greedy(sampling.Row(seq))
-
-    @staticmethod
-    def device_sample(logits: torch.Tensor) -> torch.Tensor:
-        """The token of each `fusable` row, left on the device: the argmax."""
-        return logits.argmax(-1)
+    def may_launch_ahead(self) -> bool:
+        return True  # the next plan is the scheduler's alone
 
 
 def sample_one_each(

@@ -12,19 +12,24 @@ A step of the scheduler, for every running sequence whose uncached tail fits in 
    proposed tokens keep their KV (`kv_keep`, a prefix, or the ones `kv_from` names, moved to
    the front: a draft tree keeps one path of its nodes); the rest is rolled back.
 
-Bursts: a decoder that can run several passes of its sequences on the device with no host
-round trip between them (EAGLE's greedy chains) offers them through `burst(seqs, passes)` when
-the whole step is its sequences' decodes and nobody waits; the core then commits what the
-returned `Burst` hands back instead of running a forward and calling `commit`.
-
 `admit(seq)` runs once when a request is admitted, before its first pass (e.g. to ask the
-engine for the sequence's hidden states: `Sequence.features`).
+engine for the sequence's hidden states: `Sequence.features`). `release(seq)` drops what the
+decoder keeps for a sequence that finished or was preempted (it is rebuilt from the tokens).
 
-Fused decode steps: a small batch of greedy rows that propose nothing may run several decode
-steps back to back, each step's argmax fed to the next on the device. A decoder other than `ar`
-joins them through `plain_steps(seqs)` (asked after `propose`: for how many steps, this one
-first, it would run its sequences exactly as plain decoding); for the steps fused, the core
-calls `fused(seqs, steps)` instead of `commit`.
+The fast paths (the core's executor, `stride.scheduler.executor`, decides which one a step takes;
+a decoder only answers these hooks, and the defaults opt out of all of them):
+
+- Greedy bursts: a small batch of greedy rows that propose nothing may run several decode steps
+  back to back on the device, each step's argmax fed to the next. `plain_steps(seqs)` (asked
+  after `propose`) says for how many steps, this one first, the decoder would run its sequences
+  exactly as plain decoding; for the steps a burst ran, the core calls `advance(seqs, steps)`
+  instead of `commit`.
+- Decoder bursts: a decoder that can run several passes of its own on the device with no host
+  round trip between them (EAGLE's greedy chains) offers them through `burst(seqs, passes)` when
+  the whole step is its sequences' decodes and nobody waits; the core then commits what the
+  returned `Burst` hands back instead of running a forward and calling `commit`.
+- Launch-ahead: on a GPU the next step's forward may be launched before this step's text is
+  decoded, if every decoder with sequences in flight says `may_launch_ahead()`.
 
 Adding a strategy is one new module implementing `Decoder` plus one line in the registry.
 """
@@ -88,7 +93,7 @@ class Commit:
     kv_keep: int = 0  # how many tokens scored after the tail keep their KV
     # Which scored tokens (indices after the tail) those are, in order; None: the first kv_keep.
     kv_from: list[int] | None = None
-    forward_passes: int = 1  # target passes that made these tokens (fused decode steps: several)
+    forward_passes: int = 1  # target passes that made these tokens (a burst: several)
     per_pass: list[int] | None = None  # tokens each pass made (default: 1 each, or all in one)
 
 
@@ -98,7 +103,6 @@ class StepContext:
 
     eos_ids: set[int]
     device: torch.device
-    engine: Any = None  # the engine (runner, model) for decoders that run extra forwards
 
 
 @dataclass
@@ -159,23 +163,25 @@ class Decoder:
     ) -> list[Commit]:
         raise NotImplementedError
 
+    def release(self, seq: Sequence, ctx: StepContext) -> None:
+        """The sequence finished or was preempted: drop whatever state the decoder kept for it."""
+        seq.decoder_state = None
+
+    # ---- fast paths (see the module docstring); the defaults opt out ----------------------
+
     def plain_steps(self, seqs: list[Sequence]) -> int:
         """For how many steps, this one first, `seqs` decode exactly as `ar` decodes them.
 
-        Asked after `propose`, when the core may fuse decode steps. An answer above 1 promises
+        Asked after `propose`, when the core may run a greedy burst. An answer above 1 promises
         that this step proposed nothing for `seqs` and that the next `answer - 1` steps would
         propose nothing either and commit one sampled token each; the core may then run up to
         that many steps back to back without asking the decoder in between. 0: not even this.
         """
         return 0
 
-    def fused(self, seqs: list[Sequence], steps: int) -> None:
-        """`steps` fused decode steps (this one first) committed `seqs`' tokens without `commit`:
-        advance whatever the decoder counts per step as if it had run them one by one."""
-
-    def release(self, seq: Sequence, ctx: StepContext) -> None:
-        """The sequence finished or was preempted: drop whatever state the decoder kept for it."""
-        seq.decoder_state = None
+    def advance(self, seqs: list[Sequence], steps: int) -> None:
+        """A greedy burst of `steps` steps (this one first) committed `seqs`' tokens without
+        `commit`: advance whatever the decoder counts per step as if it had run them one by one."""
 
     def burst(self, seqs: list[Sequence], passes: int, ctx: StepContext) -> Burst | None:
         """Run up to `passes` passes of `seqs` on the device, started now; None: not this step.
@@ -183,6 +189,13 @@ class Decoder:
         Asked instead of `propose` when every scheduled sequence is one of this decoder's and
         decodes (its tail is its last token), and nobody waits."""
         return None
+
+    def may_launch_ahead(self) -> bool:
+        """May the next step's forward start before this step's text is decoded?
+
+        True promises that the decoder's next plan is fixed once this step has committed (its
+        timings aside: a decoder that times its steps answers False for the ones it times)."""
+        return False
 
     def model_group(self, seq: Sequence) -> ModelGroup | None:
         """The model group that runs `seq` instead of the target (a diffusion LM), if any."""

@@ -20,6 +20,7 @@ from pydantic import Field
 
 from stride.decoders import sampling
 from stride.decoders.base import Commit, ModelGroup, Options, StepContext, parse_options
+from stride.decoders.catalog import DIFFUSION
 from stride.engine.diffusion import DiffusionModel
 from stride.engine.sequence import SamplingParams, Sequence
 
@@ -67,7 +68,7 @@ class DiffusionGroup(ModelGroup):
     def validate(self, params: SamplingParams, options: dict[str, Any]) -> dict[str, Any]:
         opts = parse_options(DiffusionOptions, options, "refine method 'diffusion'")
         return {
-            "method": "diffusion",
+            "method": DIFFUSION,
             "block_size": opts.block_size,
             "threshold": float(opts.threshold),
             "max_iterations": opts.block_size

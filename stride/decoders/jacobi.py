@@ -27,6 +27,7 @@ from stride.decoders.base import (
     StepContext,
     parse_options,
 )
+from stride.decoders.catalog import JACOBI
 from stride.engine.sequence import SamplingParams, Sequence
 
 MAX_WINDOW = 64
@@ -123,7 +124,7 @@ class JacobiState:
 class Jacobi(Decoder):
     """Jacobi iteration over a window of `window` guesses (option), greedy only."""
 
-    name = "jacobi"
+    name = JACOBI
     default_window = 8
 
     options_model = JacobiOptions

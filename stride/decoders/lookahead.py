@@ -22,6 +22,7 @@ from pydantic import Field
 
 from stride.decoders import grammar
 from stride.decoders.base import Commit, Proposal, StepContext, parse_options
+from stride.decoders.catalog import LOOKAHEAD
 from stride.decoders.jacobi import (
     Jacobi,
     JacobiOptions,
@@ -73,7 +74,7 @@ class LookaheadState(JacobiState):
 class Lookahead(Jacobi):
     """Jacobi window (`window`) plus up to `candidates` n-grams of length `ngram` a pass."""
 
-    name = "lookahead"
+    name = LOOKAHEAD
     default_window = 6
     default_ngram = 4
     default_candidates = 4

@@ -23,25 +23,26 @@ from stride.decoders.base import (
     StepContext,
     parse_options,
 )
+from stride.decoders.catalog import DIFFUSION, JACOBI, LOOKAHEAD, REFINE
 from stride.decoders.diffusion import DiffusionGroup, DiffusionOptions
 from stride.decoders.jacobi import Jacobi, JacobiOptions
 from stride.decoders.lookahead import Lookahead, LookaheadOptions
 from stride.engine.engine import Engine
 from stride.engine.sequence import SamplingParams, Sequence
 
-METHODS: dict[str, type[Options]] = {
-    "jacobi": JacobiOptions,
-    "lookahead": LookaheadOptions,
-    "diffusion": DiffusionOptions,
+METHODS: dict[str, type[Options]] = {  # one per `catalog.REFINE_METHODS`
+    JACOBI: JacobiOptions,
+    LOOKAHEAD: LookaheadOptions,
+    DIFFUSION: DiffusionOptions,
 }
-DEFAULT_METHOD = "jacobi"
+DEFAULT_METHOD = JACOBI
 
 
 class Refine(Decoder):
-    name = "refine"
+    name = REFINE
 
     def __init__(self, diffusion: DiffusionGroup | None = None) -> None:
-        self.causal: dict[str, Decoder] = {"jacobi": Jacobi(), "lookahead": Lookahead()}
+        self.causal: dict[str, Decoder] = {JACOBI: Jacobi(), LOOKAHEAD: Lookahead()}
         self.diffusion = diffusion
 
     @classmethod
@@ -76,7 +77,7 @@ class Refine(Decoder):
 
     def validate(self, params: SamplingParams, options: dict[str, Any]) -> dict[str, Any]:
         method, options = _method(options)
-        if method == "diffusion":
+        if method == DIFFUSION:
             if self.diffusion is None:
                 raise DecoderError(
                     "refine method 'diffusion' needs a diffusion model; start the server with "
@@ -86,7 +87,7 @@ class Refine(Decoder):
         return {"method": method, **self.causal[method].validate(params, options)}
 
     def model_group(self, seq: Sequence) -> ModelGroup | None:
-        return self.diffusion if seq.decoder_options["method"] == "diffusion" else None
+        return self.diffusion if seq.decoder_options["method"] == DIFFUSION else None
 
     def extra_tokens(self, seq: Sequence, cap: int) -> int:
         return self._of(seq).extra_tokens(seq, cap)

@@ -151,6 +151,18 @@ def plain_greedy(row: Row) -> bool:
     )
 
 
+def greedy_on_device(seq: Sequence) -> bool:
+    """May this sequence's next tokens be picked on the device (`device_argmax`), several
+    passes in a row with no host in between? Greedy, with nothing that needs the host between
+    two tokens: no logit bias, penalties, pending min_tokens, logprobs or grammar."""
+    return seq.params.logprobs is None and plain_greedy(Row(seq))
+
+
+def device_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """The token of each `greedy_on_device` row, left on the device."""
+    return logits.argmax(-1)
+
+
 def sample(logits: torch.Tensor, rows: list[Row], eos_ids: set[int]) -> list[int]:
     if all(map(plain_greedy, rows)):  # the common serving case: one argmax, one sync
         return logits.argmax(-1).tolist()

@@ -23,8 +23,8 @@ from stride.engine.model import CausalLM
 
 log = logging.getLogger(__name__)
 
-# Columns of the packed input array; block tables follow from column _TABLE on.
-_TOKEN, _POSITION, _SLOT, _LENGTH, _TABLE = range(5)
+# Columns of the packed input array; block tables follow from column TABLE on.
+TOKEN, POSITION, SLOT, LENGTH, TABLE = range(5)
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -52,12 +52,12 @@ class DecodeGraphs:
         self.max_blocks = max_blocks
         self.buckets = batch_buckets(max_batch)
         device = cache.k.device
-        width = _TABLE + max_blocks
+        width = TABLE + max_blocks
         self._host = torch.zeros(max_batch, width, dtype=torch.int32, pin_memory=True)
         self._host_np = self._host.numpy()
         self._inputs = torch.zeros(max_batch, width, dtype=torch.int32, device=device)
         self._copied = torch.cuda.Event()
-        self._host_np[:, _LENGTH] = 1  # padding rows: see `_pack`
+        self._host_np[:, LENGTH] = 1  # padding rows: see `_pack`
         self._inputs.copy_(self._host)
         self._steps_host: torch.Tensor | None = None  # `run_steps`' inputs, one array per step
         self._steps_inputs: torch.Tensor | None = None
@@ -73,15 +73,20 @@ class DecodeGraphs:
     def max_batch(self) -> int:
         return self.buckets[-1]
 
+    def replay(self, batch: int) -> None:
+        """Replay bucket `batch`'s graph on whatever its buffers hold (timing the device alone:
+        bench/bench_gpu.py)."""
+        self._graphs[self._bucket(batch), False].replay()
+
     def _step(self, batch: int, with_aux: bool) -> None:
         x = self._inputs[:batch]
         meta = DecodeMetadata(
-            slot_mapping=x[:, _SLOT].long(),  # index_copy_ wants int64
-            block_tables=x[:, _TABLE:],
-            context_lens=x[:, _LENGTH].contiguous(),  # once per step, not once per layer
+            slot_mapping=x[:, SLOT].long(),  # index_copy_ wants int64
+            block_tables=x[:, TABLE:],
+            context_lens=x[:, LENGTH].contiguous(),  # once per step, not once per layer
             block_size=self.cache.block_size,
         )
-        tokens, positions, kv = x[:, _TOKEN], x[:, _POSITION], (self.cache.k, self.cache.v)
+        tokens, positions, kv = x[:, TOKEN], x[:, POSITION], (self.cache.k, self.cache.v)
         if with_aux:
             hidden, aux = self.forward(tokens, positions, kv, meta, aux=self._aux_layers)
             self.aux[:batch].copy_(aux)
@@ -166,21 +171,21 @@ class DecodeGraphs:
         self._pack(host[0], column, positions, lengths, tables, bucket)
         for s in range(1, steps):
             host[s] = host[0]
-            host[s, :n, _POSITION] += s
-            host[s, :n, _LENGTH] += s
+            host[s, :n, POSITION] += s
+            host[s, :n, LENGTH] += s
             self._slots(host[s], n)
         inputs = self._steps_inputs[:packed]
         inputs.copy_(self._steps_host[:packed], non_blocking=True)
         self._copied.record()
         inputs = inputs.view(steps, bucket, width)
         if fed is not None and rows is not None:
-            fed = fed.index_select(0, inputs[0, :n, _TOKEN])
+            fed = fed.index_select(0, inputs[0, :n, TOKEN])
         sampled = torch.empty(steps, n, dtype=torch.long, device=self._inputs.device)
         graph = self._graphs[bucket, False]
         for s in range(steps):
             self._inputs[:bucket].copy_(inputs[s])
             if fed is not None:
-                self._inputs[:n, _TOKEN].copy_(fed)
+                self._inputs[:n, TOKEN].copy_(fed)
             graph.replay()
             sampled[s] = sample(self._logits[:n])
             fed = sampled[s]
@@ -195,21 +200,21 @@ class DecodeGraphs:
         `tokens`: a list, or one int for all rows (placeholders for tokens fed on the device);
         for fed tokens, a list holds the rows to pick them from (see `run_steps`)."""
         n = len(lengths)
-        h[:n, _TOKEN] = tokens
-        h[:n, _POSITION] = positions
-        h[:n, _LENGTH] = lengths
+        h[:n, TOKEN] = tokens
+        h[:n, POSITION] = positions
+        h[:n, LENGTH] = lengths
         # Block tables, ragged, scattered into their rows in one go.
         widths = np.fromiter(map(len, tables), dtype=np.int64, count=n)
         flat = np.fromiter(chain.from_iterable(tables), dtype=np.int32, count=int(widths.sum()))
         rows = np.repeat(np.arange(n), widths)
         cols = np.arange(len(flat)) - np.repeat(np.cumsum(widths) - widths, widths)
-        h[rows, _TABLE + cols] = flat
+        h[rows, TABLE + cols] = flat
         self._slots(h, n)
-        h[n:bucket, :_TABLE] = 0
-        h[n:bucket, _LENGTH] = 1  # one slot of block 0: something to attend to, harmlessly
+        h[n:bucket, :TABLE] = 0
+        h[n:bucket, LENGTH] = 1  # one slot of block 0: something to attend to, harmlessly
 
     def _slots(self, h: np.ndarray, n: int) -> None:
         """Each row's new K/V slot: position `length - 1` through its block table."""
-        last = h[:n, _LENGTH] - 1
+        last = h[:n, LENGTH] - 1
         bs = self.cache.block_size
-        h[:n, _SLOT] = h[np.arange(n), _TABLE + last // bs] * bs + last % bs
+        h[:n, SLOT] = h[np.arange(n), TABLE + last // bs] * bs + last % bs

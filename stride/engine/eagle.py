@@ -39,7 +39,7 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 from stride.engine.attention import AttentionMetadata, DecodeMetadata, paged_attention
 from stride.engine.kv_cache import KVCache
 from stride.engine.model import MLP, CausalLM, RMSNorm, rotate
-from stride.engine.runner import Chunk, prepare
+from stride.engine.runner import Span, prepare
 
 EAGLE3 = "LlamaForCausalLMEagle3"
 EAGLE1 = "EagleLlama"  # what Stride calls the EAGLE-1/2 layout (its config names LlamaForCausalLM)
@@ -395,7 +395,7 @@ def save_head(head: EagleHead, path: Path, with_lm_head: bool = False) -> None:
 class HeadRunner:
     """A head's batched forward over a KV cache of its own, in the target's slot layout.
 
-    Rows come as `runner.Chunk`s of the target's sequences: a chunk's `offset` (from the
+    Rows come as `runner.Span`s of the target's sequences: a span's `offset` (from the
     sequence's `num_cached`) says at which position its rows start, and its mask, like the
     target's, may restrict what they see of the last slots (tree drafts see only their
     ancestors). Position p of the head lives in the slot of position p of the target, so the
@@ -413,8 +413,8 @@ class HeadRunner:
         self.v = torch.zeros(shape, dtype=dtype, device=device)
 
     @torch.inference_mode()
-    def forward(self, chunks: list[Chunk], hidden: torch.Tensor) -> torch.Tensor:
-        """The head's outputs g [rows, H] for the chunks' rows (packed in chunk order), each
+    def forward(self, spans: list[Span], hidden: torch.Tensor) -> torch.Tensor:
+        """The head's outputs g [rows, H] for the spans' rows (packed in span order), each
         reading its token and its `hidden` row (a projected feature or an earlier output)."""
-        meta, tokens, positions, _ = prepare(chunks, self.block_size, self.k.device)
+        meta, tokens, positions, _ = prepare(spans, self.block_size, self.k.device)
         return self.head(tokens, hidden, positions, (self.k, self.v), meta)

@@ -28,9 +28,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from stride.engine import fused
 from stride.engine.attention import DecodeMetadata, attend
 from stride.engine.eagle import EagleHead, HeadRunner
+from stride.engine.kernels import layer
 from stride.engine.runner import ModelRunner
 
 log = logging.getLogger(__name__)
@@ -59,15 +59,15 @@ class FusedHead:
 
     def __call__(self, tokens, hidden, positions, kv, meta: DecodeMetadata) -> torch.Tensor:
         layer, head = self.layer, self.head
-        emb = fused.rms_norm(head.embed(tokens), layer.input_layernorm, None)
-        x = torch.cat([emb, fused.rms_norm(hidden, layer.hidden_norm, None)], -1)
-        q = fused.rope_and_cache(F.linear(x, self.qkv), self.cos, self.sin, positions,
+        emb = layer.rms_norm(head.embed(tokens), layer.input_layernorm, None)
+        x = torch.cat([emb, layer.rms_norm(hidden, layer.hidden_norm, None)], -1)
+        q = layer.rope_and_cache(F.linear(x, self.qkv), self.cos, self.sin, positions,
                                  kv[0][0], kv[1][0], meta.slot_mapping, layer)  # fmt: skip
         o = attend(q, kv[0][0], kv[1][0], meta)
         residual = hidden.clone()
-        h = fused.rms_norm(F.linear(o.flatten(1), layer.self_attn.o_proj.weight),
+        h = layer.rms_norm(F.linear(o.flatten(1), layer.self_attn.o_proj.weight),
                            layer.post_attention_layernorm, residual)  # fmt: skip
-        up = fused.silu_and_mul(F.linear(h, self.gate_up))
+        up = layer.silu_and_mul(F.linear(h, self.gate_up))
         return residual + F.linear(up, layer.mlp.down_proj.weight)
 
 
@@ -213,7 +213,7 @@ class EagleCycles:
 
     def _draft(self, h: torch.Tensor) -> torch.Tensor:
         if isinstance(self.head_forward, FusedHead):
-            x = fused.rms_norm(h, self.head.norm, None)
+            x = layer.rms_norm(h, self.head.norm, None)
             return self.draft_ids[F.linear(x, self.lm_weight).argmax(-1)]
         return self.draft_ids[self.head.logits(h).argmax(-1)]
 

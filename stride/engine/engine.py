@@ -9,6 +9,7 @@ import torch
 
 from stride.engine import loader
 from stride.engine.kv_cache import KVCache
+from stride.engine.roofline import ModelShape, device_peaks
 from stride.engine.runner import ModelRunner
 
 log = logging.getLogger(__name__)
@@ -27,10 +28,15 @@ class EngineConfig:
     block_size: int = 16
     max_model_len: int | None = None
     enable_prefix_caching: bool = True  # reuse the K/V of prompts' shared leading blocks
+    # The device's roof (see `roofline`); None: measured when the engine starts.
+    peak_bandwidth: float | None = None  # bytes/s, read plus written
+    peak_flops: float | None = None  # FLOP/s in the engine's dtype
 
 
 class Engine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, loaded: loader.LoadedModel | None = None) -> None:
+        """`loaded`: a model built already (benchmarks build random weights of real shapes);
+        else `config.model` is loaded."""
         self.config = config
         self.device = torch.device(
             ("cuda" if torch.cuda.is_available() else "cpu")
@@ -38,7 +44,8 @@ class Engine:
             else config.device
         )
         dtype = None if config.dtype == "auto" else DTYPES[config.dtype]
-        loaded = loader.load(config.model, self.device, dtype, config.served_name)
+        if loaded is None:
+            loaded = loader.load(config.model, self.device, dtype, config.served_name)
         self.name = loaded.name
         self.path = loaded.path
         self.hf_config = loaded.config
@@ -50,7 +57,15 @@ class Engine:
             getattr(self.hf_config, "max_position_embeddings", None) or 1 << 30,
         )
         self.eos_ids = _eos_ids(loaded)
-        self.cache = self._make_cache()
+        self.shape = ModelShape.of(self.model, self.dtype)
+        self.peaks = device_peaks(self.device, self.dtype, config.peak_bandwidth, config.peak_flops)
+        log.info(
+            "device peaks: %.0f GB/s, %.1f TFLOP/s (%s)",
+            self.peaks.bandwidth / 1e9,
+            self.peaks.flops / 1e12,
+            "given" if config.peak_bandwidth and config.peak_flops else "measured",
+        )
+        self.cache = self._make_cache()  # after the measurement: it takes the free memory
         self.runner = ModelRunner(self.model, self.cache, self.device)
 
     def _make_cache(self) -> KVCache:

@@ -129,8 +129,8 @@ def load_weights(path: Path, device: torch.device, dtype: torch.dtype) -> dict[s
     """Every weight of the GGUF directory `path`, dequantized, as `dtype` on `device`.
 
     On one thread: these element-wise ops on tensors of a few hundred thousand values gain
-    nothing from more, and on a busy machine OpenMP's spin-waits made the whole load 10x slower
-    (16 s instead of 1.6 s on a shared 2-core box).
+    nothing from more, and on a busy machine OpenMP's spin-waits slow the whole load down
+    (docs/BENCHMARKS.md, "Design choices").
     """
     index = json.loads((path / INDEX).read_text())
     state = {}

@@ -130,7 +130,7 @@ def load(
         raise ValueError(f"checkpoint {path} lacks weights: {missing[:5]}")
     if getattr(config, "tie_word_embeddings", False):
         net.lm_head.weight = net.model.embed_tokens.weight
-    net.rotary = _rotary(config, device)
+    net.rotary = rotary_embedding(config, device)
     tokenizer = AutoTokenizer.from_pretrained(path)
     log.info("loaded %s in %.1f s", path.name, time.perf_counter() - start)
     return LoadedModel(
@@ -154,7 +154,7 @@ def load_weights(path: Path, device: torch.device, dtype: torch.dtype) -> dict[s
     return state
 
 
-def _rotary(config: PretrainedConfig, device: torch.device) -> torch.nn.Module:
+def rotary_embedding(config: PretrainedConfig, device: torch.device) -> torch.nn.Module:
     """transformers' own rotary embedding (all rope types), built for real after the meta init."""
     with torch.device(device):
         return LlamaRotaryEmbedding(config)

@@ -1,13 +1,13 @@
 """One forward pass of the target model over everything the scheduler picked this step.
 
-Each `Chunk` is one sequence's share of the ragged batch: the tokens to score (its uncached tail,
+Each `Span` is one sequence's share of the ragged batch: the tokens to score (its uncached tail,
 or a prefix of it during chunked prefill, then whatever its decoder proposed), their positions,
 an optional mask among them, and how many trailing rows need logits. Keys and values of every
 scored token are written to the slots right after the sequence's cached ones; the decoder's
 commit decides how many of them stay.
 
 On a GPU the layers run through fused Triton kernels (`fused.FusedForward`), and short causal
-chunks (a decode token, a speculative tail plus its drafts, a Jacobi window) skip the general
+spans (a decode token, a speculative tail plus its drafts, a Jacobi window) skip the general
 path: each of their tokens becomes one row of a decode step replayed as a CUDA graph
 (`cuda_graphs.DecodeGraphs`), and whatever else the step holds (prefill chunks, lookahead's
 masked branches) runs eagerly beside them. Both write disjoint KV slots, so the split is
@@ -26,22 +26,23 @@ from dataclasses import dataclass
 import torch
 
 from stride.engine import fused
-from stride.engine.attention import AttentionMetadata, decode_kernel_supported
+from stride.engine.attention import AttentionMetadata
 from stride.engine.cuda_graphs import DecodeGraphs
+from stride.engine.kernels.decode_attention import decode_kernel_supported
 from stride.engine.kv_cache import KVCache
 from stride.engine.model import CausalLM
 from stride.engine.sequence import Sequence
 
-MAX_GRAPH_QUERY = 16  # longer chunks (prefills) are cheaper as one eager pass than as rows
+MAX_GRAPH_QUERY = 16  # longer spans (prefill chunks) are cheaper as one eager pass than as rows
 
 
 @dataclass
-class Chunk:
+class Span:
     seq: Sequence
     token_ids: list[int]
     num_logits: int  # logits for the last `num_logits` tokens (0 = none, mid-prefill)
     positions: list[int] | None = None  # default: num_cached, num_cached + 1, ...
-    # [n, w] bool: what the chunk's n tokens see of the last w (>= n) slots of their context,
+    # [n, w] bool: what the span's n tokens see of the last w (>= n) slots of their context,
     # which end with their own; the slots before those are seen whole. Default: causal.
     mask: torch.Tensor | None = None
     offset: int = 0  # the tokens start this far past num_cached (a later step of decode_steps)
@@ -109,27 +110,27 @@ class ModelRunner:
             )
 
     @torch.inference_mode()
-    def forward(self, chunks: list[Chunk], num_layers: int | None = None) -> list[torch.Tensor]:
-        """Score all chunks in one pass; returns each chunk's [num_logits, vocab] fp32 logits."""
+    def forward(self, spans: list[Span], num_layers: int | None = None) -> list[torch.Tensor]:
+        """Score all spans in one pass; returns each span's [num_logits, vocab] fp32 logits."""
         graphs = self.graphs
         if graphs is None or num_layers not in (None, self.model.num_layers):
-            return self._forward_eager(chunks, num_layers)
-        out: list[torch.Tensor | None] = [None] * len(chunks)
+            return self._forward_eager(spans, num_layers)
+        out: list[torch.Tensor | None] = [None] * len(spans)
         group: list[int] = []
         rows = 0
-        for i, c in enumerate(chunks):
+        for i, c in enumerate(spans):
             if not self._graphable(c):
                 continue
             if rows + len(c.token_ids) > graphs.max_batch:
-                self._forward_graph(chunks, group, out)
+                self._forward_graph(spans, group, out)
                 group, rows = [], 0
             group.append(i)
             rows += len(c.token_ids)
         if group:
-            self._forward_graph(chunks, group, out)
+            self._forward_graph(spans, group, out)
         rest = [i for i, o in enumerate(out) if o is None]
         if rest:
-            eager = self._forward_eager([chunks[i] for i in rest], num_layers)
+            eager = self._forward_eager([spans[i] for i in rest], num_layers)
             for i, logits in zip(rest, eager, strict=True):
                 out[i] = logits
         return out  # type: ignore[return-value]
@@ -174,14 +175,14 @@ class ModelRunner:
             tokens = tokens[torch.tensor(rows, device=tokens.device)]
         sampled = []
         for s in range(steps):
-            # One placeholder token per chunk: the ids themselves come from `tokens`.
-            chunks = [Chunk(seq, [0], 1, offset=offset + s) for seq in seqs]
-            tokens = sample(torch.cat(self._forward_eager(chunks, None, tokens)))
+            # One placeholder token per span: the ids themselves come from `tokens`.
+            spans = [Span(seq, [0], 1, offset=offset + s) for seq in seqs]
+            tokens = sample(torch.cat(self._forward_eager(spans, None, tokens)))
             sampled.append(tokens)
         return SampledTokens(torch.stack(sampled))
 
-    def _graphable(self, c: Chunk) -> bool:
-        """Short causal chunks replay as graph rows: a decode token, K drafts, a Jacobi window."""
+    def _graphable(self, c: Span) -> bool:
+        """Short causal spans replay as graph rows: a decode token, K drafts, a Jacobi window."""
         return (
             c.mask is None
             and len(c.token_ids) <= MAX_GRAPH_QUERY
@@ -189,77 +190,77 @@ class ModelRunner:
         )
 
     def _forward_eager(
-        self, chunks: list[Chunk], num_layers: int | None, tokens: torch.Tensor | None = None
+        self, spans: list[Span], num_layers: int | None, tokens: torch.Tensor | None = None
     ) -> list[torch.Tensor]:
-        """`tokens`, if given, replaces the chunks' token ids (already on the device)."""
-        meta, packed, positions, rows = prepare(chunks, self.cache.block_size, self.device)
+        """`tokens`, if given, replaces the spans' token ids (already on the device)."""
+        meta, packed, positions, rows = prepare(spans, self.cache.block_size, self.device)
         tokens = packed if tokens is None else tokens
         kv = (self.cache.k, self.cache.v)
-        if num_layers is None and self._wants_features(chunks):
+        if num_layers is None and self._wants_features(spans):
             hidden, aux = self.forward_fn(tokens, positions, kv, meta, aux=self.aux_layers)
-            _hand_out(chunks, range(len(chunks)), aux)
+            _hand_out(spans, range(len(spans)), aux)
         else:
             hidden = self.forward_fn(tokens, positions, kv, meta, num_layers)
         logits = self.model.logits(hidden[rows])
-        return list(logits.split([c.num_logits for c in chunks]))
+        return list(logits.split([c.num_logits for c in spans]))
 
-    def _wants_features(self, chunks: list[Chunk]) -> bool:
-        return bool(self.aux_layers) and any(c.seq.features is not None for c in chunks)
+    def _wants_features(self, spans: list[Span]) -> bool:
+        return bool(self.aux_layers) and any(c.seq.features is not None for c in spans)
 
     def _forward_graph(
-        self, chunks: list[Chunk], group: list[int], out: list[torch.Tensor | None]
+        self, spans: list[Span], group: list[int], out: list[torch.Tensor | None]
     ) -> None:
-        """Replay the decode graph with one row per token of the grouped chunks.
+        """Replay the decode graph with one row per token of the grouped spans.
 
-        Token i of a chunk is a decode row whose context ends at itself: every layer writes all
-        rows' K/V before any row attends, so row i sees rows 0..i-1 of its chunk, which is
-        exactly causal attention over the chunk.
+        Token i of a span is a decode row whose context ends at itself: every layer writes all
+        rows' K/V before any row attends, so row i sees rows 0..i-1 of its span, which is
+        exactly causal attention over the span.
         """
         tokens: list[int] = []
         positions: list[int] = []
         lengths: list[int] = []
         tables: list[list[int]] = []
         for i in group:
-            c = chunks[i]
+            c = spans[i]
             start, n = c.seq.num_cached + c.offset, len(c.token_ids)
             tokens += c.token_ids
             positions += c.positions or range(start, start + n)
             lengths += range(start + 1, start + n + 1)
             tables += [c.seq.block_table] * n
-        features = self._wants_features([chunks[i] for i in group])
+        features = self._wants_features([spans[i] for i in group])
         logits = self.graphs.run(tokens, positions, lengths, tables, aux=features)
         if features:
-            _hand_out(chunks, group, self.graphs.aux[: len(tokens)])
+            _hand_out(spans, group, self.graphs.aux[: len(tokens)])
         offset = 0
         for i in group:
-            c = chunks[i]
+            c = spans[i]
             offset += len(c.token_ids)
             out[i] = logits[offset - c.num_logits : offset]
 
 
-def _hand_out(chunks: list[Chunk], which, aux: torch.Tensor) -> None:
-    """Append each listed chunk's rows of `aux` (packed in chunk order) to its sequence's
+def _hand_out(spans: list[Span], which, aux: torch.Tensor) -> None:
+    """Append each listed span's rows of `aux` (packed in span order) to its sequence's
     `features`, as a copy (a graph's buffer is overwritten by the next replay)."""
     offset = 0
     for i in which:
-        c = chunks[i]
+        c = spans[i]
         n = len(c.token_ids)
         if c.seq.features is not None:
             c.seq.features.append(aux[offset : offset + n].clone())
         offset += n
 
 
-def prepare(chunks: list[Chunk], bs: int, dev: torch.device):
+def prepare(spans: list[Span], bs: int, dev: torch.device):
     """The padded attention layout of a ragged batch: (metadata, token ids, positions, the
     rows whose logits are wanted). `bs` is the KV cache's block size."""
-    n_q = [len(c.token_ids) for c in chunks]
-    starts = [c.seq.num_cached + c.offset for c in chunks]
+    n_q = [len(c.token_ids) for c in spans]
+    starts = [c.seq.num_cached + c.offset for c in spans]
     n_ctx = [s + n for s, n in zip(starts, n_q, strict=True)]
-    b, q_max, l_max = len(chunks), max(n_q), max(n_ctx)
+    b, q_max, l_max = len(spans), max(n_q), max(n_ctx)
 
     tokens, positions, rows = [], [], []
     offset = 0
-    for c, start, n in zip(chunks, starts, n_q, strict=True):
+    for c, start, n in zip(spans, starts, n_q, strict=True):
         tokens.extend(c.token_ids)
         positions.extend(c.positions or range(start, start + n))
         rows.extend(range(offset + n - c.num_logits, offset + n))
@@ -267,7 +268,7 @@ def prepare(chunks: list[Chunk], bs: int, dev: torch.device):
 
     n_blocks = -(-l_max // bs)
     table = torch.zeros(b, n_blocks, dtype=torch.long)
-    for i, c in enumerate(chunks):
+    for i, c in enumerate(spans):
         used = c.seq.block_table[: -(-n_ctx[i] // bs)]
         table[i, : len(used)] = torch.tensor(used, dtype=torch.long)
     kv_slots = (table[:, :, None] * bs + torch.arange(bs)).view(b, -1)[:, :l_max]
@@ -279,13 +280,13 @@ def prepare(chunks: list[Chunk], bs: int, dev: torch.device):
     first_token = torch.cumsum(n_q_t, 0) - n_q_t
     q_index = torch.where(q_valid, first_token[:, None] + q_pos[None, :], 0)
     place = starts_t[:, None] + q_pos[None, :]  # [B, Q]: each query's place in its context
-    # Each scored token's K/V goes to the slot of its place, chunk after chunk.
+    # Each scored token's K/V goes to the slot of its place, span after span.
     slots = kv_slots.gather(1, place.clamp(max=l_max - 1))[q_valid]
 
-    # Causal by default: query i of a chunk sees cached slots and chunk tokens up to itself.
+    # Causal by default: query i of a span sees cached slots and span tokens up to itself.
     k_pos = torch.arange(l_max)
     mask = k_pos[None, None, :] <= place[:, :, None]
-    for i, c in enumerate(chunks):
+    for i, c in enumerate(spans):
         if c.mask is not None:
             end, n, w = n_ctx[i], n_q[i], c.mask.shape[1]
             mask[i, :n, end - w : end] = c.mask

@@ -53,6 +53,8 @@ class ModelInfo:
     device: str  # e.g. "cpu", "cuda:0"; this and the rest: for the ready line
     dtype: str  # e.g. "float32"
     kv_tokens: int  # tokens the whole KV cache holds
+    peak_bandwidth: float  # the device's roof (bytes/s, FLOP/s): measured at start, or given
+    peak_flops: float
 
     @classmethod
     def of(cls, core: EngineCore) -> ModelInfo:
@@ -67,6 +69,8 @@ class ModelInfo:
             device=str(engine.device),
             dtype=str(engine.dtype).removeprefix("torch."),
             kv_tokens=cache.num_usable_blocks * cache.block_size,
+            peak_bandwidth=engine.peaks.bandwidth,
+            peak_flops=engine.peaks.flops,
         )
 
 
@@ -169,6 +173,7 @@ def _joined(a: RequestOutput, b: RequestOutput) -> RequestOutput:
         decoder_stats=b.decoder_stats or a.decoder_stats,
         prompt_logprobs=a.prompt_logprobs if a.prompt_logprobs is not None else b.prompt_logprobs,
         timings=b.timings or a.timings,
+        timeline=b.timeline or a.timeline,
     )
 
 

@@ -9,7 +9,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from stride.decoders.sampling import TokenLogprob
+from stride.engine.roofline import StepLoad
 from stride.engine.sequence import SamplingParams
+from stride.scheduler.timeline import Timeline
 
 
 @dataclass
@@ -22,6 +24,7 @@ class GenerateRequest:
     priority: int = 0  # lower runs first; ties in arrival order
     timeout: float | None = None  # seconds from arrival until the request fails with 'deadline'
     user: str | None = None
+    trace: bool = False  # keep its timeline for an OpenTelemetry trace (`Timeline`)
 
 
 @dataclass
@@ -50,6 +53,7 @@ class RequestOutput:
     timings: dict[str, float] = field(default_factory=dict)
     # (first output) SamplingParams.prompt_logprobs: one per prompt token, the first one None
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    timeline: Timeline | None = None  # (final output of a traced request) its path, for spans
 
     @property
     def finished(self) -> bool:
@@ -68,6 +72,7 @@ class StepStats:
     num_preemptions: int  # since the start
     prefix_cache_queries: int = 0  # since the start: prompt tokens looked up at first admission
     prefix_cache_hits: int = 0  # since the start: of those, tokens found in the prefix cache
+    load: StepLoad = field(default_factory=StepLoad)  # what the step asked of the device
 
 
 class QueueFull(RuntimeError):

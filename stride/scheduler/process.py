@@ -27,16 +27,14 @@ import queue
 import signal
 import threading
 import time
-from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
-from stride.decoders.registry import DecodersConfig, build_decoders
-from stride.engine.engine import Engine, EngineConfig
+from stride.engine.roofline import StepLoad
 from stride.scheduler.client import BaseClient, EngineDead, ModelInfo, admit, settle
-from stride.scheduler.core import EngineCore
+from stride.scheduler.core import CoreConfig, EngineCore
 from stride.scheduler.outputs import (
     GenerateRequest,
     QueueFull,
@@ -44,7 +42,6 @@ from stride.scheduler.outputs import (
     RequestRejected,
     StepStats,
 )
-from stride.scheduler.policy import SchedulerConfig
 from stride.scheduler.supervision import RestartBudget, SupervisionConfig
 
 log = logging.getLogger(__name__)
@@ -54,23 +51,16 @@ HEARTBEAT_S = 1.0  # the longest a stepping engine stays silent on a pipe
 
 def _reduce_output(out: RequestOutput) -> tuple[type, tuple]:
     """A RequestOutput as its field values in order (every field is an __init__ argument),
-    not the default pickled __dict__: per 256-output step, 195 instead of 290 us to pickle
-    and 170 instead of 365 us to unpickle."""
+    not the default pickled __dict__: about half the time to pickle and unpickle a step's
+    outputs (docs/BENCHMARKS.md, "Design choices")."""
     return RequestOutput, tuple(out.__dict__.values())
 
 
 ForkingPickler.register(RequestOutput, _reduce_output)  # what Connection.send pickles with
 
 
-@dataclass
-class EngineProcessConfig:
-    engine: EngineConfig
-    scheduler: SchedulerConfig
-    decoders: DecodersConfig
-
-
 def start_engine_process(
-    config: EngineProcessConfig, num_pipes: int = 1
+    config: CoreConfig, num_pipes: int = 1
 ) -> tuple[BaseProcess, list[Connection]]:
     """Spawn the engine process with one pipe per API process; returns it and our pipe ends.
 
@@ -98,7 +88,7 @@ class ProcessEngineClient(BaseClient):
         self,
         conn: Connection,
         process: BaseProcess | None = None,
-        config: EngineProcessConfig | None = None,
+        config: CoreConfig | None = None,
         updates: Connection | None = None,
         supervision: SupervisionConfig | None = None,
     ) -> None:
@@ -119,7 +109,7 @@ class ProcessEngineClient(BaseClient):
 
     @classmethod
     def start(
-        cls, config: EngineProcessConfig, supervision: SupervisionConfig | None = None
+        cls, config: CoreConfig, supervision: SupervisionConfig | None = None
     ) -> ProcessEngineClient:
         process, (conn,) = start_engine_process(config)
         return cls(conn, process, config, supervision=supervision)
@@ -308,14 +298,13 @@ def _rejection(error: tuple[str, str, str, str | None] | None) -> Exception | No
 # ---- the engine process -------------------------------------------------------------------------
 
 
-def _main(config: EngineProcessConfig, conns: list[Connection]) -> None:
+def _main(config: CoreConfig, conns: list[Connection]) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the server drains first, then stops us
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     pipes = _Pipes(conns)
     try:
         run_setup(os.environ.get("STRIDE_ENGINE_SETUP"))
-        engine = Engine(config.engine)
-        core = EngineCore(engine, config.scheduler, build_decoders(engine, config.decoders))
+        core = config.build()
     except Exception as e:
         log.exception("loading the model failed")
         pipes.broadcast(("failed", f"{type(e).__name__}: {e}"))
@@ -351,7 +340,9 @@ def _loop(core: EngineCore, pipes: _Pipes) -> None:
             elif kind == "abort":
                 out = core.abort(payload)
                 if out is not None:
-                    idle = dataclasses.replace(core.stats(), batch_size=0, num_tokens=0)
+                    idle = dataclasses.replace(
+                        core.stats(), batch_size=0, num_tokens=0, load=StepLoad()
+                    )
                     pipes.send_outputs([out], idle, 0.0, core)  # gauges see the freed KV at once
             else:
                 key, requests = payload

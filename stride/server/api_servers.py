@@ -39,10 +39,11 @@ from multiprocessing.process import BaseProcess
 from types import FrameType
 
 from stride.metrics import MULTIPROC_ENV
-from stride.scheduler.process import EngineProcessConfig, run_setup, start_engine_process
+from stride.scheduler.core import CoreConfig
+from stride.scheduler.process import run_setup, start_engine_process
 from stride.scheduler.supervision import RestartBudget, SupervisionConfig
 from stride.server.app import ServerConfig
-from stride.server.cli import run_server, setup_logging
+from stride.server.http_server import run_server, setup_logging
 
 log = logging.getLogger("stride")
 
@@ -54,7 +55,7 @@ def serve_many(args: argparse.Namespace, config: ServerConfig, n: int) -> int:
     sockets = [first] + [listen(args.host, port) for _ in range(n - 1)]
     with tempfile.TemporaryDirectory(prefix="stride-metrics-") as metrics_dir:
         os.environ[MULTIPROC_ENV] = metrics_dir  # before any child imports prometheus_client
-        engine_config = EngineProcessConfig(config.engine, config.scheduler, config.decoders)
+        engine_config = config.core
         engine, conns = start_engine_process(engine_config, n)
         ctx = mp.get_context("spawn")
         updates = [ctx.Pipe() for _ in range(n)]  # (ours, theirs): pipes to restarted engines
@@ -112,7 +113,7 @@ class _Supervisor:
         self,
         servers: list[BaseProcess],
         engine: BaseProcess,
-        engine_config: EngineProcessConfig,
+        engine_config: CoreConfig,
         updates: list[Connection],
         supervision: SupervisionConfig,
     ) -> None:

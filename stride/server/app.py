@@ -30,22 +30,24 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from stride import drafts
-from stride.decoders.registry import DecodersConfig, build_decoders
-from stride.engine.engine import Engine, EngineConfig
+from stride.decoders.base import DecodersConfig
+from stride.engine.engine import EngineConfig
 from stride.engine.loader import served_name
 from stride.metrics import PROBES, Metrics, MetricsMiddleware
 from stride.scheduler.client import BaseClient, EngineClient
-from stride.scheduler.core import EngineCore
+from stride.scheduler.core import CoreConfig
 from stride.scheduler.policy import SchedulerConfig
-from stride.scheduler.process import EngineProcessConfig, ProcessEngineClient
+from stride.scheduler.process import ProcessEngineClient
 from stride.scheduler.supervision import SupervisionConfig
 from stride.server import errors
 from stride.server import schemas as s
 from stride.server.auth import APIKeyMiddleware
 from stride.server.errors import APIError
-from stride.server.serving import Serving, off_loop
+from stride.server.requests import off_loop
+from stride.server.serving import Serving
 from stride.server.streaming import ClientGone
 from stride.server.tools import Tools
+from stride.tracing import Tracing, disabled
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +71,11 @@ class ServerConfig:
     engine_conn: Connection | None = None
     engine_updates: Connection | None = None
     step_metrics: bool = True
+    otlp_traces_endpoint: str | None = None  # request traces over OTLP (`stride.tracing`)
+
+    @property
+    def core(self) -> CoreConfig:
+        return CoreConfig(self.engine, self.scheduler, self.decoders)
 
 
 class Phase(enum.Enum):
@@ -186,17 +193,10 @@ def build_client(config: ServerConfig) -> BaseClient:
         return ProcessEngineClient(
             config.engine_conn, updates=config.engine_updates, supervision=config.supervision
         )
+    core = config.core
     if use_engine_process(config):
-        return ProcessEngineClient.start(
-            EngineProcessConfig(config.engine, config.scheduler, config.decoders),
-            config.supervision,
-        )
-
-    def build() -> EngineCore:
-        engine = Engine(config.engine)
-        return EngineCore(engine, config.scheduler, build_decoders(engine, config.decoders))
-
-    return EngineClient(build(), rebuild=build, supervision=config.supervision)
+        return ProcessEngineClient.start(core, config.supervision)
+    return EngineClient(core.build(), rebuild=core.build, supervision=config.supervision)
 
 
 def use_engine_process(config: ServerConfig) -> bool:
@@ -228,8 +228,9 @@ def create_app(config: ServerConfig | None = None) -> FastAPI:
             if config.step_metrics:
                 client.on_step = metrics.on_step
                 client.on_restart = metrics.engine_restarted
+                metrics.set_peaks(client.model.peak_bandwidth, client.model.peak_flops)
             client.on_give_up = lambda why: loop.call_soon_threadsafe(_failed, why)
-            app.state.serving = Serving(client, config.decoders.default, metrics)
+            app.state.serving = Serving(client, config.decoders.default, metrics, tracing)
             if lifecycle.phase is Phase.LOADING:
                 lifecycle.phase = Phase.READY
             if lifecycle.on_ready is not None:  # before the loop serves anything more
@@ -250,6 +251,8 @@ def create_app(config: ServerConfig | None = None) -> FastAPI:
                 stats.cancel()
             if lifecycle.client is not None:
                 lifecycle.client.shutdown()
+            if tracing is not None:
+                tracing.shutdown()
 
     app = FastAPI(
         title="Stride",
@@ -273,6 +276,11 @@ def create_app(config: ServerConfig | None = None) -> FastAPI:
         spec_tokens=decoders.num_speculative_tokens,
         eagle=head is not None,
     )
+    tracing = None
+    if config.otlp_traces_endpoint and not disabled():
+        tracing = Tracing(config.otlp_traces_endpoint)
+        log.info("tracing requests to %s", tracing.endpoint)
+    app.state.tracing = tracing
     errors.install(app)
     app.add_exception_handler(ClientGone, _client_gone)
     app.add_middleware(_BodyLimit, limit=config.max_request_body)
@@ -343,7 +351,8 @@ def _routes(app: FastAPI) -> None:
     @app.get("/metrics", include_in_schema=False)
     async def metrics(request: Request):
         m: Metrics | None = request.app.state.metrics
-        body, content_type = m.render() if m is not None else (b"", "text/plain")
+        accept = request.headers.get("accept", "")
+        body, content_type = m.render(accept) if m is not None else (b"", "text/plain")
         return Response(body, media_type=content_type)
 
     @app.get("/v1/models", response_model=s.ModelList, responses=ERRORS)
@@ -354,13 +363,13 @@ def _routes(app: FastAPI) -> None:
     @app.get("/v1/models/{model:path}", response_model=s.ModelCard, responses=ERRORS)
     async def model(model: str, srv: Model):
         """One model's card (the SDK's `models.retrieve`); names may hold slashes."""
-        srv.check_model(model)
+        srv.inputs.check_model(model)
         return s.ModelCard(id=srv.model_name, max_model_len=srv.max_model_len)
 
     @app.get("/tokenizer_info", response_model=s.TokenizerInfo, responses=ERRORS)
     async def tokenizer_info(srv: Model):
         """The tokenizer's settings, as vLLM's route says them (lm-eval's remote tokenizer)."""
-        return srv.tokenizer_info()
+        return srv.inputs.tokenizer_info()
 
     @app.post(
         "/v1/completions",
@@ -380,27 +389,27 @@ def _routes(app: FastAPI) -> None:
 
     @app.post("/tokenize", response_model=s.TokenizeResponse, responses=ERRORS)
     async def tokenize(body: s.TokenizeRequest, srv: Model):
-        srv.check_model(body.model)
+        inputs = srv.inputs
+        inputs.check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise APIError("invalid_request", "give exactly one of 'prompt' and 'messages'")
         if body.prompt is not None:
             prompt = body.prompt
             ids = await off_loop(
-                lambda: srv.encode(prompt, special=body.add_special_tokens), len(prompt)
+                lambda: inputs.encode(prompt, special=body.add_special_tokens), len(prompt)
             )
         else:
             messages = body.messages
             size = sum(len(str(m.content or "")) for m in messages)
             tools = None
             if body.tools:  # as a chat request with these tools would show them
-                functions = [t.function for t in body.tools]
-                tools = Tools(functions, "auto")
-            text = await off_loop(lambda: srv.render_chat(messages, tools), size)
-            ids = await off_loop(lambda: srv.encode(text, special=False), len(text))
+                tools = Tools([t.function for t in body.tools], "auto")
+            text = await off_loop(lambda: inputs.render_chat(messages, tools), size)
+            ids = await off_loop(lambda: inputs.encode(text, special=False), len(text))
         return s.TokenizeResponse(tokens=ids, count=len(ids), max_model_len=srv.max_model_len)
 
     @app.post("/detokenize", response_model=s.DetokenizeResponse, responses=ERRORS)
     async def detokenize(body: s.DetokenizeRequest, srv: Model):
-        srv.check_model(body.model)
-        srv.check_ids(body.tokens, "tokens")
-        return s.DetokenizeResponse(prompt=srv.decode(body.tokens))
+        srv.inputs.check_model(body.model)
+        srv.inputs.check_ids(body.tokens, "tokens")
+        return s.DetokenizeResponse(prompt=srv.inputs.decode(body.tokens))

@@ -20,24 +20,18 @@ import json
 import logging
 import os
 import re
-import signal
-import socket
 import sys
-import time
 from pathlib import Path
-from types import FrameType
 from typing import TYPE_CHECKING, NoReturn
 
-import uvicorn
+from stride.decoders import catalog
+from stride.server.http_server import run_server, setup_logging
 
 if TYPE_CHECKING:
-    from fastapi import FastAPI
 
-    from stride.server.app import Lifecycle, ServerConfig
+    from stride.server.app import ServerConfig
 
 log = logging.getLogger("stride")
-STARTED = time.monotonic()  # the ready line says how long the start took
-LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
@@ -89,6 +83,14 @@ def parse_speculative_config(text: str) -> dict:
             raise argparse.ArgumentTypeError("num_speculative_tokens must be in [0, 16]")
         out["num_speculative_tokens"] = k
     return out
+
+
+def positive_float(text: str) -> float:
+    """A number above 0, e.g. `3.35e12`."""
+    value = float(text)
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"want a number above 0, got {text!r}")
+    return value
 
 
 def model_path(text: str) -> str:
@@ -255,10 +257,15 @@ def build_parser() -> argparse.ArgumentParser:
           float)  # fmt: skip
     _flag(e, "watchdog-timeout", "seconds without an engine step, with requests in flight, "
           "before /health says 503 (stuck)", 30.0, float)  # fmt: skip
+    _flag(e, "peak-bandwidth", "the device's memory bandwidth in bytes/s (read plus written), "
+          "the roofline's slope", type=positive_float, shown="measured at start")  # fmt: skip
+    _flag(e, "peak-flops", "the device's compute peak in FLOP/s in the engine's dtype, the "
+          "roofline's ceiling", type=positive_float, shown="measured at start")  # fmt: skip
 
     d = p.add_argument_group("decoders")
-    _flag(d, "decoder", 'default decoder: a name or JSON like \'{"type": "speculative"}\'', "ar",
-          parse_decoder)  # fmt: skip
+    names = " | ".join(catalog.DECODERS)
+    _flag(d, "decoder", f'default decoder: {names}, or JSON like \'{{"type": "speculative"}}\'',
+          catalog.AR, parse_decoder)  # fmt: skip
     _flag(d, "draft-model", "speculative decoding's draft model, or an EAGLE head directory",
           type=model_path, shown="the head shipped for the served model, if any")  # fmt: skip
     _flag(d, "speculative-config", 'vLLM\'s JSON, e.g. \'{"method": "eagle3", "model": DIR, '
@@ -281,6 +288,9 @@ def build_parser() -> argparse.ArgumentParser:
           shown="1 on CPU; on CUDA one per 4 cores, at most 4")  # fmt: skip
     _flag(h, "log-level", "debug, info, warning or error (info: one line per request)", "info",
           choice("debug", "info", "warning", "error"))  # fmt: skip
+    _flag(h, "otlp-traces-endpoint", "send a trace of every request over OTLP to this URL, e.g. "
+          "http://localhost:4318/v1/traces (needs stride[tracing]; OTEL_* variables apply)",
+          shown="none: no tracing")  # fmt: skip
     from stride.train.cli import add_parser as add_train_parser
 
     add_train_parser(sub)
@@ -306,6 +316,8 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
             gpu_memory_utilization=args.gpu_memory_utilization,
             max_model_len=args.max_model_len,
             enable_prefix_caching=args.enable_prefix_caching,
+            peak_bandwidth=args.peak_bandwidth,
+            peak_flops=args.peak_flops,
         ),
         scheduler=SchedulerConfig(
             max_num_seqs=args.max_num_seqs,
@@ -331,80 +343,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
             watchdog_timeout=args.watchdog_timeout,
         ),
         max_request_body=args.max_request_body,
-    )
-
-
-class DrainingServer(uvicorn.Server):
-    """uvicorn, with a first signal that drains instead of closing the socket, and one ready
-    line once the model serves and the socket listens (uvicorn's own "running" is dropped:
-    it comes while the model still loads).
-
-    `only_sigterm`: one of several API processes, which a terminal's Ctrl-C reaches too; their
-    parent turns it into one SIGTERM each, so a SIGINT of their own is ignored.
-    """
-
-    def __init__(
-        self,
-        config: uvicorn.Config,
-        app: FastAPI,
-        timeout: float,
-        only_sigterm: bool = False,
-    ) -> None:
-        super().__init__(config)
-        self.app = app
-        self.lifecycle: Lifecycle = app.state.lifecycle
-        self.timeout = timeout
-        self.only_sigterm = only_sigterm
-        self.deadline: float | None = None
-        self.failed = False
-        self.announced = not app.state.config.step_metrics  # one API process of several says it
-
-    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        if self.only_sigterm and sig != signal.SIGTERM:
-            return
-        if self.deadline is None and not self.should_exit:
-            log.warning(
-                "%s: draining %d requests (at most %.0f s)",
-                signal.Signals(sig).name,
-                self.lifecycle.in_flight,
-                self.timeout,
-            )
-            self.lifecycle.begin_drain()
-            self.deadline = time.monotonic() + self.timeout
-        else:
-            self.should_exit = self.force_exit = True
-
-    def announce(self) -> None:
-        """The ready line, once the model serves and the socket listens (the app calls this as
-        the model becomes ready, before it serves a request; `on_tick` if the socket was not
-        bound yet then)."""
-        if not self.announced and self.started and self.lifecycle.client is not None:
-            self.announced = True
-            log.info("%s", ready_line(self.app, self.url()))
-
-    async def on_tick(self, counter: int) -> bool:
-        self.announce()
-        if self.deadline is not None and not self.should_exit:
-            if self.lifecycle.idle:
-                self.should_exit = True
-            elif time.monotonic() >= self.deadline:
-                log.warning("shutdown timeout: %d requests cut off", self.lifecycle.in_flight)
-                self.should_exit = True
-        return await super().on_tick(counter)
-
-    def url(self) -> str:
-        host, port = self.servers[0].sockets[0].getsockname()[:2]
-        return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
-
-
-def ready_line(app: FastAPI, url: str) -> str:
-    """What a person starting the server wants to read once it serves."""
-    info = app.state.lifecycle.client.model
-    decoders = ", ".join(app.state.metrics.strategies)
-    return (
-        f"ready on {url}: {info.name} on {info.device} ({info.dtype}), KV cache "
-        f"{info.kv_tokens:,} tokens, context {info.max_model_len:,} tokens; decoders: "
-        f"{decoders}; started in {time.monotonic() - STARTED:.1f} s"
+        otlp_traces_endpoint=args.otlp_traces_endpoint,
     )
 
 
@@ -419,6 +358,12 @@ def check(args: argparse.Namespace) -> str | None:
         args.api_servers < 1 or (args.api_servers > 1 and args.engine_process is False)
     ):
         return f"--api-servers {args.api_servers}: give 1, or more with the engine process"
+    if args.otlp_traces_endpoint:
+        from stride.tracing import unavailable
+
+        problem = unavailable()
+        if problem is not None:
+            return f"--otlp-traces-endpoint: {problem}"
     from stride.decoders.base import DecoderError
     from stride.decoders.registry import parse_spec
 
@@ -439,7 +384,7 @@ def serve(args: argparse.Namespace) -> int:
     config = server_config(args)  # imports torch and the rest: seconds
     n = args.api_servers or default_api_servers(config)
     if n > 1:
-        from stride.server.api_servers import serve_many  # it imports this module
+        from stride.server.api_servers import serve_many
 
         return serve_many(args, config, n)
     return run_server(args, config)
@@ -447,59 +392,14 @@ def serve(args: argparse.Namespace) -> int:
 
 def default_api_servers(config: ServerConfig) -> int:
     """One API process where the engine thread shares it (CPU); on CUDA one per 4 cores, at
-    most 4: one asyncio process streams about half of what the engine makes at 256 streams on
-    an H200, and the engine process, tokenizers and the OS need cores too."""
+    most 4: one asyncio process streams less than the engine makes at 256 streams
+    (docs/BENCHMARKS.md), and the engine process, tokenizers and the OS need cores too."""
     from stride.server.app import use_engine_process
 
     if not use_engine_process(config):
         return 1
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return max(1, min(4, (cores or 1) // 4))
-
-
-class _NotYetServing(logging.Filter):
-    """uvicorn says it is running, and its startup complete, as soon as the socket is bound;
-    the model is still loading then. Stride's own ready line comes when requests work."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith(("Uvicorn running on", "Application startup"))
-
-
-def setup_logging(args: argparse.Namespace) -> None:
-    """One format for Stride's lines and uvicorn's (uvicorn is told not to set up its own)."""
-    logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT)
-    logging.getLogger("uvicorn.error").addFilter(_NotYetServing())
-
-
-def run_server(
-    args: argparse.Namespace,
-    server_config: ServerConfig,
-    sockets: list[socket.socket] | None = None,
-) -> int:
-    """Serve on `args.host:args.port`, or on `sockets` (one API process of several)."""
-    from stride.server.app import create_app
-
-    app = create_app(server_config)
-    config = uvicorn.Config(
-        app,
-        host=args.host,
-        port=args.port,
-        log_level=args.log_level.lower(),
-        log_config=None,  # uvicorn's loggers reach the root handler: Stride's format
-        timeout_graceful_shutdown=2,
-        access_log=False,  # Stride's access line has the decoder and tokens too
-    )
-    only_sigterm = sockets is not None
-    server = DrainingServer(config, app, args.shutdown_timeout, only_sigterm)
-
-    def failed(message: str) -> None:
-        log.error("cannot serve: %s", message)
-        server.failed = server.should_exit = True
-
-    app.state.lifecycle.on_failure = failed
-    app.state.lifecycle.on_ready = server.announce
-    server.run(sockets=sockets)
-    return 1 if server.failed else 0
 
 
 def main(argv: list[str] | None = None) -> int:

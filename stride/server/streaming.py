@@ -25,6 +25,7 @@ from stride.metrics import Metrics
 from stride.scheduler.client import BaseClient, Submission, child, coalesce
 from stride.scheduler.outputs import GenerateRequest, RequestOutput
 from stride.server.errors import APIError
+from stride.tracing import RequestTrace
 
 T = TypeVar("T")
 
@@ -39,8 +40,10 @@ class Generation:
         n: int,
         metrics: Metrics | None = None,
         deadline: float | None = None,
+        trace: RequestTrace | None = None,
     ) -> None:
         self._client = client
+        self._trace = trace
         self._deadline = deadline  # time.monotonic() when the request's timeout runs out
         self._children = [
             child(req, req.request_id if n == 1 else f"{req.request_id}-{j}", j)
@@ -49,8 +52,9 @@ class Generation:
         ]
         self._index = {c.request_id: i for i, c in enumerate(self._children)}
         self._n = n
+        trace_id = None if trace is None else trace.trace_id
         self._trackers = (
-            [metrics.track(r.decoder, r.user, r.decoder_options) for r in requests]
+            [metrics.track(r.decoder, r.user, r.decoder_options, trace_id) for r in requests]
             if metrics
             else []
         )
@@ -78,7 +82,9 @@ class Generation:
                 outs = await self._next()
                 self._early += outs
                 waiting -= {self._index[o.request_id] // self._n for o in outs}
-        except BaseException:
+        except BaseException as e:
+            if self._trace is not None:
+                self._trace.refused(e)
             self.close()
             raise
 
@@ -93,6 +99,10 @@ class Generation:
         if self._trackers:
             for out in outs:
                 self._trackers[self._index[out.request_id] // self._n].observe(out)
+        if self._trace is not None:
+            for out in outs:
+                if out.finished:
+                    self._trace.finished(out)
         return outs
 
     async def batches(self) -> AsyncIterator[list[tuple[int, RequestOutput]]]:
@@ -122,6 +132,8 @@ class Generation:
             self._sub.close()
         for tracker in self._trackers:
             tracker.close()
+        if self._trace is not None:
+            self._trace.end()
 
 
 def _late(when: str) -> APIError:

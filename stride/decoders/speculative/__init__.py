@@ -1,0 +1,7 @@
+"""Speculative decoding, one idea per module: `decoder` (the `Decoder`), `policy` (adaptive K)
+and its `costs` model, `verify` (chains and trees), `state` (per sequence), `drafters` and
+`eagle` (who drafts), `tree` (draft trees)."""
+
+from stride.decoders.speculative.decoder import Speculative, SpeculativeOptions
+
+__all__ = ["Speculative", "SpeculativeOptions"]

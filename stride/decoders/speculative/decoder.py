@@ -1,0 +1,454 @@
+"""Speculative decoding: a cheap drafter guesses K tokens, the target checks them in one pass.
+
+Request options (`{"type": "speculative", ...}`):
+    draft: "ngram" | "early_exit" | "eagle" (with an EAGLE head) | the server's draft model name
+        (default: the EAGLE head if the server has one, else its draft model, else "ngram")
+    num_speculative_tokens: the most drafts per step, K (default: the server's setting)
+    adaptive: let the policy pick K per step (default true); false always drafts K
+    exit_layer: early_exit only, how many target layers draft (default: half of them)
+    ngram_max: ngram only, the longest suffix looked up (default 3)
+    tree_nodes, tree_topk: eagle only, draft a tree (greedy requests) instead of a chain
+
+Step by step: `extra_tokens` asks the policy (`policy.AdaptivePolicy`) for the sequence's K (the
+scheduler reserves KV for it); `propose` drafts for all speculative sequences of the step in
+batched drafter forwards (`drafters`, `eagle`); the target scores the tail's last token and the
+K drafts inside the step's shared ragged forward; `commit` verifies (`verify`). Accepted drafts
+keep their target KV (`kv_keep`, or `kv_from` for a tree's path), the drafter rolls its own state
+back. Where the policy says K = 0 for everyone (a quiet step), every hook does what `ar` does.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from pydantic import Field
+
+from stride import drafts
+from stride.decoders import grammar, sampling
+from stride.decoders.autoregressive import sample_one_each
+from stride.decoders.base import (
+    Burst,
+    Commit,
+    Decoder,
+    DecoderError,
+    DecodersConfig,
+    Options,
+    Proposal,
+    StepContext,
+    parse_options,
+)
+from stride.decoders.catalog import EAGLE, EARLY_EXIT, NGRAM, SPECULATIVE
+from stride.decoders.speculative.drafters import (
+    Draft,
+    Drafter,
+    DraftModelDrafter,
+    EarlyExitDrafter,
+    NgramDrafter,
+)
+from stride.decoders.speculative.eagle import EagleDrafter
+from stride.decoders.speculative.policy import MAX_K, AdaptivePolicy
+from stride.decoders.speculative.state import SeqState
+from stride.decoders.speculative.tree import Tree
+from stride.decoders.speculative.verify import paths, verify_greedy, verify_sampled
+from stride.engine.eagle_cycles import CycleResult
+from stride.engine.engine import Engine
+from stride.engine.kv_cache import OutOfBlocks
+from stride.engine.sequence import SamplingParams, Sequence, Status
+
+MAX_NGRAM = 8
+MAX_TREE_NODES = 128
+MAX_TREE_TOPK = 16
+_NOTHING = Proposal()  # shared by all sequences of a plain step: nobody mutates a proposal
+
+
+class SpeculativeOptions(Options):
+    """Types and ranges; which drafters exist and how many layers there are is the server's."""
+
+    draft: str | None = Field(
+        None, description="ngram, early_exit, eagle (with an EAGLE head) or the --draft-model"
+    )
+    num_speculative_tokens: int | None = Field(None, ge=0, le=MAX_K)
+    adaptive: bool = True
+    exit_layer: int | None = Field(None, ge=1, description="early_exit: layers that draft")
+    ngram_max: int | None = Field(None, ge=1, le=MAX_NGRAM, description="ngram: longest suffix")
+    tree_nodes: int | None = Field(
+        None, ge=0, le=MAX_TREE_NODES,
+        description="eagle: draft a tree of this many nodes (0: a chain; greedy requests only)",
+    )  # fmt: skip
+    tree_topk: int | None = Field(
+        None, ge=1, le=MAX_TREE_TOPK, description="eagle: children expanded per tree node"
+    )
+
+
+class Speculative(Decoder):
+    name = SPECULATIVE
+    options_model = SpeculativeOptions
+
+    def __init__(
+        self,
+        engine: Engine,
+        draft_model: str | None = None,
+        num_speculative_tokens: int = 4,
+        saturation_tokens: float | None = None,
+        measure_costs: bool = True,
+        draft_head: str | None = None,
+    ) -> None:
+        self.engine = engine
+        self.default_k = num_speculative_tokens
+        saturation = saturation_tokens or (256.0 if engine.device.type == "cuda" else 16.0)
+        self.policy = AdaptivePolicy(saturation, measure_costs)
+        self.draft_model = DraftModelDrafter(engine, draft_model) if draft_model else None
+        self.eagle = EagleDrafter(engine, Path(draft_head)) if draft_head else None
+        self.drafters: dict[tuple, Drafter] = {}  # ngram and early-exit drafters by settings
+
+    @classmethod
+    def from_config(cls, engine: Engine, config: DecodersConfig) -> Speculative:
+        head, model = drafts.pick(config.draft_head, config.draft_model, engine.name)
+        return cls(engine, model, config.num_speculative_tokens, draft_head=head)
+
+    # ---- admission ------------------------------------------------------------------------
+
+    @property
+    def drafter_names(self) -> list[str]:
+        names = [NGRAM, EARLY_EXIT]
+        names += [self.draft_model.name] if self.draft_model else []
+        return names + ([EAGLE] if self.eagle else [])
+
+    def validate(self, params: SamplingParams, options: dict[str, Any]) -> dict[str, Any]:
+        opts = parse_options(SpeculativeOptions, options, "decoder 'speculative'")
+        draft = opts.draft
+        if draft is None:
+            draft = self.draft_model.name if self.draft_model else NGRAM
+            draft = EAGLE if self.eagle else draft
+        if draft not in self.drafter_names:
+            raise DecoderError(
+                f"unknown draft {draft!r}; valid drafters: {', '.join(self.drafter_names)}"
+            )
+        k = self.default_k if opts.num_speculative_tokens is None else opts.num_speculative_tokens
+        out: dict[str, Any] = {
+            "draft": draft,
+            "num_speculative_tokens": k,
+            "adaptive": opts.adaptive,
+        }
+        layers = self.engine.model.num_layers
+        if draft == EARLY_EXIT:
+            exit_layer = max(1, layers // 2) if opts.exit_layer is None else opts.exit_layer
+            if not exit_layer <= layers:
+                raise DecoderError(f"exit_layer must be an integer in [1, {layers}]")
+            out["exit_layer"] = exit_layer
+        elif opts.exit_layer is not None:
+            raise DecoderError("exit_layer applies to draft 'early_exit' only")
+        if draft == NGRAM:
+            out["ngram_max"] = 3 if opts.ngram_max is None else opts.ngram_max
+        elif opts.ngram_max is not None:
+            raise DecoderError("ngram_max applies to draft 'ngram' only")
+        if draft == EAGLE:
+            nodes = opts.tree_nodes or 0
+            # Trees verify greedy requests; a sampled one drafts chains (exact rejection rule).
+            out["tree_nodes"] = nodes if params.greedy else 0
+            out["tree_topk"] = 8 if opts.tree_topk is None else opts.tree_topk
+        elif opts.tree_nodes is not None or opts.tree_topk is not None:
+            raise DecoderError("tree_nodes and tree_topk apply to draft 'eagle' only")
+        return out
+
+    def _drafter(self, options: dict[str, Any]) -> Drafter:
+        draft = options["draft"]
+        if draft == EAGLE:
+            assert self.eagle is not None
+            return self.eagle
+        if draft == NGRAM:
+            key: tuple = (NGRAM, options["ngram_max"])
+        elif draft == EARLY_EXIT:
+            key = (EARLY_EXIT, options["exit_layer"])
+        else:
+            assert self.draft_model is not None
+            return self.draft_model
+        if key not in self.drafters:
+            self.drafters[key] = (
+                NgramDrafter(max_n=key[1])
+                if draft == NGRAM
+                else EarlyExitDrafter(self.engine, key[1])
+            )
+        return self.drafters[key]
+
+    def admit(self, seq: Sequence) -> None:
+        self._drafter(seq.decoder_options).admit(seq)
+
+    def state(self, seq: Sequence) -> SeqState:
+        """`seq`'s speculation state (made on its first step, and again after a preemption)."""
+        if seq.decoder_state is None:
+            seq.decoder_state = SeqState(self._drafter(seq.decoder_options), born=self.policy.steps)
+        return seq.decoder_state
+
+    # ---- propose and commit ---------------------------------------------------------------
+
+    def extra_tokens(self, seq: Sequence, cap: int) -> int:
+        policy, state = self.policy, seq.decoder_state
+        if policy.quiet and state is not None and seq.decoder_options["adaptive"]:
+            state.reserved = 0  # the O(1) path of a quiet step
+            return 0
+        state = self.state(seq)
+        k = policy.plan(seq, state, policy.last_batch)
+        if k and seq.decoder_options["adaptive"]:
+            policy.planned = True
+        k = min(k, cap)
+        state.reserved = state.drafter.available(seq, k) if k else 0
+        nodes = seq.decoder_options.get("tree_nodes", 0)
+        if state.reserved and nodes:  # a tree of depth k: its nodes are scored
+            state.reserved = min(max(nodes, k), cap)
+        policy.reserved = policy.reserved or state.reserved > 0
+        return state.reserved
+
+    def propose(self, seqs: list[Sequence], ctx: StepContext) -> list[Proposal]:
+        policy = self.policy
+        if not policy.begin_step(len(seqs)):  # nothing to draft: a plain step, as `ar` makes it
+            policy.start_timing(seqs, len(seqs), drafted=False)
+            return [_NOTHING] * len(seqs)
+        states = [self.state(s) for s in seqs]
+        ks = policy.plan_step(seqs, states)
+        by_drafter: dict[int, list[int]] = {}
+        for i, st in enumerate(states):
+            by_drafter.setdefault(id(st.drafter), []).append(i)
+        made: list[Draft] = [Draft([]) for _ in seqs]
+        for idx in by_drafter.values():
+            drafter = states[idx[0]].drafter
+            positions = max(ks[i] for i in idx)
+            if not positions:
+                continue
+            start = time.perf_counter()
+            group = self._draft(drafter, [seqs[i] for i in idx], [states[i] for i in idx],
+                                [ks[i] for i in idx], ctx)  # fmt: skip
+            policy.drafter_timed(drafter, time.perf_counter() - start, positions, len(idx))
+            for i, d in zip(idx, group, strict=True):
+                made[i] = d
+        for i, (seq, st) in enumerate(zip(seqs, states, strict=True)):
+            if seq.grammar is not None and made[i].tokens:
+                made[i] = _within_grammar(seq, st, made[i])
+            st.draft = made[i]
+        drafted = any(d.tokens for d in made)
+        policy.start_timing(seqs, len(seqs) + sum(len(d.tokens) for d in made), drafted)
+        return [_proposal(s, st, d) for s, st, d in zip(seqs, states, made, strict=True)]
+
+    def _draft(
+        self,
+        drafter: Drafter,
+        seqs: list[Sequence],
+        states: list[SeqState],
+        ks: list[int],
+        ctx: StepContext,
+    ) -> list[Draft]:
+        """One drafter's drafts for its sequences: chains, and EAGLE trees where asked for."""
+        trees = [
+            i for i, (s, k) in enumerate(zip(seqs, ks, strict=True))
+            if k and s.decoder_options.get("tree_nodes")
+        ]  # fmt: skip
+        for st in states:
+            st.tree = None
+        if not trees:
+            return drafter.draft(seqs, ks, ctx.eos_ids)
+        assert isinstance(drafter, EagleDrafter)
+        chains = [0 if i in trees else k for i, k in enumerate(ks)]
+        drafts = [Draft([]) for _ in seqs]
+        if any(chains):
+            drafts = drafter.draft(seqs, chains, ctx.eos_ids)
+        sub = [seqs[i] for i in trees]
+        depths = [ks[i] for i in trees]
+        budgets = [states[i].reserved for i in trees]
+        # Each level's expansion rows take `topk` scratch slots past the reserved ones' start.
+        room = min(b // max(d - 1, 1) for b, d in zip(budgets, depths, strict=True))
+        topk = max(1, min(room, *(s.decoder_options["tree_topk"] for s in sub)))
+        for i, tree in zip(trees, drafter.draft_trees(sub, depths, budgets, topk), strict=True):
+            states[i].tree = tree
+            drafts[i] = Draft(tree.tokens)
+        return drafts
+
+    def commit(
+        self,
+        seqs: list[Sequence],
+        proposals: list[Proposal],
+        logits: list[torch.Tensor],
+        ctx: StepContext,
+    ) -> list[Commit]:
+        policy = self.policy
+        policy.steps += 1
+        if not policy.drafted:  # nothing to verify: exactly what plain decoding does
+            commits = sample_one_each(seqs, logits, ctx)
+            policy.time_step()
+            policy.end_step()
+            return commits
+        states = [self.state(s) for s in seqs]
+        drafted = [st.draft or Draft([]) for st in states]
+        trees = [st.tree or Tree.chain(d.tokens) for st, d in zip(states, drafted, strict=True)]
+        # Each row's pending tokens: the drafts on the path from the root to it.
+        rows = [
+            sampling.Row(s, pending)
+            for s, tree in zip(seqs, trees, strict=True)
+            for pending in paths(tree)
+        ]
+        raw = torch.cat(logits)
+        adjusted = sampling.adjust(raw, rows, ctx.eos_ids)
+        if all(s.params.greedy for s in seqs):
+            accepted_paths, last = verify_greedy(adjusted, trees)
+        else:  # (sampled requests draft chains only)
+            accepted, last = verify_sampled(adjusted, rows, seqs, drafted)
+            accepted_paths = [list(range(n)) for n in accepted]
+
+        commits = []
+        offset = 0
+        for seq, st, tree, path, token in zip(
+            seqs, states, trees, accepted_paths, last, strict=True
+        ):
+            n_acc = len(path)
+            tokens = [tree.tokens[i] for i in path] + [token]
+            picked = [offset] + [offset + 1 + i for i in path]
+            lps = sampling.logprobs(raw[picked], tokens, [rows[r] for r in picked])
+            offset += len(tree) + 1
+            self._record(seq, st, len(tree) if st.tree is None else max(tree.depths()), n_acc)
+            chain = st.tree is None
+            st.drafter.accepted(seq, n_acc, None if chain else path)
+            st.draft, st.tree = None, None
+            commits.append(Commit(tokens, lps, kv_keep=n_acc, kv_from=None if chain else path))
+        policy.time_step()  # a drafting step's per-row commit is part of its cost
+        policy.end_step()
+        return commits
+
+    def _record(self, seq: Sequence, state: SeqState, drafted: int, accepted: int) -> None:
+        """A verification's counts, in the request's stats and in the policy's estimates."""
+        stats = seq.stats
+        stats.drafts += 1 if drafted else 0
+        stats.draft_tokens += drafted
+        stats.accepted_tokens += accepted
+        if len(stats.accepted_per_position) < drafted:
+            stats.accepted_per_position.extend([0] * (drafted - len(stats.accepted_per_position)))
+        for i in range(accepted):
+            stats.accepted_per_position[i] += 1
+        self.policy.record(state, drafted, accepted)
+
+    def release(self, seq: Sequence, ctx: StepContext) -> None:
+        if seq.decoder_state is not None:
+            seq.decoder_state.drafter.release(seq)
+        seq.decoder_state = None
+
+    # ---- fast paths (see `Decoder`) -------------------------------------------------------
+
+    def burst(self, seqs: list[Sequence], passes: int, ctx: StepContext) -> Burst | None:
+        """EAGLE's greedy chains, several cycles per host sync (`EagleCycles`): when every
+        sequence drafts a chain of the same K with the head this step and decodes plainly
+        greedily (acceptance is the argmax, on the device)."""
+        eagle = self.eagle
+        if eagle is None or passes < 2:
+            return None
+        states = [self.state(s) for s in seqs]
+        ks = {st.reserved for st in states}
+        if len(ks) != 1:
+            return None
+        k = ks.pop()
+        for seq in seqs:
+            options = seq.decoder_options
+            if options["draft"] != EAGLE or options.get("tree_nodes") or not k:
+                return None
+            if not sampling.greedy_on_device(seq):
+                return None
+        left = max(s.params.max_tokens - s.num_output_tokens for s in seqs)
+        room = min(self.engine.max_model_len - s.num_tokens for s in seqs) // (k + 1) - 1
+        cycles = min(passes, eagle.cycles.max_cycles, -(-left // (k + 1)), room)
+        if cycles < 1 or not eagle.cycles.fits(seqs, cycles, k):
+            return None
+        try:
+            for seq in seqs:
+                self.engine.cache.reserve(seq, seq.num_cached + (cycles + 1) * (k + 1))
+        except OutOfBlocks:
+            return None  # what was reserved goes back at commit (the core trims)
+        self.policy.burst_started()
+        return _EagleBurst(self, seqs, states, k, eagle.burst(seqs, k, cycles))
+
+    def plain_steps(self, seqs: list[Sequence]) -> int:
+        """For how many steps, this one first, `seqs` decode exactly as `ar` (see
+        `Decoder.plain_steps`): none if this step drafted; only this one if it is timed (a
+        burst's wall time is no plain step's cost) or a sequence drafts a fixed K > 0 (its
+        next step may draft); else any number for sequences at a fixed K = 0, and for adaptive
+        ones until their quiet period ends (the next plan may probe)."""
+        policy = self.policy
+        if policy.drafted:
+            return 0
+        if policy.timing is not None:
+            return 1
+        adaptive = False
+        for seq in seqs:
+            options = seq.decoder_options
+            if options["num_speculative_tokens"]:
+                if not options["adaptive"]:
+                    return 1
+                adaptive = True
+        return policy.quiet_steps(len(seqs)) if adaptive else 1 << 30
+
+    def advance(self, seqs: list[Sequence], steps: int) -> None:
+        self.policy.advance(steps)
+
+    def may_launch_ahead(self) -> bool:
+        return self.policy.may_launch_ahead()
+
+
+class _EagleBurst(Burst):
+    """EAGLE's chain cycles run on the device (`Speculative.burst`), committed as one burst."""
+
+    def __init__(
+        self,
+        spec: Speculative,
+        seqs: list[Sequence],
+        states: list[SeqState],
+        k: int,
+        result: CycleResult,
+    ) -> None:
+        self.spec, self.seqs, self.states, self.k, self.result = spec, seqs, states, k, result
+
+    def commits(self) -> list[Commit]:
+        spec, k, policy = self.spec, self.k, self.spec.policy
+        assert spec.eagle is not None
+        out = []
+        per_seq = self.result.per_sequence()
+        policy.steps += len(per_seq[0]) if per_seq else 0
+        for i, (seq, st, cycles) in enumerate(zip(self.seqs, self.states, per_seq, strict=True)):
+            tokens = [t for cycle in cycles for t in cycle]
+            if seq.status is Status.FINISHED:  # aborted meanwhile: released, nothing to count
+                out.append(Commit([], []))
+                continue
+            for cycle in cycles:
+                spec._record(seq, st, k, len(cycle) - 1)
+            spec.eagle.burst_done(seq, len(tokens), self.result.roots[i])
+            out.append(
+                Commit(tokens, [None] * len(tokens), kv_keep=len(tokens) - 1,
+                       forward_passes=len(cycles), per_pass=[len(c) for c in cycles])  # fmt: skip
+            )
+        policy.end_step()
+        return out
+
+
+def _within_grammar(seq: Sequence, state: SeqState, draft: Draft) -> Draft:
+    """The draft without the tokens the sequence's grammar forbids: a chain cut at the first,
+    a tree without the nodes under one (they would be scored for nothing)."""
+    tree = state.tree
+    if tree is None:
+        n = seq.grammar.valid_prefix(draft.tokens)
+        if n == len(draft.tokens):
+            return draft
+        return Draft(draft.tokens[:n], None if draft.q is None else draft.q[:n])
+    nodes = grammar.allowed_nodes(seq.grammar, tree.tokens, tree.parents)
+    if len(nodes) < len(tree):
+        state.tree = tree.subtree(nodes) if nodes else None
+    return Draft(list(state.tree.tokens) if state.tree else [])
+
+
+def _proposal(seq: Sequence, state: SeqState, draft: Draft) -> Proposal:
+    """What the target scores: a chain's drafts, or a tree's nodes at their depths under a mask."""
+    if not draft.tokens:
+        return _NOTHING
+    tree = state.tree
+    if tree is None:
+        return Proposal(list(draft.tokens))
+    start = seq.num_cached  # the root's position
+    positions = [start + d for d in tree.depths()]
+    return Proposal(list(tree.tokens), positions, tree.mask())

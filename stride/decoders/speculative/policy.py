@@ -1,0 +1,340 @@
+"""Adaptive K: how many drafts each speculative sequence gets per step, from measured costs.
+
+The model (`costs`): K drafts yield E(K) tokens per target pass at a step cost T(K); the policy
+picks the K ≤ K_max with the largest goodput G(K) = E(K)·T0/T(K), and K = 0 (plain decoding, no
+drafter work) unless the best G beats 1 by 5 %. B, the number of speculative sequences in the
+step, is the previous step's when reserving, the actual one when drafting.
+
+What it measures. `spec` and `draft` are measured relative to `plain` (moving averages of wall
+times): decode-only verification steps with drafts (through their per-row commit) against
+those without (they differ a lot on a GPU, where plain decode steps replay CUDA graphs and
+draft-scoring steps run eagerly), and each drafter's forward per draft position. K stays 0
+until plain decoding has been timed (`PLAIN_WARMUP` steps, the fastest counts: the first steps
+at a batch size can be slow once); until a drafting step has been timed, and again after
+`REMEASURE_EVERY` plain steps without one (so that a stale measurement cannot pin K at 0), the
+costs come from sizes: scoring drafts costs what plain decoding does, drafting what the
+drafter's size says (0 for n-gram, L/layers for early exit, the parameter ratio for a draft
+model). Step costs are measured per batch-size bucket (`costs.bucket`), since a draft-scoring
+step of 64 rows and one of 1 row relate differently to their plain steps.
+
+Acceptance. The a_i are measured per position, not one a for all (`state.Runs`): per
+sequence, decayed counts of the drafts scored at position i (their predecessors passed) and of
+those accepted there, shrunk towards a prior: the drafter's slow average over all sequences per
+position (`PRIOR_ALPHA` before any). Acceptance is bursty, prompt lookup above all: its first
+draft often fails, but once it matches it matches long; one a for all positions, learned from a
+failed first draft, would keep K at 0 where runs pay. A sequence held at K = 0 by low
+acceptance probes every `PROBE_EVERY` steps (counted from its start, so that sequences that
+started together probe in the same step) if good drafts (`PROBE_ALPHA`) would pay at the
+measured costs, so its estimate can recover. A probe drafts what good drafts would, where
+scoring them costs at most 10 % more than scoring one draft (a small batch on a GPU); else one.
+
+The step as a whole must pay. Whatever G(K) says per sequence, a step that scores any draft
+is a draft-scoring forward for all B rows, so `plan_step` drops every adaptive draft of the step
+unless the step's expected tokens, B + Σ(E(K_i) − 1) over its drafting sequences (a probe
+priced at `PROBE_ALPHA`), beat B plain tokens by 5 % at the step's cost (`StepCosts.step_gain`).
+After a step dropped its drafts, K is 0 at that batch size for `PROBE_EVERY` steps (a hold: no
+drafter lookups, no reserved KV), then the check runs again; from `BACKOFF_BATCH` on, each check
+that fails again doubles the wait (up to `REMEASURE_EVERY` steps).
+
+Quiet steps. Where speculation does not pay, a speculative request must cost what an `ar`
+request costs. A step is quiet (`quiet_at`) when the answer is K = 0 for every adaptive
+sequence without asking per sequence: while plain decoding is being timed at the batch size,
+during a hold, and after a step whose plans were all K = 0, until the next probe (estimates
+change only when drafts are scored). Then the decoder does what `ar` does, and the core may
+launch the next step ahead (nothing is timed against a quiet step) or run the quiet period as a
+greedy burst (`quiet_steps`: a burst ends before the period does, so that the probe or re-check
+there happens in the step it would have happened in anyway).
+"""
+
+from __future__ import annotations
+
+import time
+
+from stride.decoders.speculative.costs import (
+    MIN_GAIN,
+    Rates,
+    StepCosts,
+    Timings,
+    bucket,
+    choose_k,
+    ema,
+)
+from stride.decoders.speculative.drafters import Drafter
+from stride.decoders.speculative.state import SeqState
+from stride.engine.sequence import Sequence
+
+MAX_K = 16  # the most drafts a request may ask for per step
+
+
+class AdaptivePolicy:
+    """The speculative decoder's K per sequence and step, and the measurements behind it."""
+
+    DECAY = 0.8  # of a sequence's acceptance counts, per verification
+    PRIOR_WEIGHT = 3.0  # how many verifications the drafter's prior counts as
+    PROBE_EVERY = 16
+    PLAIN_WARMUP = 4  # plain steps timed at a batch size before anything is priced against them
+    PRIOR_ALPHA = 0.6  # a drafter's acceptance per position before any draft of it was scored
+    PROBE_ALPHA = 0.9  # the acceptance a probe is priced at: it asks "would good drafts pay?"
+    REMEASURE_EVERY = 256
+    SYNC_EVERY = 32  # with launch-ahead, one step in this many runs unoverlapped to be timed
+    BACKOFF_BATCH = 8  # from this batch size on, holds double while their checks fail
+
+    def __init__(self, saturation: float, measure_costs: bool = True) -> None:
+        self.saturation = saturation
+        self.measure_costs = measure_costs
+        self.steps = 0  # verification steps so far (a burst's passes count one each)
+        self.last_batch = 1  # speculative sequences in the last step
+        self.prior: dict[str, list[float]] = {}  # drafter name → rates over all sequences
+        self.timings: dict[int, Timings] = {}  # bucket(batch) → its measured step costs
+        self.draft_ratio: dict[int, float] = {}  # id(drafter) → StepCosts.draft measured
+        self.drafted = False  # the last proposed step drafted
+        self.hold: tuple[int, int] | None = None  # (bucket, step): no drafts there until then
+        self.hold_steps = self.PROBE_EVERY  # the next hold's length (doubles while checks fail)
+        self.idle: tuple[int, int] | None = None  # (bucket, step): every plan K = 0 until then
+        self.quiet = measure_costs  # this step: K = 0 for every adaptive sequence, unplanned
+        self.planned = False  # this step: some adaptive sequence's plan had K > 0
+        self.next_probe: int | None = None  # this step's plans: the earliest step to probe in
+        self.reserved = False  # this step: some sequence reserved drafts
+        self.timing: tuple[float, int, bool, Timings] | None = None  # this step's, if timed
+        self.choices: dict[tuple, int] = {}  # choose_k's answers under the current costs
+        self.launched_ahead = False  # the core launches the next step before this one ends
+
+    # ---- costs ------------------------------------------------------------------------------
+
+    def timings_at(self, batch: int) -> Timings:
+        key = bucket(batch)
+        timings = self.timings.get(key)  # (setdefault would build a record every step)
+        if timings is None:
+            timings = self.timings[key] = Timings()
+        return timings
+
+    def stale(self, timings: Timings) -> bool:
+        """No drafting step measured at this batch size, or none lately: price from sizes."""
+        return timings.spec is None or timings.plain_since_spec >= self.REMEASURE_EVERY
+
+    def costs(self, drafter: Drafter, batch: int) -> StepCosts:
+        timings = self.timings_at(batch)
+        if not self.measure_costs or self.stale(timings):  # sizes: drafting gets (re)measured
+            return StepCosts(self.saturation, draft=drafter.cost)
+        draft = self.draft_ratio.get(id(drafter), drafter.cost)
+        return StepCosts(self.saturation, spec=timings.spec, draft=draft)
+
+    def alpha(self, state: SeqState, k_max: int) -> tuple[float, ...]:
+        """The sequence's acceptance per draft position, on top of the drafter's."""
+        prior = self.prior.get(state.drafter.name)
+        prior = (self.PRIOR_ALPHA,) * k_max if prior is None else tuple(prior[:k_max])
+        return state.runs.rates(prior, self.PRIOR_WEIGHT)
+
+    def choose(self, alpha: Rates, batch: int, k_max: int, drafter: Drafter) -> int:
+        """choose_k, remembered until the costs change: in a large batch most sequences share
+        alpha (the drafter's prior, at K = 0), so a step evaluates the policy a few times, not
+        once per sequence."""
+        key = (alpha, batch, k_max, id(drafter))
+        k = self.choices.get(key)
+        if k is None:
+            k = self.choices[key] = choose_k(alpha, batch, k_max, self.costs(drafter, batch))
+        return k
+
+    # ---- plans ------------------------------------------------------------------------------
+
+    def plan(self, seq: Sequence, state: SeqState, batch: int) -> int:
+        """The sequence's K for this step at `batch` (before the step as a whole is priced)."""
+        state.probing = False
+        k_max = seq.decoder_options["num_speculative_tokens"]
+        if not seq.decoder_options["adaptive"] or k_max == 0:
+            return k_max
+        if self.measure_costs and self.timings_at(batch).plain_steps < self.PLAIN_WARMUP:
+            return 0  # measure plain decoding first: it is what speculation must beat
+        if self.hold and self.hold[0] == bucket(batch) and self.steps < self.hold[1]:
+            return 0  # a step at this batch size just found its drafts would not pay
+        k = self.choose(self.alpha(state, k_max), batch, k_max, state.drafter)
+        good_k = self.choose(self.PROBE_ALPHA, batch, k_max, state.drafter) if k == 0 else 0
+        if good_k:
+            # Speculation would pay at this batch size if drafts were good: probe now and then,
+            # all such sequences in the same step (one draft-scoring step, not many).
+            wait = -(self.steps - state.born + 1) % self.PROBE_EVERY
+            if wait == 0:
+                k, state.probing = self.probe_k(batch, good_k), True
+            elif self.next_probe is None or self.steps + wait < self.next_probe:
+                self.next_probe = self.steps + wait
+        return k
+
+    def probe_k(self, batch: int, good_k: int) -> int:
+        """A probe drafts what good drafts would (it measures how far runs go, not only the
+        first position) where scoring them costs at most 10 % more than scoring one; else 1."""
+        s = self.saturation
+        return good_k if 1 + batch * (1 + good_k) / s <= 1.1 * (1 + 2 * batch / s) else 1
+
+    def begin_step(self, batch: int) -> bool:
+        """The step's proposals begin: note an idle period if nobody planned drafts; True if
+        some sequence reserved drafts (else the step is plain and nothing is drafted)."""
+        planned_at, self.last_batch = self.last_batch, max(batch, 1)
+        reserved, planned, next_probe = self.reserved, self.planned, self.next_probe
+        self.reserved = self.planned = False
+        if not planned and not self.quiet:  # the policy said K = 0 to every adaptive sequence
+            until = self.steps + self.PROBE_EVERY  # re-planned at least this often
+            until = until if next_probe is None else min(until, next_probe)
+            self.idle = (bucket(planned_at), until)
+        if not reserved:
+            self.next_probe = None
+        return reserved
+
+    def plan_step(self, seqs: list[Sequence], states: list[SeqState]) -> list[int]:
+        """Each sequence's drafts this step: its reserved K re-planned at the actual batch
+        size, all adaptive ones dropped unless together they pay for a draft-scoring step."""
+        ks = [
+            min(st.reserved, self.plan(s, st, len(seqs))) if st.reserved else 0
+            for s, st in zip(seqs, states, strict=True)
+        ]  # (for a tree: its depth; it scores up to `reserved` nodes)
+        if any(ks) and not self.step_pays(seqs, states, ks):
+            ks = [0] * len(seqs)
+            # No drafts at this batch size for a while. In a large batch each check that fails
+            # again doubles the wait: a check there costs a lookup per sequence on the step's
+            # critical path; in a small one it is cheap and a missed run of good drafts dear.
+            key = bucket(len(seqs))
+            if self.hold is None or self.hold[0] != key or len(seqs) < self.BACKOFF_BATCH:
+                self.hold_steps = self.PROBE_EVERY
+            self.hold = (key, self.steps + self.hold_steps)
+            self.hold_steps = min(2 * self.hold_steps, self.REMEASURE_EVERY)
+        elif any(ks):  # estimates change with drafts; a passed check ends the backoff
+            self.idle, self.hold_steps = None, self.PROBE_EVERY
+        self.next_probe = None  # (the plans above are this step's, not the next one's)
+        return ks
+
+    def step_pays(self, seqs: list[Sequence], states: list[SeqState], ks: list[int]) -> bool:
+        """Do the adaptive drafts of this step, together, pay for a draft-scoring step?"""
+        if any(k and not s.decoder_options["adaptive"] for s, k in zip(seqs, ks, strict=True)):
+            return True  # fixed K drafts anyway: the step scores drafts whatever we decide
+        drafts: dict[int, list[tuple[Rates, int]]] = {}  # by drafter: each prices its forwards
+        for st, k in zip(states, ks, strict=True):
+            if k:  # a probe is priced as one draft: its others cost next to nothing (probe_k)
+                priced = (self.PROBE_ALPHA, 1) if st.probing else (self.alpha(st, k), k)
+                drafts.setdefault(id(st.drafter), []).append(priced)
+        by_id = {id(st.drafter): st.drafter for st in states}
+        batch = len(seqs)
+        return all(
+            self.costs(by_id[d], batch).step_gain(batch, ds) >= MIN_GAIN
+            for d, ds in drafts.items()
+        )
+
+    # ---- quiet steps ------------------------------------------------------------------------
+
+    def quiet_at(self, batch: int) -> bool:
+        """Is the next step's K = 0 for every adaptive sequence, without asking the policy?
+
+        While plain decoding is being timed at this batch size, while a hold is on (a step
+        found its drafts would not pay), and while the last plan at this batch size gave every
+        sequence K = 0 (until the next probe step: an estimate changes only when its sequence
+        drafts, and a sequence new to the decoder is planned anyway). Such a step
+        costs what an `ar` step does: no per-sequence policy, lookups or bookkeeping.
+        """
+        return self._quiet_until(batch) is not None
+
+    def quiet_steps(self, batch: int) -> int:
+        """How many steps from this one on are quiet at `batch`: until its hold or idle period
+        ends. 1 while plain decoding is being timed there: those steps run one by one."""
+        until = self._quiet_until(batch)
+        return 1 if until is None else until - self.steps
+
+    def _quiet_until(self, batch: int) -> int | None:
+        """The step at which the quiet run at `batch` (see `quiet_at`) ends; None: not quiet."""
+        if self.measure_costs and self.timings_at(batch).plain_steps < self.PLAIN_WARMUP:
+            return self.steps + 1
+        key = bucket(batch)
+        ends = [p[1] for p in (self.hold, self.idle) if p is not None and p[0] == key]
+        return max((end for end in ends if end > self.steps), default=None)
+
+    def end_step(self) -> None:
+        """A step was verified (and `steps` counted it): is the next one quiet?"""
+        self.quiet = self.quiet_at(self.last_batch)
+
+    def advance(self, steps: int) -> None:
+        """`steps` quiet steps ran as a greedy burst: count them, as if run one by one."""
+        self.steps += steps
+        self.end_step()
+
+    # ---- measuring --------------------------------------------------------------------------
+
+    def start_timing(self, seqs: list[Sequence], tokens: int, drafted: bool) -> None:
+        """Time the verification forward of decode-only steps (a prefill would skew it), unless
+        it was launched ahead (see may_launch_ahead)."""
+        self.drafted = drafted
+        self.timing = None
+        ahead, self.launched_ahead = self.launched_ahead, False
+        if self.measure_costs and not ahead and all(s.num_tokens - s.num_cached == 1 for s in seqs):
+            self.timing = (time.perf_counter(), tokens, drafted, self.timings_at(len(seqs)))
+
+    def time_step(self) -> None:
+        """Fold this step's wall time (verification has synchronised by now) into the costs."""
+        if self.timing is None:
+            return
+        start, tokens, drafted, timings = self.timing
+        self.timing = None
+        seconds = (time.perf_counter() - start) / (1 + tokens / self.saturation)
+        if not drafted:
+            # The first steps at a batch size can be slow once (allocation, kernel selection):
+            # the fastest of them is the baseline, so that drafting is not judged cheap by it.
+            if timings.plain_steps < self.PLAIN_WARMUP:
+                timings.plain_s = min(timings.plain_s or seconds, seconds)
+            else:
+                timings.plain_s = ema(timings.plain_s, seconds)
+            timings.plain_steps += 1
+            timings.plain_since_spec += 1
+        elif timings.plain_s:
+            timings.spec = ema(timings.spec, seconds / timings.plain_s)
+            timings.plain_since_spec = 0
+        self.choices.clear()
+
+    def drafter_timed(self, drafter: Drafter, seconds: float, positions: int, rows: int) -> None:
+        """A drafter's forwards took `seconds` for `positions` draft positions of `rows`."""
+        plain_s = self.timings_at(self.last_batch).plain_s
+        if plain_s:
+            per_position = seconds / positions
+            ratio = per_position / (1 + rows / self.saturation) / plain_s
+            self.draft_ratio[id(drafter)] = ema(self.draft_ratio.get(id(drafter)), ratio)
+            self.choices.clear()
+
+    def record(self, state: SeqState, drafted: int, accepted: int) -> None:
+        """A verification of `drafted` drafts accepted `accepted`: the sequence's runs and its
+        drafter's prior learn from it."""
+        if drafted == 0:
+            return
+        state.runs.add(drafted, accepted, self.DECAY)
+        prior = self.prior.setdefault(state.drafter.name, [self.PRIOR_ALPHA] * MAX_K)
+        for i in range(min(accepted + 1, drafted)):  # a slow average over all sequences
+            prior[i] += 0.05 * ((i < accepted) - prior[i])
+
+    def burst_started(self) -> None:
+        """A burst of drafting passes runs on the device this step: nothing of it is timed."""
+        self.reserved = self.planned = False  # (what `begin_step` would have reset)
+        self.next_probe, self.drafted, self.timing = None, True, None
+
+    def may_launch_ahead(self) -> bool:
+        """May the core launch the next step's forward before this step's text is decoded?
+
+        Outputs do not depend on it (the next plan is fixed once this step has committed), but
+        the policy's timings do: a step launched ahead overlaps host work of the step before, so
+        its wall time is not its cost. Steps run unoverlapped until plain decoding has been
+        timed, and then one in SYNC_EVERY, so the measurements stay fresh; the others are not
+        timed. Quiet steps all launch ahead: nothing is priced against them. At a batch size
+        whose drafting cost is not measured (or stale), a step that may draft there runs
+        unoverlapped, so that the first drafting step is timed (an untimed one would have to be
+        repeated).
+        """
+        timings = self.timings_at(self.last_batch)
+        if not self.measure_costs:
+            ahead = True
+        elif timings.plain_steps < self.PLAIN_WARMUP:
+            ahead = False
+        elif self.quiet:
+            ahead = True  # K = 0 for a while: nothing is priced against this step's time
+        else:
+            # Where drafting is not measured (or stale), time the next step if it may draft: the
+            # first plan at this batch size, or the next one after a drafting step. A re-check
+            # after a hold or an idle period is launched ahead: it most likely drafts nothing.
+            key = bucket(self.last_batch)
+            recheck = any(u is not None and u[0] == key for u in (self.hold, self.idle))
+            explore = self.stale(timings) and (self.drafted or not recheck)
+            ahead = self.steps % self.SYNC_EVERY != 0 and not explore
+        self.launched_ahead = ahead
+        return ahead

@@ -1,0 +1,109 @@
+"""Verification: which drafts the target accepts, and the token that follows them.
+
+The exact rule of Leviathan et al. / Chen et al.: with p the target's distribution and q the
+drafter's at a position (both after the request's logit adjustments, temperature,
+top-k/top-p/min-p, computed by `sampling`), draft d is accepted with probability min(1, p(d)/q(d));
+the first rejection is replaced by a draw from norm(max(0, p − q)), and when all drafts pass a
+bonus token is drawn from the next p. The output distribution is the target's, token by token.
+Greedy requests have one-hot p, so this reduces to "accept while the draft equals the target's
+argmax", which also verifies a draft tree (`Tree.accept_greedy`: the longest path of nodes that
+each equal the target's choice after their parent); deterministic drafters (n-gram) have one-hot q.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from stride.decoders import sampling
+from stride.decoders.speculative.drafters import Draft
+from stride.decoders.speculative.tree import Tree
+from stride.engine.sequence import Sequence
+
+
+def verify(
+    p: torch.Tensor,
+    q: torch.Tensor,
+    drafts: torch.Tensor,
+    num_drafts: torch.Tensor,
+    u: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The speculative rejection rule for a batch of sequences.
+
+    p: [B, K+1, V] target distributions (row i follows i drafts); q: [B, K, V] draft
+    distributions; drafts: [B, K] draft tokens; num_drafts: [B] how many of the K are real;
+    u: [B, K] uniform draws. Returns the number of accepted drafts per sequence and the
+    distribution [B, V] to draw the one token after them from (the residual or the bonus).
+    """
+    b, k = drafts.shape
+    pos = torch.arange(k, device=p.device)
+    p_d = p[:, :k].gather(2, drafts[..., None])[..., 0]
+    q_d = q.gather(2, drafts[..., None])[..., 0]
+    ok = (u * q_d < p_d) & (pos[None] < num_drafts[:, None])  # u < p/q without dividing
+    accepted = ok.long().cumprod(1).sum(1)
+    rows = torch.arange(b, device=p.device)
+    target = p[rows, accepted]
+    q_next = torch.cat([q, torch.zeros_like(q[:, :1])], 1)[rows, accepted]
+    real = (accepted < num_drafts)[:, None]  # a rejected draft: its q is subtracted
+    residual = torch.where(real, (target - q_next).clamp(min=0), target)
+    mass = residual.sum(-1, keepdim=True)
+    residual = torch.where(mass > 0, residual / mass.clamp(min=1e-30), target)
+    return accepted, residual
+
+
+def verify_greedy(adjusted: torch.Tensor, trees: list[Tree]) -> tuple[list[list[int]], list[int]]:
+    """Greedy: follow the nodes equal to the target's argmax; then take the argmax.
+
+    `adjusted`: each tree's rows [root, nodes] one after another. Returns each tree's accepted
+    path (node indices) and the token after it."""
+    best = adjusted.argmax(-1).tolist()
+    paths, last, offset = [], [], 0
+    for tree in trees:
+        rows = best[offset : offset + len(tree) + 1]
+        path = tree.accept_greedy(rows)
+        paths.append(path)
+        last.append(rows[path[-1] + 1 if path else 0])
+        offset += len(tree) + 1
+    return paths, last
+
+
+def verify_sampled(
+    adjusted: torch.Tensor, rows: list[sampling.Row], seqs: list[Sequence], drafts: list[Draft]
+) -> tuple[list[int], list[int]]:
+    """Sampled requests (chains only): how many drafts each accepts, and the token after them.
+
+    Each sequence draws as many uniforms as it has drafts from its own generator, if seeded, so
+    that its output does not depend on the batch it ran in."""
+    probs = sampling.probabilities(adjusted, rows)
+    b, vocab, dev = len(seqs), probs.shape[-1], probs.device
+    counts = [len(d.tokens) for d in drafts]
+    k = max(max(counts), 1)
+    p = probs.new_zeros(b, k + 1, vocab)
+    q = probs.new_zeros(b, k, vocab)
+    tokens = torch.zeros(b, k, dtype=torch.long, device=dev)
+    offset = 0
+    for i, (draft, n) in enumerate(zip(drafts, counts, strict=True)):
+        p[i, : n + 1] = probs[offset : offset + n + 1]
+        offset += n + 1
+        if n:
+            drafted = torch.tensor(draft.tokens, device=dev)
+            tokens[i, :n] = drafted
+            if draft.q is None:  # deterministic drafter: one-hot q
+                q[i, torch.arange(n, device=dev), drafted] = 1.0
+            else:
+                q[i, :n] = draft.q.to(q.dtype)
+    u = torch.rand(b, k, device=dev)
+    for i, (s, n) in enumerate(zip(seqs, counts, strict=True)):
+        if s.generator is not None and n:  # as many draws as drafts: batch-independent
+            u[i, :n] = torch.rand(n, generator=s.generator, device=dev)
+    num = torch.tensor(counts, device=dev)
+    accepted, dist = verify(p, q, tokens, num, u)
+    last = sampling.draw(dist, [sampling.Row(s) for s in seqs])
+    return accepted.tolist(), last
+
+
+def paths(tree: Tree) -> list[list[int]]:
+    """For the root and each node: the draft tokens from the root down to it."""
+    out: list[list[int]] = [[]]
+    for token, parent in zip(tree.tokens, tree.parents, strict=True):
+        out.append(out[parent + 1] + [token])
+    return out

@@ -1,0 +1,1 @@
+"""Triton kernels: paged decode attention, the fused layer ops, programmatic dependent launch."""

@@ -1,0 +1,242 @@
+"""Paged decode attention in Triton (flash-decoding): one query token per sequence against its
+KV blocks, the context split among programs whose partial softmax sums a second kernel merges.
+CPU-only installs have no Triton: the kernel is not offered there (`decode_kernel_supported`)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from stride.engine.kernels import pdl
+
+if TYPE_CHECKING:
+    from stride.engine.attention import DecodeMetadata
+
+try:
+    import triton
+    import triton.language as tl
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # CPU-only installs: the decode kernel is simply not offered
+    triton = None
+
+
+def decode_kernel_supported(device: torch.device, head_dim: int) -> bool:
+    return triton is not None and device.type == "cuda" and head_dim & (head_dim - 1) == 0
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: DecodeMetadata,
+    launch: tuple[int, int, int] | None = None,
+) -> torch.Tensor:
+    """Paged decode attention: q [B, H, D] against each sequence's blocks. Returns [B, H, D].
+
+    One program per (sequence, KV head) would leave most of the GPU idle at a small batch while
+    each walks its whole context; the context is split among several programs whose partial
+    softmax sums a second kernel merges (flash-decoding). `launch` overrides
+    (splits, tokens per tile, warps); bench/bench_kernels.py sweeps it.
+    """
+    b, h, d = q.shape
+    kv = k_cache.shape[1]
+    group = h // kv
+    lengths = meta.context_lens.contiguous()  # a column of the graphs' packed input array
+    # Splits: enough programs for every SM at a small batch. The count depends on the batch only
+    # through b * kv (16 up to an eighth of the SMs, 1 from two per SM on), so a sequence's bf16
+    # result is the same in most batches: alone and as 5 speculative rows, or in any batch past
+    # 90 rows. Tiles of 16 tokens on 2 warps: the fastest of bench/bench_kernels.py's sweep
+    # at short contexts and mid-size batches (docs/BENCHMARKS.md, "Design choices").
+    splits = max(1, min(16, 2 * _num_sms(q.device) // (b * kv)))
+    splits, block_n, warps = launch or (splits, 16, 2)
+    out = torch.empty_like(q)
+    partial = torch.empty(b, h, splits, d + 2, dtype=torch.float32, device=q.device)
+    _decode_kernel[(b, kv, splits)](
+        q,
+        k_cache,
+        v_cache,
+        out,
+        partial,
+        meta.block_tables,
+        lengths,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        out.stride(0),
+        out.stride(1),
+        meta.block_tables.stride(0),
+        d**-0.5,
+        splits,
+        GROUP=group,
+        GROUP_P2=max(triton.next_power_of_2(group), 2),
+        HEAD_DIM=d,
+        BLOCK_SIZE=meta.block_size,
+        BLOCK_N=block_n,
+        SPLIT=splits > 1,
+        num_warps=warps,
+        **pdl.launch_options(q.device),
+    )
+    if splits > 1:
+        _merge_kernel[(b, h)](
+            partial,
+            out,
+            out.stride(0),
+            out.stride(1),
+            splits,
+            HEAD_DIM=d,
+            SPLITS_P2=max(triton.next_power_of_2(splits), 2),
+            **pdl.launch_options(q.device),
+        )
+    return out
+
+
+_SMS: dict[int, int] = {}
+
+
+def _num_sms(device: torch.device) -> int:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SMS:
+        _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SMS[index]
+
+
+def decode_attention_reference(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: DecodeMetadata
+) -> torch.Tensor:
+    """What the kernel computes, in plain torch (the tests' yardstick)."""
+    outs = []
+    for i in range(q.shape[0]):
+        n = int(meta.context_lens[i])
+        pos = torch.arange(n, device=q.device)
+        slots = meta.block_tables[i, pos // meta.block_size].long() * meta.block_size
+        slots = slots + pos % meta.block_size
+        keys = k_cache[slots].transpose(0, 1)[None]  # [1, KV, n, D]
+        values = v_cache[slots].transpose(0, 1)[None]
+        outs.append(
+            F.scaled_dot_product_attention(q[i][None, :, None], keys, values, enable_gqa=True)[
+                0, :, 0
+            ]
+        )
+    return torch.stack(outs)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _decode_kernel(
+        q_ptr,
+        k_ptr,
+        v_ptr,
+        out_ptr,
+        part_ptr,
+        tables_ptr,
+        lens_ptr,
+        stride_qt,
+        stride_qh,
+        stride_ks,
+        stride_kh,
+        stride_ot,
+        stride_oh,
+        stride_tb,
+        scale,
+        num_splits,
+        GROUP: tl.constexpr,
+        GROUP_P2: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        SPLIT: tl.constexpr,
+        PDL: tl.constexpr,
+    ):
+        """One program per (sequence, KV head, context split): all query heads of the group share
+        each key load; online softmax in fp32, BLOCK_N tokens at a time. Split programs store
+        their unnormalised sums, running max and denominator for `_merge_kernel`."""
+        if PDL:  # see stride/engine/kernels/pdl.py
+            gdc_wait()
+            gdc_launch_dependents()
+        seq = tl.program_id(0)
+        kv_head = tl.program_id(1)
+        split = tl.program_id(2)
+        n_ctx = tl.load(lens_ptr + seq)
+        per_split = tl.cdiv(tl.cdiv(n_ctx, num_splits), BLOCK_N) * BLOCK_N
+        lo = split * per_split
+        hi = tl.minimum(lo + per_split, n_ctx)
+        g = tl.arange(0, GROUP_P2)
+        d = tl.arange(0, HEAD_DIM)
+        heads = kv_head * GROUP + g
+        g_ok = g < GROUP
+        q = tl.load(
+            q_ptr + seq * stride_qt + heads[:, None] * stride_qh + d[None, :],
+            mask=g_ok[:, None],
+            other=0.0,
+        ).to(tl.float32)
+        q = q * scale
+        m = tl.full([GROUP_P2], float("-inf"), tl.float32)
+        denom = tl.zeros([GROUP_P2], tl.float32)
+        acc = tl.zeros([GROUP_P2, HEAD_DIM], tl.float32)
+        offs = tl.arange(0, BLOCK_N)
+        for i in range(0, tl.cdiv(hi - lo, BLOCK_N)):
+            t = lo + i * BLOCK_N + offs
+            t_ok = t < hi
+            block = tl.load(tables_ptr + seq * stride_tb + t // BLOCK_SIZE, mask=t_ok, other=0)
+            slot = block.to(tl.int64) * BLOCK_SIZE + t % BLOCK_SIZE
+            kv_off = slot[:, None] * stride_ks + kv_head * stride_kh + d[None, :]
+            k = tl.load(k_ptr + kv_off, mask=t_ok[:, None], other=0.0).to(tl.float32)
+            v = tl.load(v_ptr + kv_off, mask=t_ok[:, None], other=0.0).to(tl.float32)
+            s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # [G, N]
+            s = tl.where(t_ok[None, :], s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, axis=1))
+            alpha = tl.exp(m - m_new)
+            p = tl.exp(s - m_new[:, None])
+            denom = denom * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+            m = m_new
+        if SPLIT:
+            # partial[seq, head, split] = (acc[0:D], max, denominator); an empty split leaves
+            # max -inf and denominator 0, which the merge weighs as nothing.
+            row = part_ptr + ((seq * GROUP * tl.num_programs(1) + heads) * num_splits + split) * (
+                HEAD_DIM + 2
+            )
+            tl.store(row[:, None] + d[None, :], acc, mask=g_ok[:, None])
+            tl.store(row + HEAD_DIM, m, mask=g_ok)
+            tl.store(row + HEAD_DIM + 1, denom, mask=g_ok)
+        else:
+            out = tl.where(denom[:, None] > 0, acc / denom[:, None], 0.0)  # empty context: 0
+            tl.store(
+                out_ptr + seq * stride_ot + heads[:, None] * stride_oh + d[None, :],
+                out.to(out_ptr.dtype.element_ty),
+                mask=g_ok[:, None],
+            )
+
+    @triton.jit
+    def _merge_kernel(
+        part_ptr,
+        out_ptr,
+        stride_ot,
+        stride_oh,
+        num_splits,
+        HEAD_DIM: tl.constexpr,
+        SPLITS_P2: tl.constexpr,
+        PDL: tl.constexpr,
+    ):
+        """Combine one (sequence, head)'s split partial softmax sums into its output row."""
+        if PDL:
+            gdc_wait()
+            gdc_launch_dependents()
+        seq = tl.program_id(0)
+        head = tl.program_id(1)
+        sp = tl.arange(0, SPLITS_P2)
+        d = tl.arange(0, HEAD_DIM)
+        sp_ok = sp < num_splits
+        rows = part_ptr + ((seq * tl.num_programs(1) + head) * num_splits + sp) * (HEAD_DIM + 2)
+        m = tl.load(rows + HEAD_DIM, mask=sp_ok, other=float("-inf"))
+        denom = tl.load(rows + HEAD_DIM + 1, mask=sp_ok, other=0.0)
+        acc = tl.load(rows[:, None] + d[None, :], mask=sp_ok[:, None], other=0.0)
+        m_max = tl.max(m, axis=0)
+        w = tl.where(sp_ok & (denom > 0), tl.exp(m - m_max), 0.0)
+        total = tl.sum(denom * w, axis=0)
+        out = tl.where(total > 0, tl.sum(acc * w[:, None], axis=0) / total, 0.0)
+        tl.store(out_ptr + seq * stride_ot + head * stride_oh + d, out.to(out_ptr.dtype.element_ty))

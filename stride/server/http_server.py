@@ -1,0 +1,144 @@
+"""uvicorn as Stride runs it: one log format, a ready line once the model serves, and a first
+signal that drains requests in flight instead of cutting them off."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import socket
+import time
+from types import FrameType
+from typing import TYPE_CHECKING
+
+import uvicorn
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
+
+    from stride.server.app import Lifecycle, ServerConfig
+
+log = logging.getLogger("stride")
+STARTED = time.monotonic()  # the ready line says how long the start took
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn, with a first signal that drains instead of closing the socket, and one ready
+    line once the model serves and the socket listens (uvicorn's own "running" is dropped:
+    it comes while the model still loads).
+
+    `only_sigterm`: one of several API processes, which a terminal's Ctrl-C reaches too; their
+    parent turns it into one SIGTERM each, so a SIGINT of their own is ignored.
+    """
+
+    def __init__(
+        self,
+        config: uvicorn.Config,
+        app: FastAPI,
+        timeout: float,
+        only_sigterm: bool = False,
+    ) -> None:
+        super().__init__(config)
+        self.app = app
+        self.lifecycle: Lifecycle = app.state.lifecycle
+        self.timeout = timeout
+        self.only_sigterm = only_sigterm
+        self.deadline: float | None = None
+        self.failed = False
+        self.announced = not app.state.config.step_metrics  # one API process of several says it
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self.only_sigterm and sig != signal.SIGTERM:
+            return
+        if self.deadline is None and not self.should_exit:
+            log.warning(
+                "%s: draining %d requests (at most %.0f s)",
+                signal.Signals(sig).name,
+                self.lifecycle.in_flight,
+                self.timeout,
+            )
+            self.lifecycle.begin_drain()
+            self.deadline = time.monotonic() + self.timeout
+        else:
+            self.should_exit = self.force_exit = True
+
+    def announce(self) -> None:
+        """The ready line, once the model serves and the socket listens (the app calls this as
+        the model becomes ready, before it serves a request; `on_tick` if the socket was not
+        bound yet then)."""
+        if not self.announced and self.started and self.lifecycle.client is not None:
+            self.announced = True
+            log.info("%s", ready_line(self.app, self.url()))
+
+    async def on_tick(self, counter: int) -> bool:
+        self.announce()
+        if self.deadline is not None and not self.should_exit:
+            if self.lifecycle.idle:
+                self.should_exit = True
+            elif time.monotonic() >= self.deadline:
+                log.warning("shutdown timeout: %d requests cut off", self.lifecycle.in_flight)
+                self.should_exit = True
+        return await super().on_tick(counter)
+
+    def url(self) -> str:
+        host, port = self.servers[0].sockets[0].getsockname()[:2]
+        return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def ready_line(app: FastAPI, url: str) -> str:
+    """What a person starting the server wants to read once it serves."""
+    info = app.state.lifecycle.client.model
+    decoders = ", ".join(app.state.metrics.strategies)
+    return (
+        f"ready on {url}: {info.name} on {info.device} ({info.dtype}), KV cache "
+        f"{info.kv_tokens:,} tokens, context {info.max_model_len:,} tokens; decoders: "
+        f"{decoders}; started in {time.monotonic() - STARTED:.1f} s"
+    )
+
+
+class _NotYetServing(logging.Filter):
+    """uvicorn says it is running, and its startup complete, as soon as the socket is bound;
+    the model is still loading then. Stride's own ready line comes when requests work."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(("Uvicorn running on", "Application startup"))
+
+
+def setup_logging(args: argparse.Namespace) -> None:
+    """One format for Stride's lines and uvicorn's (uvicorn is told not to set up its own)."""
+    logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT)
+    logging.getLogger("uvicorn.error").addFilter(_NotYetServing())
+
+
+def run_server(
+    args: argparse.Namespace,
+    server_config: ServerConfig,
+    sockets: list[socket.socket] | None = None,
+) -> int:
+    """Serve on `args.host:args.port`, or on `sockets` (one API process of several)."""
+    from stride.server.app import create_app
+
+    app = create_app(server_config)
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level.lower(),
+        log_config=None,  # uvicorn's loggers reach the root handler: Stride's format
+        timeout_graceful_shutdown=2,
+        access_log=False,  # Stride's access line has the decoder and tokens too
+    )
+    only_sigterm = sockets is not None
+    server = DrainingServer(config, app, args.shutdown_timeout, only_sigterm)
+
+    def failed(message: str) -> None:
+        log.error("cannot serve: %s", message)
+        server.failed = server.should_exit = True
+
+    app.state.lifecycle.on_failure = failed
+    app.state.lifecycle.on_ready = server.announce
+    server.run(sockets=sockets)
+    return 1 if server.failed else 0
+
+

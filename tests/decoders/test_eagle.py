@@ -1,0 +1,333 @@
+"""EAGLE draft heads: exact greedy equality, the exact sampling distribution, what the head
+accepts, the published layouts (training: tests/train)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from stride import drafts
+from stride.decoders.speculative.drafters import Draft
+from stride.decoders.speculative.eagle import EagleDrafter
+from stride.decoders.speculative.tree import Tree
+from stride.engine.eagle import EagleConfig, load_head
+from stride.engine.engine import Engine, EngineConfig
+from stride.engine.sequence import SamplingParams
+from stride.scheduler.outputs import GenerateRequest
+from tests.helpers.cores import PROMPTS, chi2_pvalue, exact_joint, greedy, run
+from tests.helpers.eagle import CHAIN, TREE, K, eagle_core, free, random_head
+from tests.helpers.models import load_hf
+
+# ---- exactness -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("options", [CHAIN, TREE, dict(CHAIN, adaptive=True)],
+                         ids=["chain", "tree", "adaptive"])  # fmt: skip
+def test_greedy_equals_plain_decoding_alone(eagle_target, eagle_head, eagle_ref, options):
+    core = eagle_core(eagle_target, eagle_head)
+    for i, prompt in enumerate(PROMPTS):
+        request = GenerateRequest("s", prompt, greedy(24), "speculative", options)
+        tokens, _ = run(core, [request])
+        assert tokens["s"] == eagle_ref[i]
+    assert free(core)
+    assert not core.decoders["speculative"].eagle.cursors
+
+
+def test_greedy_mixed_batch_with_ar_other_drafters_and_prefill(eagle_target, eagle_head, eagle_ref):
+    core = eagle_core(eagle_target, eagle_head, max_num_batched_tokens=48)
+    kinds = [
+        ("ar", {}),
+        ("speculative", CHAIN),
+        ("speculative", TREE),
+        ("speculative", dict(draft="ngram", num_speculative_tokens=3, adaptive=False)),
+        ("speculative", dict(CHAIN, num_speculative_tokens=2)),
+    ]
+    requests = [
+        GenerateRequest(f"{i}-{j}", PROMPTS[i], greedy(24), dec, opts)
+        for j, (dec, opts) in enumerate(kinds)
+        for i in (0, 1, 3)
+    ]
+    late = [GenerateRequest("long", list(range(30, 90)), greedy(24), "speculative", TREE)]
+    tokens, _ = run(core, requests, late)
+    for r in requests:
+        assert tokens[r.request_id] == eagle_ref[int(r.request_id.split("-")[0])], r
+    assert tokens["long"] == eagle_ref[len(PROMPTS)]
+    assert free(core)
+
+
+def test_greedy_under_preemption(eagle_target, eagle_head, eagle_ref):
+    """Preempted sequences start their features over; outputs do not change."""
+    core = eagle_core(eagle_target, eagle_head, kv_bytes=7 * 16384)  # 6 usable blocks of 16 tokens
+    requests = [
+        GenerateRequest(str(i), p, greedy(24), "speculative", TREE if i % 2 else CHAIN)
+        for i, p in enumerate(PROMPTS)
+    ]
+    tokens, _ = run(core, requests)
+    assert core.preempted
+    for i in range(len(PROMPTS)):
+        assert tokens[str(i)] == eagle_ref[i]
+    assert free(core)
+
+
+def test_a_draft_vocabulary_maps_back_to_the_target(eagle_target, tmp_path, eagle_ref):
+    head = random_head(eagle_target, tmp_path / "small", draft_vocab=100)
+    assert json.loads((head / "config.json").read_text())["draft_vocab_size"] == 100
+    core = eagle_core(eagle_target, head)
+    drafter = core.decoders["speculative"].eagle
+    assert drafter.head.head_weight().shape[0] == 100
+    for i, prompt in enumerate(PROMPTS[:2]):
+        tokens, _ = run(core, [GenerateRequest("s", prompt, greedy(24), "speculative", TREE)])
+        assert tokens["s"] == eagle_ref[i]
+
+
+class Oracle(EagleDrafter):
+    """Drafts the target's own greedy continuation (kept in `truth`), through EAGLE's
+    bookkeeping: what a perfect head would draft."""
+
+    truth: dict[str, list[int]]
+
+    def draft(self, seqs, ks, eos_ids):
+        self._catch_up([s for s, k in zip(seqs, ks, strict=True) if k])
+        out = []
+        for seq, k in zip(seqs, ks, strict=True):
+            start = seq.num_cached + 1
+            tokens = self.truth[seq.request_id][start : start + k]
+            if k:
+                self.cursors[seq.request_id].drafted = len(tokens)
+            out.append(Draft(tokens))
+        return out
+
+    def draft_trees(self, seqs, depths, budgets, topk):
+        chains = self.draft(seqs, depths, set())
+        return [Tree.chain(d.tokens) for d in chains]
+
+
+@pytest.mark.parametrize("options", [CHAIN, TREE], ids=["chain", "tree"])
+def test_an_oracle_head_gives_k_plus_one_tokens_per_pass(
+    eagle_target, eagle_head, eagle_ref, options
+):
+    core = eagle_core(eagle_target, eagle_head)
+    spec = core.decoders["speculative"]
+    oracle = Oracle.__new__(Oracle)
+    oracle.__dict__.update(spec.eagle.__dict__)
+    spec.eagle = oracle
+    n = 1 + 4 * (K + 1)
+    prompt = PROMPTS[1]
+    oracle.truth = {"o": prompt + eagle_ref[1]}
+    tokens, stats = run(core, [GenerateRequest("o", prompt, greedy(n), "speculative", options)])
+    assert tokens["o"] == eagle_ref[1][:n]
+    # The prefill makes one token (a head drafts from the target's features, which the prefill
+    # makes); then every pass accepts all K drafts and adds one token of its own.
+    s = stats["o"]
+    assert s["drafts"] == 4 and s["accepted_per_position"] == [4] * K
+    assert (s["accepted_tokens"] + s["drafts"]) / s["drafts"] == K + 1
+
+
+def test_a_random_head_still_decodes_exactly(eagle_target, tmp_path, eagle_ref):
+    head = random_head(eagle_target, tmp_path / "random", seed=7)
+    core = eagle_core(eagle_target, head)
+    tokens, stats = run(core, [GenerateRequest("r", PROMPTS[2], greedy(24), "speculative", CHAIN)])
+    assert tokens["r"] == eagle_ref[2]
+    assert stats["r"]["tokens_per_pass"] >= 1.0
+
+
+# ---- sampling ---------------------------------------------------------------------------------
+
+
+def test_sampled_output_follows_the_target_distribution(eagle_target, eagle_head):
+    """Sampled requests draft chains from the head's distribution; the rejection rule keeps
+    the target's (and a test of the same counts rejects a wrong distribution)."""
+    prompt, n = PROMPTS[2], 1200
+    # The prefill samples the first token; the second comes from verifying the head's drafts.
+    params = SamplingParams(max_tokens=3, temperature=1.5, top_k=4, ignore_eos=True)
+    options = dict(CHAIN, num_speculative_tokens=2, tree_nodes=12)  # sampled: a chain all the same
+    core = eagle_core(eagle_target, eagle_head, max_waiting=n)
+    requests = [
+        GenerateRequest(str(i), prompt, replace(params, seed=i), "speculative", options)
+        for i in range(n)
+    ]
+    tokens, stats = run(core, requests)
+    assert sum(s.get("draft_tokens", 0) for s in stats.values()) > 0
+    hf = load_hf(eagle_target)
+    joint = exact_joint(hf, prompt, params)
+    cells = joint.flatten().nonzero()[:, 0]
+    counts = torch.zeros(joint.numel(), dtype=torch.float64)
+    for t in tokens.values():
+        counts[t[0] * joint.shape[1] + t[1]] += 1
+    assert counts.sum() == counts[cells].sum()  # nothing outside the target's support
+    assert chi2_pvalue(counts[cells], joint.flatten()[cells]) > 1e-3
+    wrong = exact_joint(hf, prompt, SamplingParams(temperature=0.8, top_k=4))
+    assert chi2_pvalue(counts[cells], wrong.flatten()[cells]) < 1e-3
+
+
+# ---- published layouts -------------------------------------------------------------------------
+
+
+def test_a_specforge_eagle3_checkpoint_loads_and_decodes_exactly(eagle_target, tmp_path, eagle_ref):
+    """SpecForge's layout: midlayer.*, fc over three layers, its own draft-vocabulary lm_head,
+    d2t/t2d, the target's embedding copied in (ignored: the target's is used)."""
+    hf = load_hf(eagle_target)
+    h, vocab, layers = hf.config.hidden_size, hf.config.vocab_size, hf.config.num_hidden_layers
+    heads, kv, d, inter = 4, 2, h // 4, hf.config.intermediate_size
+    draft_ids = torch.arange(0, vocab, 3)  # every third token
+    g = torch.Generator().manual_seed(3)
+
+    def w(*shape):
+        return torch.randn(*shape, generator=g) * 0.3
+
+    state = {
+        "fc.weight": w(h, 3 * h),
+        "midlayer.hidden_norm.weight": torch.ones(h),
+        "midlayer.input_layernorm.weight": torch.ones(h),
+        "midlayer.post_attention_layernorm.weight": torch.ones(h),
+        "midlayer.self_attn.q_proj.weight": w(heads * d, 2 * h),
+        "midlayer.self_attn.k_proj.weight": w(kv * d, 2 * h),
+        "midlayer.self_attn.v_proj.weight": w(kv * d, 2 * h),
+        "midlayer.self_attn.o_proj.weight": w(h, heads * d),
+        "midlayer.mlp.gate_proj.weight": w(inter, h),
+        "midlayer.mlp.up_proj.weight": w(inter, h),
+        "midlayer.mlp.down_proj.weight": w(h, inter),
+        "norm.weight": torch.ones(h),
+        "lm_head.weight": w(len(draft_ids), h),
+        "d2t": draft_ids - torch.arange(len(draft_ids)),
+        "t2d": torch.isin(torch.arange(vocab), draft_ids),
+        "embed_tokens.weight": w(vocab, h),
+    }
+    path = tmp_path / "specforge"
+    path.mkdir()
+    save_file(state, path / "model.safetensors")
+    config = {
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "model_type": "llama",
+        "hidden_size": h,
+        "intermediate_size": inter,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv,
+        "num_hidden_layers": 1,
+        "rms_norm_eps": 1e-6,
+        "vocab_size": vocab,
+        "draft_vocab_size": len(draft_ids),
+        "rope_theta": 10000.0,
+        "max_position_embeddings": 1024,
+    }
+    (path / "config.json").write_text(json.dumps(config))
+    assert drafts.is_head(path)
+    engine = Engine(EngineConfig(model=str(eagle_target), device="cpu", kv_cache_memory=8 << 20))
+    head = load_head(path, engine.model)
+    assert head.config.aux_layers == EagleConfig.for_target(hf.config, 1).aux_layers
+    assert torch.equal(head.draft_ids, draft_ids)
+    assert torch.equal(head.fc.weight, state["fc.weight"])
+    assert torch.equal(head.head_weight(), state["lm_head.weight"])
+    q_proj = head.layers[0].self_attn.q_proj.weight
+    assert torch.equal(q_proj, state["midlayer.self_attn.q_proj.weight"])
+    core = eagle_core(eagle_target, path)
+    for i, prompt in enumerate(PROMPTS[:2]):
+        tokens, _ = run(core, [GenerateRequest("s", prompt, greedy(24), "speculative", TREE)])
+        assert tokens["s"] == eagle_ref[i]
+    assert layers == 4
+
+
+def test_an_eagle1_checkpoint_loads_and_decodes_exactly(eagle_target, tmp_path, eagle_ref):
+    """The EAGLE authors' EAGLE-1/2 layout: a Llama config of one layer, fc (with bias) over
+    [embedding; final hidden state], layers.0 without an input norm, the target's head."""
+    hf = load_hf(eagle_target)
+    h, inter = hf.config.hidden_size, hf.config.intermediate_size
+    heads, kv, d = 4, 2, h // 4
+    g = torch.Generator().manual_seed(4)
+
+    def w(*shape):
+        return torch.randn(*shape, generator=g) * 0.3
+
+    state = {
+        "fc.weight": w(h, 2 * h),
+        "fc.bias": w(h),
+        "layers.0.self_attn.q_proj.weight": w(heads * d, h),
+        "layers.0.self_attn.k_proj.weight": w(kv * d, h),
+        "layers.0.self_attn.v_proj.weight": w(kv * d, h),
+        "layers.0.self_attn.o_proj.weight": w(h, heads * d),
+        "layers.0.mlp.gate_proj.weight": w(inter, h),
+        "layers.0.mlp.up_proj.weight": w(inter, h),
+        "layers.0.mlp.down_proj.weight": w(h, inter),
+        "layers.0.post_attention_layernorm.weight": torch.ones(h),
+    }
+    path = tmp_path / "eagle1"
+    path.mkdir()
+    save_file(state, path / "model.safetensors")
+    config = dict(json.loads((eagle_target / "config.json").read_text()), num_hidden_layers=1,
+                  architectures=["LlamaForCausalLM"])  # fmt: skip
+    (path / "config.json").write_text(json.dumps(config))
+    assert drafts.is_head(path) and not drafts.is_head(eagle_target)
+    engine = Engine(EngineConfig(model=str(eagle_target), device="cpu", kv_cache_memory=8 << 20))
+    head = load_head(path, engine.model)
+    assert head.config.aux_layers == (hf.config.num_hidden_layers,)  # the final normed state
+    assert torch.equal(head.fc.bias, state["fc.bias"])
+    # --draft-model names a head: the server uses it as one.
+    engine_core = eagle_core(eagle_target, None)
+    assert engine_core.decoders["speculative"].eagle is None
+    assert drafts.pick(None, str(path), "x") == (str(path), None)
+    core = eagle_core(eagle_target, path)
+    for i, prompt in enumerate(PROMPTS[:2]):
+        tokens, _ = run(core, [GenerateRequest("s", prompt, greedy(24), "speculative", CHAIN)])
+        assert tokens["s"] == eagle_ref[i]
+
+
+def test_the_shipped_head_is_the_default_models_default_draft():
+    path = drafts.shipped_head("SmolLM2-135M-Instruct")
+    assert path is not None and drafts.is_head(path)
+    assert drafts.shipped_head("/models/SmolLM2-135M-Instruct.Q4_1.gguf") == path
+    assert drafts.shipped_head("Qwen2.5-0.5B") is None
+    assert (path / "model.safetensors").stat().st_size <= 12 << 20
+    assert drafts.pick(None, None, "SmolLM2-135M-Instruct") == (str(path), None)
+    assert (path / "MODEL_CARD.md").is_file()
+
+
+# ---- bursts: cycles on the device ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("k", [1, K])
+def test_device_cycles_decode_exactly_and_accept_what_chains_accept(
+    eagle_target, eagle_head, eagle_ref, k
+):
+    """Greedy chains in bursts of cycles (draft, verify, accept, catch up with no host in
+    between; eagerly here, CUDA graphs on a GPU): the same tokens as AR, and the same accepted
+    drafts as one cycle per step."""
+    options = dict(CHAIN, num_speculative_tokens=k)
+    stepwise = eagle_core(eagle_target, eagle_head)
+    bursts = eagle_core(eagle_target, eagle_head, fused_decode_steps=4)
+    requests = [GenerateRequest(str(i), p, greedy(24), "speculative", options)
+                for i, p in enumerate(PROMPTS)]  # fmt: skip
+    ref_tokens, ref_stats = run(stepwise, [replace(r) for r in requests])
+    cycles = bursts.decoders["speculative"].eagle.cycles
+    ran = []
+    real_run = cycles.run
+    cycles.run = lambda seqs, roots, k, n: ran.append(n) or real_run(seqs, roots, k, n)
+    tokens, stats = run(bursts, requests)
+    assert ran and max(ran) > 1  # several cycles per host sync
+    for i in range(len(PROMPTS)):
+        assert tokens[str(i)] == eagle_ref[i]
+        assert stats[str(i)]["accepted_tokens"] == ref_stats[str(i)]["accepted_tokens"]
+    assert free(bursts)
+    # (mixed with AR or waiting requests, a step runs as usual)
+    late = [GenerateRequest("ar", PROMPTS[0], greedy(24))]
+    tokens, _ = run(bursts, [replace(r, request_id=f"b{r.request_id}") for r in requests], late)
+    assert tokens["ar"] == eagle_ref[0]
+    assert all(tokens[f"b{i}"] == eagle_ref[i] for i in range(len(PROMPTS)))
+
+
+def test_a_prompt_the_prefix_cache_holds_but_its_last_token_drafts_after_its_first_pass(
+    eagle_target, eagle_head
+):
+    """Found in the prefix cache but for its last token, a prompt has no features before its
+    first pass: the head drafts from the second step on, and the output is AR's."""
+    core = eagle_core(eagle_target, eagle_head)
+    prompt = list(range(40, 72))  # two full blocks
+    first, _ = run(core, [GenerateRequest("a", prompt, greedy(12), "speculative", CHAIN)])
+    again = prompt + [first["a"][0]]  # the cached blocks, then one more token
+    tokens, stats = run(core, [GenerateRequest("b", again, greedy(12), "speculative", CHAIN)])
+    ref, _ = run(eagle_core(eagle_target, None), [GenerateRequest("r", again, greedy(12))])
+    assert tokens["b"] == ref["r"]
+    assert stats["b"]["drafts"] > 0

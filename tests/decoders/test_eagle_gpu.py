@@ -1,0 +1,64 @@
+"""EAGLE on the GPU: greedy chains as device cycles in CUDA graphs (the head on fused kernels)
+decode exactly what plain decoding does, in fp32."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from stride.decoders.registry import DecodersConfig, build_decoders
+from stride.engine.eagle_cycles import FusedHead
+from stride.engine.engine import Engine, EngineConfig
+from stride.scheduler.core import EngineCore
+from stride.scheduler.outputs import GenerateRequest
+from tests.helpers.cores import PROMPTS, greedy, run
+from tests.helpers.eagle import CHAIN, TREE, random_head
+from tests.helpers.models import make_model_dir
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+
+
+def cuda_core(model: str | None, head: str | None) -> EngineCore:
+    engine = Engine(
+        EngineConfig(model=model, device="cuda", dtype="float32", kv_cache_memory=256 << 20)
+    )
+    return EngineCore(engine, decoders=build_decoders(engine, DecodersConfig(draft_head=head)))
+
+
+def test_device_cycles_decode_exactly_on_the_gpu(tmp_path):
+    model = make_model_dir(tmp_path / "target", layers=4)
+    head = random_head(model, tmp_path / "head")
+    core = cuda_core(str(model), str(head))
+    cycles = core.decoders["speculative"].eagle.cycles
+    assert cycles.graphs and isinstance(cycles.head_forward, FusedHead)
+    for i, prompt in enumerate(PROMPTS):
+        ref, _ = run(core, [GenerateRequest("r", prompt, greedy(24))])
+        for options in (CHAIN, TREE):
+            request = GenerateRequest("s", prompt, greedy(24), "speculative", options)
+            tokens, _ = run(core, [request])
+            assert tokens["s"] == ref["r"], (i, options)
+    assert cycles.replay_ms(1, CHAIN["num_speculative_tokens"]) > 0  # a captured cycle
+    batch = [GenerateRequest(str(i), p, greedy(24), "speculative", CHAIN)
+             for i, p in enumerate(PROMPTS)]  # fmt: skip
+    tokens, _ = run(core, batch)
+    for i, prompt in enumerate(PROMPTS):
+        ref, _ = run(core, [GenerateRequest("r", prompt, greedy(24))])
+        assert tokens[str(i)] == ref["r"]
+
+
+def test_the_shipped_head_on_the_default_model_decodes_exactly_and_accepts(tmp_path):
+    core = cuda_core(None, None)
+    tok = core.engine.tokenizer
+    prompts = [
+        tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)
+        for q in ("Write a haiku about a cat sleeping in the sun.", "Why is the sky blue?")
+    ]
+    prompts = [p["input_ids"] if hasattr(p, "keys") else p for p in prompts]
+    ref, _ = run(core, [GenerateRequest(str(i), p, greedy(48)) for i, p in enumerate(prompts)])
+    options = dict(CHAIN, num_speculative_tokens=5)
+    tokens, stats = run(
+        core, [GenerateRequest(str(i), p, greedy(48), "speculative", options)
+               for i, p in enumerate(prompts)]  # fmt: skip
+    )
+    assert tokens == ref
+    assert all(s["accepted_tokens"] > 0 for s in stats.values())

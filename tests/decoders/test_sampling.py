@@ -1,0 +1,212 @@
+"""Sampling rules on synthetic logits, and seeded / stopping behaviour through the engine."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+import pytest
+import torch
+
+from stride.decoders import sampling
+from stride.engine.sequence import SamplingParams, Sequence
+from stride.scheduler.client import EngineClient
+from stride.scheduler.outputs import GenerateRequest
+from tests.helpers.cores import make_core
+
+
+def rows(**params) -> list[sampling.Row]:
+    return [sampling.Row(Sequence("r", [1, 2, 3], SamplingParams(**params)))]
+
+
+def test_top_k_keeps_k_most_likely():
+    logits = torch.tensor([[0.0, 3.0, 1.0, 2.0, -1.0]])
+    probs = sampling.probabilities(logits, rows(top_k=2))
+    assert (probs[0] > 0).tolist() == [False, True, False, True, False]
+    assert math.isclose(probs.sum().item(), 1.0, rel_tol=1e-6)
+
+
+def test_top_p_keeps_smallest_prefix_reaching_p():
+    probs_in = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
+    probs = sampling.probabilities(probs_in.log(), rows(top_p=0.8))
+    torch.testing.assert_close(probs, torch.tensor([[0.625, 0.375, 0.0, 0.0]]))
+
+
+def test_min_p_drops_tokens_below_fraction_of_max():
+    probs_in = torch.tensor([[0.6, 0.3, 0.08, 0.02]])
+    probs = sampling.probabilities(probs_in.log(), rows(min_p=0.1))
+    assert (probs[0] > 0).tolist() == [True, True, True, False]
+
+
+def test_temperature_sharpens():
+    logits = torch.tensor([[1.0, 2.0]])
+    cold = sampling.probabilities(logits, rows(temperature=0.5))
+    hot = sampling.probabilities(logits, rows(temperature=2.0))
+    assert cold[0, 1] > hot[0, 1] > 0.5
+
+
+def test_penalties_and_bias():
+    seq = Sequence(
+        "r", [0], SamplingParams(frequency_penalty=1.0, presence_penalty=0.5, logit_bias={3: 5.0})
+    )
+    seq.token_ids += [1, 1, 2]
+    out = sampling.adjust(torch.zeros(1, 4), [sampling.Row(seq)], eos_ids=set())
+    # token 1: twice (-2 frequency, -0.5 presence); token 2: once; token 3: +5 bias.
+    torch.testing.assert_close(out, torch.tensor([[0.0, -2.5, -1.5, 5.0]]))
+
+
+def test_repetition_penalty_divides_positive_multiplies_negative():
+    seq = Sequence("r", [0, 1], SamplingParams(repetition_penalty=2.0))
+    out = sampling.adjust(torch.tensor([[4.0, -4.0, 4.0]]), [sampling.Row(seq)], eos_ids=set())
+    torch.testing.assert_close(out, torch.tensor([[2.0, -8.0, 4.0]]))
+
+
+def test_min_tokens_bans_eos_until_reached():
+    seq = Sequence("r", [0], SamplingParams(min_tokens=2, stop_token_ids=[3]))
+    out = sampling.adjust(torch.zeros(1, 4), [sampling.Row(seq)], eos_ids={2})
+    assert out[0, 2] == -math.inf and out[0, 3] == -math.inf and out[0, 1] == 0
+    seq.token_ids += [1, 1]
+    assert sampling.adjust(torch.zeros(1, 4), [sampling.Row(seq)], eos_ids={2})[0, 2] == 0
+
+
+def test_logprobs_with_alternatives():
+    logits = torch.tensor([[1.0, 3.0, 2.0]])
+    (lp,) = sampling.logprobs(logits, [2], rows(logprobs=2))
+    ref = torch.log_softmax(logits, -1)[0]
+    assert lp.token_id == 2 and math.isclose(lp.logprob, ref[2].item(), rel_tol=1e-6)
+    assert [t for t, _ in lp.top] == [1, 2]
+
+
+def _generate(core, reqs):
+    for r in reqs:
+        core.add(r)
+    out: dict[str, list[int]] = {}
+    while core.has_work:
+        for o in core.step():
+            out.setdefault(o.request_id, []).extend(o.token_ids)
+    return out
+
+
+def test_seeded_sampling_is_reproducible_whatever_the_batch(tiny_dir):
+    prompt = [5, 6, 7, 8]
+    params = SamplingParams(max_tokens=16, temperature=1.0, seed=1234, ignore_eos=True)
+    alone = _generate(make_core(tiny_dir), [GenerateRequest("x", prompt, params)])["x"]
+    others = [
+        GenerateRequest(
+            f"o{i}",
+            [9 + i] * (3 + i),
+            SamplingParams(max_tokens=20 - i, temperature=0.8, top_p=0.9),
+        )
+        for i in range(5)
+    ]
+    crowded = _generate(
+        make_core(tiny_dir), others[:2] + [GenerateRequest("x", prompt, params)] + others[2:]
+    )["x"]
+    assert alone == crowded
+    other_seed = SamplingParams(max_tokens=16, temperature=1.0, seed=99, ignore_eos=True)
+    assert _generate(make_core(tiny_dir), [GenerateRequest("x", prompt, other_seed)])["x"] != alone
+
+
+def test_stop_string_split_across_tokens(tiny_dir):
+    core = make_core(tiny_dir)
+    tok = core.engine.tokenizer
+    free = _generate(
+        core,
+        [
+            GenerateRequest(
+                "a",
+                tok.encode("Hello"),
+                SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True),
+            )
+        ],
+    )["a"]
+    text = tok.decode(free)
+    # Two characters straddling the boundary between the 3rd and 4th tokens' text.
+    boundary = len(tok.decode(free[:3]))
+    stop = text[boundary - 1 : boundary + 1]
+    start = text.find(stop)
+    assert len(stop) == 2 and 0 <= start
+
+    outs = []
+    core.add(
+        GenerateRequest(
+            "b",
+            tok.encode("Hello"),
+            SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, stop=[stop]),
+        )
+    )
+    while core.has_work:
+        outs.extend(core.step())
+    streamed = "".join(o.text for o in outs)
+    assert streamed == text[:start]
+    assert outs[-1].finish_reason == "stop" and outs[-1].stop_reason == stop
+
+
+def test_stop_token_ids_and_max_tokens(tiny_dir):
+    core = make_core(tiny_dir)
+    free = _generate(
+        core,
+        [
+            GenerateRequest(
+                "a", [5, 6], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+            )
+        ],
+    )["a"]
+    core.add(
+        GenerateRequest(
+            "b",
+            [5, 6],
+            SamplingParams(
+                max_tokens=12, temperature=0.0, ignore_eos=True, stop_token_ids=[free[4]]
+            ),
+        )
+    )
+    outs = []
+    while core.has_work:
+        outs.extend(core.step())
+    tokens = [t for o in outs for t in o.token_ids]
+    assert tokens == free[: free.index(free[4]) + 1]
+    assert outs[-1].finish_reason == "stop" and outs[-1].stop_reason == free[4]
+
+
+@pytest.fixture
+def client(tiny_dir):
+    c = EngineClient(make_core(tiny_dir))
+    yield c
+    c.shutdown()
+
+
+def test_n_samples_through_the_client(client):
+    async def go():
+        params = SamplingParams(max_tokens=8, temperature=1.0, seed=7, ignore_eos=True)
+        got: dict[int, list[int]] = {}
+        finals = 0
+        async for index, out in client.generate(GenerateRequest("n", [5, 6, 7], params), n=3):
+            got.setdefault(index, []).extend(out.token_ids)
+            finals += out.finished
+        return got, finals
+
+    got, finals = asyncio.run(go())
+    assert sorted(got) == [0, 1, 2] and finals == 3
+    assert all(len(t) == 8 for t in got.values())
+    assert len({tuple(t) for t in got.values()}) > 1  # distinct seeds, distinct samples
+
+
+def test_cancel_frees_kv_within_a_step(client):
+    cache = client.core.engine.cache
+
+    async def go():
+        params = SamplingParams(max_tokens=500, temperature=0.0, ignore_eos=True)
+        stream = client.generate(GenerateRequest("c", list(range(5, 60)), params))
+        async for _, out in stream:
+            if out.token_ids:
+                break
+        used = cache.num_usable_blocks - cache.num_free_blocks
+        await stream.aclose()  # what a disconnecting HTTP client does
+        for _ in range(200):
+            if cache.num_free_blocks == cache.num_usable_blocks and not client.core.has_work:
+                return used
+            await asyncio.sleep(0.01)
+        raise AssertionError("KV not freed after abort")
+
+    assert asyncio.run(go()) > 0

@@ -1,0 +1,188 @@
+"""The GPU decode path: the paged decode kernel against plain torch, and CUDA-graph decode steps
+against the eager path token for token. Skipped where there is no Triton / no GPU (CI)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from stride.engine import fused
+from stride.engine.attention import DecodeMetadata
+from stride.engine.engine import Engine, EngineConfig
+from stride.engine.kernels import decode_attention as attention
+from stride.engine.runner import Span, prepare
+from stride.engine.sequence import SamplingParams, Sequence
+from stride.scheduler.core import EngineCore
+from stride.scheduler.outputs import GenerateRequest
+
+needs_triton = pytest.mark.skipif(attention.triton is None, reason="needs triton")
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+
+
+@needs_triton
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (32, 8, 128), (4, 4, 64)])
+def test_decode_kernel_matches_reference(dtype, heads, kv_heads, head_dim):
+    torch.manual_seed(0)
+    block, num_blocks, dev = 16, 64, torch.device("cuda")
+    k_cache = torch.randn(num_blocks * block, kv_heads, head_dim, device=dev, dtype=dtype)
+    v_cache = torch.randn_like(k_cache)
+    lengths = [1, 15, 16, 17, 100, 250]
+    tables = torch.zeros(len(lengths), 20, dtype=torch.int32, device=dev)
+    free = (torch.randperm(num_blocks - 1) + 1).tolist()
+    for i, n in enumerate(lengths):
+        for j in range(-(-n // block)):
+            tables[i, j] = free.pop()
+    meta = DecodeMetadata(
+        slot_mapping=torch.zeros(len(lengths), dtype=torch.long, device=dev),
+        block_tables=tables,
+        context_lens=torch.tensor(lengths, dtype=torch.int32, device=dev),
+        block_size=block,
+    )
+    q = torch.randn(len(lengths), heads, head_dim, device=dev, dtype=dtype)
+    out = attention.decode_attention(q, k_cache, v_cache, meta).float()
+    ref = attention.decode_attention_reference(q.double(), k_cache.double(), v_cache.double(), meta)
+    err = (out.double() - ref).norm() / ref.norm()
+    assert err < (1e-5 if dtype == torch.float32 else 1e-2), err
+
+
+def _greedy(core: EngineCore, prompts: list[list[int]], new: int) -> list[list[int]]:
+    params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
+    for i, ids in enumerate(prompts):
+        core.add(GenerateRequest(f"r{i}", ids, params))
+    out: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
+    while core.has_work:
+        for o in core.step():
+            out[o.request_id].extend(o.token_ids)
+    return [out[f"r{i}"] for i in range(len(prompts))]
+
+
+@needs_triton
+@needs_cuda
+def test_cuda_graph_decode_equals_eager(tiny_dir):
+    """fp32 on the GPU: graph replays give the eager path's tokens, with ragged batches that grow
+    and shrink across buckets, and requests mixing prefill and decode in one step."""
+    engine = Engine(
+        EngineConfig(model=str(tiny_dir), device="cuda", dtype="float32", kv_cache_memory=64 << 20)
+    )
+    assert engine.runner.graphs is not None
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 384, (n,), generator=g).tolist() for n in (3, 40, 17, 5, 90, 33)]
+    core = EngineCore(engine)
+    with_graphs = _greedy(core, prompts, 24)
+    engine.runner.graphs = None
+    eager = _greedy(EngineCore(engine), prompts, 24)
+    assert with_graphs == eager
+
+
+@needs_triton
+@needs_cuda
+def test_gpu_fp32_greedy_equals_cpu(tiny_dir):
+    """The whole GPU path (fused kernels, graphs, paged decode kernel) against the CPU path."""
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 384, (n,), generator=g).tolist() for n in (7, 64, 2, 31)]
+    outs = {}
+    for device in ("cpu", "cuda"):
+        config = EngineConfig(
+            model=str(tiny_dir), device=device, dtype="float32", kv_cache_memory=64 << 20
+        )
+        outs[device] = _greedy(EngineCore(Engine(config)), prompts, 32)
+    assert outs["cuda"] == outs["cpu"]
+
+
+@needs_triton
+@needs_cuda
+@pytest.mark.parametrize(
+    ("decoder", "options"),
+    [
+        ("speculative", {"draft": "ngram", "num_speculative_tokens": 4, "adaptive": False}),
+        ("refine", {"method": "jacobi"}),
+    ],
+)
+def test_multi_token_spans_replay_as_graph_rows(tiny_dir, decoder, options, monkeypatch):
+    """Drafts and Jacobi windows are scored as graph rows (no eager pass once prompts are in),
+    and the tokens still equal the CPU path's in fp32."""
+    prompt = [5, 6, 7, 8, 9] * 4  # repetitive (n-gram drafts), longer than MAX_GRAPH_QUERY
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    outs = {}
+    eager_tokens = []
+    for device in ("cpu", "cuda"):
+        engine = Engine(EngineConfig(model=str(tiny_dir), device=device, dtype="float32",
+                                     kv_cache_memory=64 << 20))  # fmt: skip
+        if device == "cuda":
+            eager = engine.runner._forward_eager
+
+            def counting(spans, num_layers, eager=eager):
+                eager_tokens.extend(len(c.token_ids) for c in spans)
+                return eager(spans, num_layers)
+
+            monkeypatch.setattr(engine.runner, "_forward_eager", counting)
+        core = EngineCore(engine)
+        core.add(GenerateRequest("r", prompt, params, decoder=decoder, decoder_options=options))
+        tokens = []
+        while core.has_work:
+            for o in core.step():
+                tokens += o.token_ids
+        outs[device] = tokens
+    assert outs["cuda"] == outs["cpu"]
+    # Only the prompt's span (with the first proposal riding along) ran eagerly.
+    assert len(eager_tokens) == 1 and eager_tokens[0] >= len(prompt)
+
+
+def _spans(engine: Engine, lengths: list[int]) -> list[Span]:
+    """Random prompts with KV reserved; fresh engines reserve the same blocks in the same order.
+    A negative length -n is a decode step: n tokens of which the first n - 1 count as cached."""
+    g = torch.Generator().manual_seed(0)
+    spans = []
+    for n in lengths:
+        ids = torch.randint(3, 384, (abs(n),), generator=g).tolist()
+        seq = Sequence("r", ids, SamplingParams())
+        engine.cache.reserve(seq, abs(n))
+        seq.num_cached = -n - 1 if n < 0 else 0
+        spans.append(Span(seq, seq.tail, 1))
+    return spans
+
+
+def _hidden(engine: Engine, forward, spans: list[Span]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Final hidden states of one pass over the spans, and the keys it wrote."""
+    meta, tokens, positions, _ = prepare(spans, engine.cache.block_size, engine.device)
+    k, v = engine.cache.k.clone(), engine.cache.v.clone()
+    with torch.inference_mode():
+        hidden = forward(tokens, positions, (k, v), meta)
+    return hidden.float(), k.float()
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm()).item()
+
+
+@needs_triton
+@needs_cuda
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize(
+    "lengths", [[1], [-9], [5, 3], [30, 9]], ids=["one-row", "decode-row", "rows", "prefill"]
+)
+def test_fused_forward_matches_module_forward(tiny_dirs, arch, lengths):
+    """Both fused layer shapes (for one row, Triton GEMVs with norm, rotary + KV write, SiLU and
+    residual folded in; for more, cuBLAS GEMMs beside fused elementwise kernels) against the
+    module forward: equal in fp32, and in bf16 as close to the fp32 result as the module forward
+    itself is. The decode row sits at position 8, so rotary is not the identity."""
+    engines = {}  # caches of as many blocks, so that both dtypes write the same slots
+    for dtype, megabytes in (("float32", 16), ("bfloat16", 8)):
+        config = EngineConfig(model=str(tiny_dirs[arch]), device="cuda", dtype=dtype,
+                              kv_cache_memory=megabytes << 20)  # fmt: skip
+        engines[dtype] = Engine(config)
+    for engine in engines.values():
+        assert isinstance(engine.runner.forward_fn, fused.FusedForward)
+    exact = engines["float32"]
+    spans = _spans(exact, lengths)
+    ref, ref_k = _hidden(exact, exact.model, spans)
+    out, out_k = _hidden(exact, exact.runner.forward_fn, spans)
+    assert _rel(out, ref) < 1e-5 and _rel(out_k, ref_k) < 1e-5
+    bf16 = engines["bfloat16"]
+    spans = _spans(bf16, lengths)
+    module, module_k = _hidden(bf16, bf16.model, spans)
+    fused_, fused_k = _hidden(bf16, bf16.runner.forward_fn, spans)
+    assert _rel(fused_, ref) < 1.5 * _rel(module, ref) + 1e-3
+    assert _rel(fused_k, ref_k) < 1.5 * _rel(module_k, ref_k) + 1e-3

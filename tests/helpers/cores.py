@@ -1,0 +1,95 @@
+"""Cores over tiny models, run to the end: what decoder and scheduler tests share."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from scipy.stats import chisquare
+
+from stride.engine.engine import Engine, EngineConfig
+from stride.engine.sequence import SamplingParams, Sequence
+from stride.scheduler.core import EngineCore
+from stride.scheduler.outputs import GenerateRequest
+from stride.scheduler.policy import SchedulerConfig
+
+
+def make_core(model_dir: Path | str | None, kv_bytes: int = 16 << 20, **sched) -> EngineCore:
+    engine = Engine(
+        EngineConfig(
+            model=None if model_dir is None else str(model_dir),
+            device="cpu",
+            kv_cache_memory=kv_bytes,
+        )
+    )
+    return EngineCore(engine, SchedulerConfig(**sched))
+
+
+
+PROMPTS = [
+    [5, 6, 7, 8, 9, 10, 5, 6, 7],  # repeats: prompt lookup finds something
+    [20, 21, 22, 23],
+    [100, 101, 102, 103, 104, 105, 106],
+    [40, 41, 40, 41, 40],
+]
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+
+
+def run(core: EngineCore, requests: list[GenerateRequest], late: list[GenerateRequest] = ()):
+    """Run to completion (late requests join after two steps); tokens and stats per request."""
+    tokens: dict[str, list[int]] = {}
+    stats: dict[str, dict] = {}
+    core.preempted = set()
+    for r in requests:
+        core.add(r)
+    steps = 0
+    while core.has_work:
+        if steps == 2:
+            for r in late:
+                core.add(r)
+        core.preempted |= {s.request_id for s in core.seqs.values() if s.num_preemptions}
+        for out in core.step():
+            tokens.setdefault(out.request_id, []).extend(out.token_ids)
+            if out.finished:
+                stats[out.request_id] = out.decoder_stats
+        steps += 1
+    return tokens, stats
+
+
+def chi2_pvalue(observed: torch.Tensor, probs: torch.Tensor) -> float:
+    expected = probs.double() / probs.double().sum() * observed.sum()
+    return chisquare(observed.numpy(), expected.numpy()).pvalue
+
+
+def exact_joint(tiny_hf, prompt: list[int], params: SamplingParams) -> torch.Tensor:
+    """p(t1, t2) of the target under temperature/top-k, as a [vocab, vocab] table."""
+    from stride.decoders import sampling
+
+    def dist(ids: list[int]) -> torch.Tensor:
+        logits = tiny_hf(torch.tensor([ids])).logits[0, -1:].float()
+        row = sampling.Row(Sequence("x", ids, params))
+        return sampling.probabilities(logits, [row])[0]
+
+    with torch.no_grad():
+        first = dist(prompt)
+        joint = torch.zeros(first.numel(), first.numel(), dtype=torch.float64)
+        for t in first.nonzero()[:, 0].tolist():
+            joint[t] = first[t].double() * dist(prompt + [t]).double()
+    return joint
+
+
+
+def record(results: dict[str, tuple], out) -> None:
+    """Fold one output into its request's (tokens, text, finish reason, passes counted)."""
+    tokens, text, _, _ = results.get(out.request_id, ((), "", None, None))
+    stats = out.decoder_stats
+    results[out.request_id] = (
+        tokens + tuple(out.token_ids),
+        text + out.text,
+        out.finish_reason,
+        stats and stats["forward_passes"] >= len(tokens) + len(out.token_ids),
+    )
+

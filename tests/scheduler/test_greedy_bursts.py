@@ -1,0 +1,139 @@
+"""Fused decode steps (several greedy decode steps in one engine step, each step's token fed to the
+next on the device) change no output: the same tokens, text, stops and finish reasons as one step
+at a time, and the KV cache ends empty. On the CPU each fused step is an eager pass; on a GPU they
+replay the decode graph back to back with no host sync in between."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from stride.decoders.registry import build_decoders
+from stride.decoders.speculative import Speculative
+from stride.engine.engine import Engine, EngineConfig
+from stride.engine.sequence import SamplingParams
+from stride.scheduler.core import EngineCore
+from stride.scheduler.outputs import GenerateRequest
+from stride.scheduler.policy import SchedulerConfig
+from tests.helpers.cores import record
+
+
+def _requests() -> list[GenerateRequest]:
+    reqs = []
+    for i in range(6):
+        params = SamplingParams(
+            max_tokens=3 + 5 * i,
+            temperature=0.0,
+            ignore_eos=i % 2 == 0,
+            stop=["e"] if i == 3 else [],
+            stop_token_ids=[7, 11] if i == 4 else [],
+        )
+        reqs.append(GenerateRequest(f"r{i}", [5 + i, 9, 12 + i, 7][: 1 + i % 4], params))
+    # Sampled: while it runs, steps are not fused (its draw needs the host between tokens).
+    sampled = SamplingParams(max_tokens=5, temperature=0.8, seed=3, ignore_eos=True)
+    reqs.append(GenerateRequest("sampled", [6, 7, 8], sampled))
+    return reqs
+
+
+def _core(tiny_dir, device: str, steps: int) -> EngineCore:
+    config = EngineConfig(model=str(tiny_dir), device=device, dtype="float32",
+                          kv_cache_memory=16 << 20)  # fmt: skip
+    return EngineCore(Engine(config), SchedulerConfig(max_num_seqs=8, fused_decode_steps=steps))
+
+
+
+
+def _run(core: EngineCore) -> tuple[dict[str, tuple], int]:
+    calls = []
+    decode_steps = core.engine.runner.decode_steps
+
+    def counting(seqs, tokens, steps, *args, **kwargs):
+        calls.append(steps)
+        return decode_steps(seqs, tokens, steps, *args, **kwargs)
+
+    core.engine.runner.decode_steps = counting
+    reqs = _requests()
+    for req in reqs[:4]:
+        core.add(req)
+    results: dict[str, tuple] = {}
+    step = 0
+    while core.has_work or step < 6:
+        if step == 5:
+            for req in reqs[4:]:
+                core.add(req)  # arrive while others decode
+        for out in core.step():
+            record(results, out)
+        step += 1
+    cache = core.engine.cache
+    assert cache.num_free_blocks == cache.num_usable_blocks
+    return results, len(calls)
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_fused_decode_steps_change_no_output(tiny_dir, device):
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no GPU")
+    single, unfused_calls = _run(_core(tiny_dir, device, steps=1))
+    fused, fused_calls = _run(_core(tiny_dir, device, steps=4))
+    assert unfused_calls == 0 and fused_calls > 0
+    assert fused == single
+    assert all(r[2] is not None and r[3] for r in fused.values())  # finished; passes counted
+    assert {r[2] for r in fused.values()} >= {"length", "stop"}
+
+
+def _speculative_run(
+    tiny_dir, steps: int, decoder: str, chain: bool = False
+) -> tuple[list[int], list, list, int]:
+    """Greedy decoding of a prompt that holds every token id (a probe's n-gram lookup always
+    finds a draft): its tokens, the speculative decoder's step count at each fused call and at
+    each probe's plan, and how many tokens were drafted. `chain`: fused bursts are chained
+    (`EngineCore._chain`); a chained call is counted at the step its burst starts at."""
+    config = EngineConfig(model=str(tiny_dir), device="cpu", dtype="float32",
+                          kv_cache_memory=16 << 20)  # fmt: skip
+    engine = Engine(config)
+    decoders = build_decoders(engine)
+    # Costs from sizes, not clocks. At a saturation of half a token a scored draft costs about
+    # a step: drafts at the prior's acceptance (0.6) do not pay, a probe's (0.9) would.
+    spec = decoders["speculative"] = Speculative(engine, saturation_tokens=0.5,
+                                                 measure_costs=False)  # fmt: skip
+    core = EngineCore(engine, SchedulerConfig(fused_decode_steps=steps), decoders)
+    core.executor.chain = chain
+    fused_at, probes_at = [], []
+    decode_steps, plan = engine.runner.decode_steps, spec.policy.plan
+
+    def counting(seqs, tokens, n, sample, offset=0, rows=None):
+        fused_at.append(spec.policy.steps + offset)  # a chained burst's predecessor is uncommitted
+        return decode_steps(seqs, tokens, n, sample, offset, rows)
+
+    def planned(seq, state, batch):
+        k = plan(seq, state, batch)
+        if state.probing and spec.policy.steps not in probes_at:  # (planned again in propose)
+            probes_at.append(spec.policy.steps)
+        return k
+
+    engine.runner.decode_steps, spec.policy.plan = counting, planned
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    options = {"draft": "ngram", "adaptive": True} if decoder == "speculative" else {}
+    core.add(GenerateRequest("r", list(range(384)), params, decoder, options))
+    tokens, drafted = [], 0
+    while core.has_work:
+        for out in core.step():
+            tokens += out.token_ids
+            drafted += (out.decoder_stats or {}).get("draft_tokens", 0)
+    return tokens, fused_at, probes_at, drafted
+
+
+@pytest.mark.parametrize("chain", [False, True])
+def test_quiet_speculative_steps_are_fused_and_probes_stay_on_schedule(tiny_dir, chain):
+    """A speculative request whose drafts do not pay (adaptive K = 0 between probes) runs its
+    quiet steps fused, as `ar` does, with `ar`'s tokens; its probes draft in the same steps,
+    also when fused bursts are chained (a chain ends before a probe is due)."""
+    ar = _speculative_run(tiny_dir, 1, "ar")[0]
+    single, unfused, probes, drafted = _speculative_run(tiny_dir, 1, "speculative")
+    fused, fused_at, fused_probes, fused_drafted = _speculative_run(
+        tiny_dir, 4, "speculative", chain
+    )
+    assert single == fused == ar
+    assert not unfused and len(fused_at) >= 8  # 40 tokens: 4 at a time, a probe every 16 steps
+    assert len(probes) >= 2 and fused_probes == probes and fused_drafted == drafted == len(probes)
+    assert fused_at[0] < probes[0] < fused_at[-1]  # fused before a probe and after it
