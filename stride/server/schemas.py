@@ -187,7 +187,9 @@ class CompletionRequest(SamplingFields):
         | TokenIds
         | Annotated[list[TokenIds], Field(min_length=1)]
     ) = Field(..., description="a string, strings, token ids, or lists of token ids")
-    max_tokens: int | None = Field(16, ge=1, le=INT32_MAX)
+    max_tokens: int | None = Field(
+        16, ge=0, le=INT32_MAX, description="0: nothing generated (with echo: the prompt scored)"
+    )
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=20)
     best_of: int | None = Field(

@@ -67,7 +67,10 @@ class Serving:
         inputs.check_sequences(num_prompts(body.prompt) * samples)
         constraint = structured.constraint_of(body)
         prompts, texts = await off_loop(lambda: inputs.prompts(body.prompt), size(body.prompt))
-        max_tokens = body.max_tokens or inputs.default_max_tokens(prompts)
+        # max_tokens 0 (lm-eval's and HELM's way to score a prompt with echo): the engine
+        # draws one token, which the answer leaves out
+        scoring = body.max_tokens == 0
+        max_tokens = 1 if scoring else body.max_tokens or inputs.default_max_tokens(prompts)
         inputs.check_context(prompts, max_tokens)
         # best_of ranks its samples by their logprobs: drawn with them, returned without
         logprobs = body.logprobs if samples == body.n else max(body.logprobs or 0, 0)
@@ -77,7 +80,8 @@ class Serving:
         requests = inputs.requests(body, prompts, params, rid)
         gen = await self._start(request, body, requests, "text_completion", samples)
         echo = [texts[i] if body.echo else "" for i in range(len(prompts))]
-        view = CompletionView(self.model_name, self.pieces, body, rid, prompts, echo, samples)
+        view = CompletionView(self.model_name, self.pieces, body, rid, prompts, echo, samples,
+                              generated=not scoring)  # fmt: skip
         return await self._respond(request, body, view, gen)
 
     # ---- /v1/chat/completions -------------------------------------------------------------------

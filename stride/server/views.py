@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from json.encoder import encode_basestring  # what json.dumps(ensure_ascii=False) quotes with
 
 from fastapi.responses import StreamingResponse
@@ -163,6 +163,7 @@ class View:
         # vLLM's continuous_usage_stats: the usage so far in every chunk
         self.usage_always = self.include_usage and bool(options and options.continuous_usage_stats)
         self.created = int(time.time())  # every chunk carries the same, as OpenAI's do
+        self.generated = True  # False: max_tokens 0, the generated token is left out
         self._text_events: dict[int, tuple[str, str]] = {}  # choice -> around a text delta
 
     def _chunk_of(self, choices: list, usage: s.Usage | None = None):
@@ -210,6 +211,7 @@ class View:
             async for index, out in gen:
                 if out.error is not None:
                     raise _failure(out)
+                out = self.shown(out)
                 self.choices[index].add(out)
         finally:
             gen.close()
@@ -228,6 +230,7 @@ class View:
                         events.append(sse(_failure(out).body()))
                         failed = True
                         break
+                    out = self.shown(out)
                     self.choices[index].add(out)
                     event = self.event(index, out, include_usage)
                     if event is not None:
@@ -262,6 +265,12 @@ class View:
             around = self._text_events[index] = (before, after)
         return around[0] + encode_basestring(out.text) + around[1]
 
+    def shown(self, out: RequestOutput) -> RequestOutput:
+        """What of an output the answer shows (all of it, unless nothing is to be generated)."""
+        if self.generated:
+            return out
+        return replace(out, token_ids=[], text="", logprobs=[], num_output_tokens=0)
+
     @property
     def wants_logprobs(self) -> bool:
         raise NotImplementedError
@@ -289,8 +298,10 @@ class CompletionView(View):
         prompts: list[list[int]],
         echo: list[str],
         samples: int | None = None,
+        generated: bool = True,
     ) -> None:
         super().__init__(model_name, pieces, body, rid, prompts, samples)
+        self.generated = generated
         self.echo = echo
         self.offsets = [0] * len(self.choices)
         # Echoed prompts whose logprobs are asked for go out with the choice's first tokens,

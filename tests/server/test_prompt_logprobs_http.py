@@ -126,3 +126,35 @@ def test_streamed_echo_carries_the_prompt_logprobs(default_server):
     assert text == whole["text"]
     assert values == pytest.approx(whole["logprobs"]["token_logprobs"], abs=1e-6)
     assert values[0] is None and None not in values[1:]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_max_tokens_0_scores_the_prompt_and_generates_nothing(default_server, stream):
+    """OpenAI's legacy way to score a text (lm-eval's older clients, HELM): `max_tokens` 0 with
+    `echo` and `logprobs` answers the prompt with its logprobs, and nothing after it."""
+    server = default_server
+    serving = server.app.state.serving
+    body = {"model": serving.model_name, "prompt": "Once upon a time", "temperature": 0,
+            "echo": True, "logprobs": 1}  # fmt: skip
+    one = server.post("/v1/completions", {**body, "max_tokens": 1}).json()
+    n_prompt = one["usage"]["prompt_tokens"]
+    if stream:
+        with httpx.stream("POST", f"{server.url}/v1/completions",
+                          json={**body, "max_tokens": 0, "stream": True,
+                                "stream_options": {"include_usage": True}},
+                          timeout=60) as r:  # fmt: skip
+            events = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: {")]
+        choices = [e["choices"][0] for e in events if e["choices"]]
+        text = "".join(c["text"] for c in choices)
+        values = [v for c in choices for v in c["logprobs"]["token_logprobs"]]
+        usage, reason = events[-1]["usage"], choices[-1]["finish_reason"]
+    else:
+        zero = server.post("/v1/completions", {**body, "max_tokens": 0}).json()
+        text = zero["choices"][0]["text"]
+        values = zero["choices"][0]["logprobs"]["token_logprobs"]
+        usage, reason = zero["usage"], zero["choices"][0]["finish_reason"]
+    assert text == "Once upon a time" and reason == "length"
+    assert values == pytest.approx(one["choices"][0]["logprobs"]["token_logprobs"][:n_prompt])
+    assert usage["completion_tokens"] == 0 and usage["prompt_tokens"] == n_prompt
+    plain = server.post("/v1/completions", {**body, "max_tokens": 0, "echo": False}).json()
+    assert plain["choices"][0]["text"] == "" and plain["usage"]["completion_tokens"] == 0
