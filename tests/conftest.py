@@ -80,3 +80,14 @@ def eagle_ref(eagle_target) -> dict[int, list[int]]:
         tokens, _ = run(core, [GenerateRequest("r", prompt, greedy(24))])
         out[i] = tokens["r"]
     return out
+
+
+@pytest.fixture(scope="session")
+def default_server():
+    """A live server of the default model on loopback, shared by the modules that use one."""
+    from stride.server.app import ServerConfig
+    from tests.helpers.servers import LiveServer
+
+    live = LiveServer(ServerConfig(engine=EngineConfig(device="cpu", kv_cache_memory=256 << 20)))
+    yield live
+    live.stop()

@@ -140,8 +140,12 @@ class Jacobi(Decoder):
         return seq.decoder_state
 
     def extra_tokens(self, seq: Sequence, cap: int) -> int:
+        """The window's size; with a grammar, only its guesses the grammar allows (a window
+        that strays from it would be scored for nothing)."""
         st = self.state(seq)
         st.size = min(seq.decoder_options.get("window", self.default_window), cap)
+        if seq.grammar is not None:
+            st.size = seq.grammar.valid_prefix(self.window(seq))
         return st.size
 
     def window(self, seq: Sequence) -> list[int]:

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from pydantic import Field
 
+from stride.decoders import grammar
 from stride.decoders.base import Commit, Proposal, StepContext, parse_options
 from stride.decoders.catalog import LOOKAHEAD
 from stride.decoders.jacobi import (
@@ -108,6 +109,7 @@ class Lookahead(Jacobi):
             if len(st.candidates) == seq.decoder_options.get("candidates", 0):
                 break
             cand = cand[:room]  # a prefix of a candidate is a candidate too
+            cand = cand[: grammar.valid_prefix(seq.grammar, list(cand))]
             if cand and list(cand) != window[: len(cand)]:
                 st.candidates.append(cand)
                 room -= len(cand)

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from stride.decoders import grammar
 from stride.engine.sequence import SamplingParams, Sequence
 
 
@@ -37,11 +38,17 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]]
+    rank: int | None = None  # 1: the most likely token (prompt logprobs know it)
 
 
 def adjust(logits: torch.Tensor, rows: list[Row], eos_ids: set[int]) -> torch.Tensor:
-    """Apply logit_bias, penalties and min_tokens to raw logits; returns a new tensor."""
+    """Apply logit_bias, penalties, min_tokens and grammars to raw logits; returns a new tensor.
+
+    A constrained row (its sequence has a grammar) gets the grammar's mask; min_tokens does not
+    hold it open: where the grammar ends, it ends.
+    """
     logits = logits.clone()
+    constrained: list[int] = []
     for i, row in enumerate(rows):
         p = row.params
         if p.logit_bias:
@@ -49,10 +56,15 @@ def adjust(logits: torch.Tensor, rows: list[Row], eos_ids: set[int]) -> torch.Te
             logits[i, ids] += torch.tensor(list(p.logit_bias.values()), device=logits.device)
         if p.has_penalties:
             _penalize(logits[i], row)
-        if p.min_tokens and row.seq.num_output_tokens + len(row.pending) < p.min_tokens:
+        if row.seq.grammar is not None:
+            constrained.append(i)
+        elif p.min_tokens and row.seq.num_output_tokens + len(row.pending) < p.min_tokens:
             banned = set(p.stop_token_ids) | (set() if p.ignore_eos else eos_ids)
             if banned:
                 logits[i, list(banned)] = float("-inf")
+    if constrained:
+        jobs = [(rows[i].seq.grammar, rows[i].pending) for i in constrained]
+        grammar.mask_logits(logits, constrained, jobs)
     return logits
 
 
@@ -134,6 +146,7 @@ def plain_greedy(row: Row) -> bool:
         p.greedy
         and not p.logit_bias
         and not p.has_penalties
+        and row.seq.grammar is None
         and row.seq.num_output_tokens + len(row.pending) >= p.min_tokens
     )
 
@@ -141,7 +154,7 @@ def plain_greedy(row: Row) -> bool:
 def greedy_on_device(seq: Sequence) -> bool:
     """May this sequence's next tokens be picked on the device (`device_argmax`), several
     passes in a row with no host in between? Greedy, with nothing that needs the host between
-    two tokens: no logit bias, penalties, pending min_tokens or logprobs."""
+    two tokens: no logit bias, penalties, pending min_tokens, logprobs or grammar."""
     return seq.params.logprobs is None and plain_greedy(Row(seq))
 
 
@@ -175,4 +188,21 @@ def logprobs(logits: torch.Tensor, tokens: list[int], rows: list[Row]) -> list[T
         out[i] = TokenLogprob(
             tokens[i], chosen[j], list(zip(top_i[j][:k], top_v[j][:k], strict=True))
         )
+    return out
+
+
+def scored(logits: torch.Tensor, tokens: list[int], k: int) -> list[TokenLogprob]:
+    """Log-probabilities of given `tokens` under raw `logits` rows (one each), with the k most
+    likely alternatives: prompt logprobs. Rows go a slice at a time (a long prompt's logits
+    rows are large)."""
+    out: list[TokenLogprob] = []
+    for start in range(0, len(tokens), 256):
+        lp = torch.log_softmax(logits[start : start + 256].float(), dim=-1)
+        wanted = tokens[start : start + 256]
+        chosen = lp.gather(1, torch.tensor(wanted, device=lp.device)[:, None])
+        ranks = (lp > chosen).sum(-1).add(1).tolist()
+        top_v, top_i = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
+        columns = (wanted, chosen[:, 0].tolist(), ranks, top_i.tolist(), top_v.tolist())
+        for t, c, rank, ti, tv in zip(*columns, strict=True):
+            out.append(TokenLogprob(t, c, list(zip(ti, tv, strict=True)), rank))
     return out

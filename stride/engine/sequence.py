@@ -19,6 +19,17 @@ from typing import Any
 import torch
 
 
+@dataclass(frozen=True)
+class Constraint:
+    """What a request's output must match (structured outputs), as plain data: `kind` is
+    "json_schema" (`spec`: the schema as JSON text), "regex", "choice" (`spec`: a JSON list of
+    strings) or "grammar" (Lark, or GBNF as vLLM clients send it). `decoders.grammar` compiles
+    it against the tokenizer; the engine never reads it."""
+
+    kind: str
+    spec: str
+
+
 @dataclass
 class SamplingParams:
     """Per-request sampling and stopping rules (OpenAI/vLLM semantics)."""
@@ -38,7 +49,9 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     logprobs: int | None = None  # None: none; k: the chosen token plus k alternatives
+    prompt_logprobs: int | None = None  # as logprobs, for every prompt token but the first
     skip_special_tokens: bool = True
+    constraint: Constraint | None = None  # structured outputs: the grammar the output follows
 
     @property
     def greedy(self) -> bool:
@@ -112,6 +125,10 @@ class Sequence:
     status: Status = Status.WAITING
     generator: torch.Generator | None = None
     decoder_state: Any = None
+    grammar: Any = None  # structured outputs: a `decoders.grammar.Matcher` at the output's end
+    # Prompt logprobs (SamplingParams.prompt_logprobs): one per prompt token scored so far, the
+    # first token's None; sent with the sequence's first output.
+    prompt_logprobs: list[Any] | None = None
     # Set to a list by decoders that read the target's hidden states (EAGLE): the engine
     # appends one [tokens, width] tensor per pass that scored tokens of this sequence.
     features: list[torch.Tensor] | None = None
@@ -138,6 +155,11 @@ class Sequence:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - len(self.prompt_ids)
+
+    @property
+    def wants_prompt_rows(self) -> bool:
+        """Prompt logprobs asked for and not all scored: its prompt is computed, not cached."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_ids)
 
     @property
     def tail(self) -> list[int]:

@@ -171,6 +171,7 @@ def _joined(a: RequestOutput, b: RequestOutput) -> RequestOutput:
         num_output_tokens=b.num_output_tokens or a.num_output_tokens,
         num_cached_tokens=b.num_cached_tokens or a.num_cached_tokens,
         decoder_stats=b.decoder_stats or a.decoder_stats,
+        prompt_logprobs=a.prompt_logprobs if a.prompt_logprobs is not None else b.prompt_logprobs,
         timings=b.timings or a.timings,
         timeline=b.timeline or a.timeline,
     )

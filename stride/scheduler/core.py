@@ -35,10 +35,12 @@ from stride.decoders.base import (
     ModelGroup,
     StepContext,
 )
+from stride.decoders.grammar import GrammarError, Grammars
 from stride.decoders.registry import build_decoders
 from stride.engine.engine import Engine, EngineConfig
 from stride.engine.roofline import StepLoad
 from stride.engine.sequence import Sequence, Status
+from stride.scheduler import prompt_logprobs
 from stride.scheduler.detokenizer import Detokenizer
 from stride.scheduler.executor import Batch, DecoderBurst, Executor, Forward, InFlight
 from stride.scheduler.outputs import (
@@ -89,6 +91,7 @@ class EngineCore:
         self.config = config or SchedulerConfig()
         self.scheduler = Scheduler(self.config, engine.cache, engine.max_model_len)
         self.decoders = decoders or build_decoders(engine)
+        self.grammars = Grammars(engine.tokenizer, engine.hf_config.vocab_size, engine.eos_ids)
         self.ctx = StepContext(eos_ids=engine.eos_ids, device=engine.device)
         self.executor = Executor(engine, self.decoders, self.config.fused_decode_steps)
         self.seqs: dict[str, Sequence] = {}
@@ -189,11 +192,26 @@ class EngineCore:
             priority=req.priority,
             deadline=None if req.timeout is None else time.monotonic() + req.timeout,
         )
+        grouped = decoder.model_group(seq) is not None
+        if p.constraint is not None:
+            if grouped:
+                raise RequestRejected(
+                    f"structured outputs are not supported by decoder {req.decoder!r} "
+                    f"with these options ({seq.decoder_options})",
+                    code="invalid_decoder",
+                    param="decoder",
+                )
+            try:
+                seq.grammar = self.grammars.matcher(p.constraint)
+            except GrammarError as e:
+                raise RequestRejected(str(e), param="response_format") from e
+        if p.prompt_logprobs is not None:
+            seq.prompt_logprobs = [None]  # the first token has no logprob
         if p.seed is not None:
             seq.generator = torch.Generator(self.engine.device).manual_seed(p.seed)
         decoder.admit(seq)  # (what the decoder sets up on the new sequence only)
         detok = Detokenizer(self.engine.tokenizer, p.stop, p.skip_special_tokens)
-        return seq, detok, decoder.model_group(seq) is not None
+        return seq, detok, grouped
 
     def abort(self, request_id: str) -> RequestOutput | None:
         seq = self.seqs.get(request_id)
@@ -318,8 +336,15 @@ class EngineCore:
         """Every live sequence of a launched step commits what it made; `chained`: a burst that
         continues it is in flight already (the blocks reserved for that one stay)."""
         cache = self.engine.cache
-        if self._timelines and isinstance(inflight, Forward):
-            self._note_prefill(inflight)
+        if isinstance(inflight, Forward):
+            if self._timelines:
+                self._note_prefill(inflight)
+            for seq, first, rows in inflight.prompt_logits:
+                if seq.status is not Status.FINISHED:
+                    try:
+                        prompt_logprobs.record(seq, first, rows)
+                    except Exception as e:
+                        self._fail(seq, e, "scoring the prompt of")
         for item in inflight.batch.plan:  # a prefill chunk: its KV stays, nothing to sample
             if not item.completes_tail and item.seq.status is not Status.FINISHED:
                 item.seq.num_cached += item.num_tail
@@ -438,7 +463,9 @@ class EngineCore:
 
         p, detok = seq.params, self._detok[seq.request_id]
         num_prompt = len(seq.prompt_ids)
+        first = len(token_ids) == num_prompt
         eos_ids = () if p.ignore_eos else self.ctx.eos_ids
+        grammar = seq.grammar
         reason: str | None = None
         stop_reason: str | int | None = None
         n = 0
@@ -447,7 +474,9 @@ class EngineCore:
             n += 1
             produced = len(token_ids) - num_prompt
             stop_string = detok.add(token)
-            if produced >= p.min_tokens:
+            if grammar is not None and grammar.advance(token):
+                reason = "stop"  # the grammar allows nothing more
+            elif produced >= p.min_tokens:
                 if token in p.stop_token_ids:
                     reason, stop_reason = "stop", token
                 elif token in eos_ids:
@@ -475,6 +504,8 @@ class EngineCore:
             now = time.monotonic()
             self._timelines[seq.request_id].committed(now, seq.stats, proposed, n, refining)
         out = RequestOutput(seq.request_id, commit.tokens[:n], logprobs=commit.logprobs[:n])
+        if first and seq.prompt_logprobs is not None:
+            out.prompt_logprobs = seq.prompt_logprobs
         if reason is not None:
             return self._finish(seq, reason, out, stop_reason)
         untexted.append((out, detok))

@@ -47,6 +47,7 @@ from stride.engine.kv_cache import OutOfBlocks
 from stride.engine.roofline import StepLoad
 from stride.engine.runner import SampledTokens, Span
 from stride.engine.sequence import Sequence, Status
+from stride.scheduler import prompt_logprobs
 from stride.scheduler.policy import Scheduled
 
 log = logging.getLogger(__name__)
@@ -110,11 +111,19 @@ class InFlight:
 
 
 class Forward(InFlight):
-    """One forward pass: each decoder commits from its rows' logits."""
+    """One forward pass: each decoder commits from its rows' logits. `prompt_logits`: the rows
+    that score prompt tokens (`prompt_logprobs`), as (sequence, first position, logits)."""
 
-    def __init__(self, batch: Batch, num_tokens: int, logits: list[torch.Tensor]) -> None:
+    def __init__(
+        self,
+        batch: Batch,
+        num_tokens: int,
+        logits: list[torch.Tensor],
+        prompt_logits: list[tuple[Sequence, int, torch.Tensor]] | None = None,
+    ) -> None:
         super().__init__(batch, num_tokens)
         self.logits = logits
+        self.prompt_logits = prompt_logits or []
 
     def commits(self, decoder: Decoder, idx: list[int], ctx: StepContext) -> list[Commit]:
         plan, proposals = self.batch.plan, self.batch.proposals
@@ -206,13 +215,21 @@ class Executor:
                 return GreedyBurst(batch, tokens)
             except Exception:  # the plain forward below tells whose fault it is
                 log.exception("a greedy burst failed; running a plain forward instead")
+        prompt_rows = _prompt_rows(batch.plan, spans)
         num_tokens = sum(len(span.token_ids) for span in spans)
         self.load.add_forward(spans, [item.num_tail for item in batch.plan])
         logits, failed = self._forward(spans)
+        scored: list[tuple[Sequence, int, torch.Tensor]] = []
+        for i, (first, count) in prompt_rows.items():  # split off the rows that score prompts
+            if i not in failed:
+                scored.append((batch.plan[i].seq, first, logits[i][:count]))
+                logits[i] = logits[i][count:]
         if not failed:
-            return Forward(batch, num_tokens, logits)
+            return Forward(batch, num_tokens, logits, scored)
         kept = batch.without(failed)
-        inflight = Forward(kept, num_tokens, [x for i, x in enumerate(logits) if i not in failed])
+        inflight = Forward(
+            kept, num_tokens, [x for i, x in enumerate(logits) if i not in failed], scored
+        )
         inflight.failed = [(batch.plan[i].seq, error) for i, error in failed.items()]
         return inflight
 
@@ -377,6 +394,18 @@ class Executor:
                 log.exception("decoder %s: may_launch_ahead failed", name)
                 return False
         return True
+
+
+def _prompt_rows(plan: list[Scheduled], spans: list[Span]) -> dict[int, tuple[int, int]]:
+    """The rows of each span that score prompt tokens for `prompt_logprobs` (plan index ->
+    first position, count); the spans return their logits too, before the decoder's rows."""
+    rows: dict[int, tuple[int, int]] = {}
+    for i, (item, span) in enumerate(zip(plan, spans, strict=True)):
+        wanted = prompt_logprobs.rows_wanted(item.seq, item.seq.num_cached, item.num_tail)
+        if wanted is not None:
+            rows[i] = wanted
+            span.num_logits += wanted[1]
+    return rows
 
 
 def _span(item: Scheduled, prop: Proposal | None) -> Span:

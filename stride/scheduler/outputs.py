@@ -51,6 +51,8 @@ class RequestOutput:
     num_cached_tokens: int = 0  # (final output) prompt tokens whose K/V came from the prefix cache
     decoder_stats: dict[str, Any] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)
+    # (first output) SamplingParams.prompt_logprobs: one per prompt token, the first one None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
     timeline: Timeline | None = None  # (final output of a traced request) its path, for spans
 
     @property

@@ -111,7 +111,7 @@ class Scheduler:
         i = 0
         while i < len(self.waiting) and budget > 0 and len(plan) < max_seqs:
             seq = self.waiting[i]
-            caching = self.cache.prefix_caching
+            caching = self.cache.prefix_caching and not seq.wants_prompt_rows
             if caching:
                 cached = self.cache.cached_prefix(seq)
                 next_block = self._next_block(seq, len(cached))

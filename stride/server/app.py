@@ -46,6 +46,7 @@ from stride.server.errors import APIError
 from stride.server.requests import off_loop
 from stride.server.serving import Serving
 from stride.server.streaming import ClientGone
+from stride.server.tools import Tools
 from stride.tracing import Tracing, disabled
 
 log = logging.getLogger(__name__)
@@ -360,6 +361,17 @@ def _routes(app: FastAPI) -> None:
         card = s.ModelCard(id=srv.model_name, max_model_len=srv.max_model_len)
         return s.ModelList(data=[card])
 
+    @app.get("/v1/models/{model:path}", response_model=s.ModelCard, responses=ERRORS)
+    async def model(model: str, srv: Model):
+        """One model's card (the SDK's `models.retrieve`); names may hold slashes."""
+        srv.inputs.check_model(model)
+        return s.ModelCard(id=srv.model_name, max_model_len=srv.max_model_len)
+
+    @app.get("/tokenizer_info", response_model=s.TokenizerInfo, responses=ERRORS)
+    async def tokenizer_info(srv: Model):
+        """The tokenizer's settings, as vLLM's route says them (lm-eval's remote tokenizer)."""
+        return srv.inputs.tokenizer_info()
+
     @app.post(
         "/v1/completions",
         response_model=s.CompletionResponse,
@@ -390,9 +402,11 @@ def _routes(app: FastAPI) -> None:
         else:
             messages = body.messages
             size = sum(len(str(m.content or "")) for m in messages)
-            ids = await off_loop(
-                lambda: inputs.encode(inputs.render_chat(messages), special=False), size
-            )
+            tools = None
+            if body.tools:  # as a chat request with these tools would show them
+                tools = Tools([t.function for t in body.tools], "auto")
+            text = await off_loop(lambda: inputs.render_chat(messages, tools), size)
+            ids = await off_loop(lambda: inputs.encode(text, special=False), len(text))
         return s.TokenizeResponse(tokens=ids, count=len(ids), max_model_len=srv.max_model_len)
 
     @app.post("/detokenize", response_model=s.DetokenizeResponse, responses=ERRORS)

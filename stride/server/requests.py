@@ -16,11 +16,12 @@ from typing import Any, TypeVar
 
 from stride.decoders.base import DecoderError
 from stride.decoders.registry import parse_spec
-from stride.engine.sequence import SamplingParams
+from stride.engine.sequence import Constraint, SamplingParams
 from stride.scheduler.client import ModelInfo
 from stride.scheduler.outputs import GenerateRequest
 from stride.server import schemas as s
 from stride.server.errors import APIError, from_exception
+from stride.server.tools import Tools, template_messages
 
 T = TypeVar("T")
 INLINE_WORK = 4096  # characters or token ids: less is tokenized on the event loop (a thread
@@ -128,25 +129,50 @@ class Inputs:
                 "invalid_request", f"token ids must lie in [0, {self.vocab_size})", param
             )
 
-    def render_chat(self, messages: list[s.ChatMessage]) -> str:
-        """The chat template applied to `messages` (special tokens are part of the text)."""
-        plain = [{"role": m.role, "content": content(m.content)} for m in messages]
+    def render_chat(self, messages: list[s.ChatMessage], tools: Tools | None = None) -> str:
+        """The chat template applied to `messages`, with the tools on offer (special tokens
+        are part of the text)."""
+        template = self.tokenizer.chat_template
+        source = template if isinstance(template, str) else str(template)
+        plain = template_messages(messages, tools, source)
+        offered = tools.template_tools() if tools is not None and "tools" in source else None
         try:
             return self.tokenizer.apply_chat_template(
-                plain, add_generation_prompt=True, tokenize=False
+                plain, tools=offered, add_generation_prompt=True, tokenize=False
             )
         except Exception as e:
             raise APIError("invalid_request", f"chat template failed: {e}", "messages") from e
 
-    def chat_prompt(self, messages: list[s.ChatMessage]) -> list[int]:
+    def chat_prompt(self, messages: list[s.ChatMessage], tools: Tools | None = None) -> list[int]:
         """The token ids of a chat's prompt, refusing one too long for the context early."""
         size = sum(len(content(m.content)) for m in messages)
         if size > self._max_text:
             raise self._too_long(f"{size} characters", "messages")
-        return self.encode_prompt(self.render_chat(messages), special=False, param="messages")
+        text = self.render_chat(messages, tools)
+        return self.encode_prompt(text, special=False, param="messages")
+
+    def tokenizer_info(self) -> s.TokenizerInfo:
+        """The tokenizer's settings, as vLLM's /tokenizer_info says them."""
+        tok = self.tokenizer
+        template = tok.chat_template
+        return s.TokenizerInfo(
+            tokenizer_class=type(tok).__name__,
+            model_max_length=self.max_model_len,
+            vocab_size=self.vocab_size,
+            bos_token=tok.bos_token,
+            eos_token=tok.eos_token,
+            pad_token=tok.pad_token,
+            unk_token=tok.unk_token,
+            chat_template=template if isinstance(template, str) else None,
+        )
 
     def sampling(
-        self, body: s.SamplingFields, max_tokens: int, logprobs: int | None
+        self,
+        body: s.SamplingFields,
+        max_tokens: int,
+        logprobs: int | None,
+        constraint: Constraint | None = None,
+        prompt_logprobs: int | None = None,
     ) -> SamplingParams:
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         stop_ids = list(body.stop_token_ids or [])
@@ -180,7 +206,9 @@ class Inputs:
             stop=stop,
             stop_token_ids=stop_ids,
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
             skip_special_tokens=body.skip_special_tokens,
+            constraint=constraint,
         )
 
     def default_max_tokens(self, prompts: list[list[int]]) -> int:
@@ -244,11 +272,39 @@ def size(prompt: Any) -> int:
     return sum(1 if isinstance(p, int) else len(p) for p in prompt)
 
 
-def content(content: str | list[s.TextPart] | None) -> str:
+def content(content: str | list | None) -> str:
+    """A message's text, for sizing it (parts that are no text count nothing)."""
     if content is None:
         return ""
     if isinstance(content, str):
         return content
-    return "".join(part.text for part in content)
+    return "".join(getattr(part, "text", "") for part in content)
+
+
+def best_of(body: s.CompletionRequest) -> int:
+    """Samples drawn per prompt: best_of (at least n), of which the n best return."""
+    if body.best_of is None or body.best_of == body.n:
+        return body.n
+    if body.best_of < body.n:
+        raise APIError("invalid_request", "best_of must be at least n", "best_of")
+    if body.stream:
+        raise APIError("invalid_request", "best_of cannot be used with stream", "best_of")
+    return body.best_of
+
+
+def most_prompt_logprobs(*asked: int | None) -> int | None:
+    """The most prompt alternatives any field asks for (None: none asked)."""
+    given = [k for k in asked if k is not None]
+    return max(given) if given else None
+
+
+def check_modalities(body: s.ChatCompletionRequest) -> None:
+    """Text in, text out: audio output or web search is a clear 400, not silently dropped."""
+    if body.modalities is not None and body.modalities != ["text"]:
+        raise APIError("invalid_request", 'modalities: only ["text"] is supported', "modalities")
+    if body.audio is not None:
+        raise APIError("invalid_request", "audio output is not supported", "audio")
+    if body.web_search_options is not None:
+        raise APIError("invalid_request", "web search is not supported", "web_search_options")
 
 

@@ -69,9 +69,79 @@ class Request(BaseModel):
 
 class StreamOptions(Request):
     include_usage: bool = False
+    continuous_usage_stats: bool = Field(
+        False, description="vLLM's: with include_usage, usage so far in every chunk"
+    )
+    include_obfuscation: bool = Field(True, description="ignored: chunks carry no padding")
 
 
-class SamplingFields(Request):
+JSONObject = dict[str, Any]
+Name = Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]  # OpenAI's rule for names
+
+
+class JSONSchemaFormat(Request):
+    name: Name
+    description: str | None = None
+    schema_: JSONObject | None = Field(
+        None, alias="schema", description="the JSON schema the output follows (none: any JSON)"
+    )
+    strict: bool | None = Field(None, description="ignored: the schema is always enforced")
+
+
+class TextFormat(Request):
+    type: Literal["text"]
+
+
+class JSONObjectFormat(Request):
+    type: Literal["json_object"]
+
+
+class JSONSchemaResponseFormat(Request):
+    type: Literal["json_schema"]
+    json_schema: JSONSchemaFormat
+
+
+ResponseFormat = Annotated[
+    TextFormat | JSONObjectFormat | JSONSchemaResponseFormat, Field(discriminator="type")
+]
+
+
+class StructuredOutputs(Request):
+    """vLLM's `structured_outputs`: one constraint of the output (the newer names of its
+    `guided_*` fields)."""
+
+    json_: JSONObject | str | None = Field(None, alias="json", description="a JSON schema")
+    regex: str | None = None
+    choice: Annotated[list[str], Field(min_length=1)] | None = None
+    grammar: str | None = Field(None, description="a Lark or GBNF grammar")
+    json_object: bool | None = None
+    disable_any_whitespace: bool = Field(
+        False, description="ignored: JSON is always written without free whitespace"
+    )
+    disable_fallback: bool = Field(False, description="ignored: there is one grammar engine")
+    disable_additional_properties: bool = Field(
+        False, description="ignored: a schema's additionalProperties is what it says"
+    )
+    whitespace_pattern: str | None = Field(None, description="ignored (as above)")
+
+
+class GuidedFields(Request):
+    """Structured outputs as vLLM clients ask for them (Stride's extension of both routes)."""
+
+    guided_json: JSONObject | str | None = Field(None, description="vLLM: a JSON schema")
+    guided_regex: str | None = Field(None, description="vLLM: a regular expression")
+    guided_choice: Annotated[list[str], Field(min_length=1)] | None = Field(
+        None, description="vLLM: the output is one of these strings"
+    )
+    guided_grammar: str | None = Field(None, description="vLLM: a Lark or GBNF grammar")
+    guided_decoding_backend: str | None = Field(
+        None, description="ignored: Stride's one grammar engine is llguidance"
+    )
+    guided_whitespace_pattern: str | None = Field(None, description="ignored")
+    structured_outputs: StructuredOutputs | None = None
+
+
+class SamplingFields(GuidedFields):
     """Fields shared by completions and chat: sampling, stopping and Stride's extensions."""
 
     model: str | None = Field(None, description="the served model's name (default: it)")
@@ -104,6 +174,10 @@ class SamplingFields(Request):
     timeout: float | None = Field(
         None, gt=0.0, le=86400.0, description="seconds until the request fails with a deadline"
     )
+    prompt_logprobs: int | None = Field(
+        None, ge=0, le=20, description="vLLM: logprobs of the prompt's tokens, with k alternatives"
+    )
+    response_format: ResponseFormat | None = None
 
 
 class CompletionRequest(SamplingFields):
@@ -113,20 +187,100 @@ class CompletionRequest(SamplingFields):
         | TokenIds
         | Annotated[list[TokenIds], Field(min_length=1)]
     ) = Field(..., description="a string, strings, token ids, or lists of token ids")
-    max_tokens: int | None = Field(16, ge=1, le=INT32_MAX)
+    max_tokens: int | None = Field(
+        16, ge=0, le=INT32_MAX, description="0: nothing generated (with echo: the prompt scored)"
+    )
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=20)
+    best_of: int | None = Field(
+        None, ge=1, le=20, description="samples drawn; the n with the best mean logprob return"
+    )
+    suffix: str | None = Field(None, description="fill-in-the-middle: not supported (400)")
 
 
 class TextPart(Request):
     type: Literal["text"]
     text: str
+    prompt_cache_breakpoint: JSONObject | None = Field(None, description="ignored")
+
+
+class RefusalPart(Request):
+    type: Literal["refusal"]
+    refusal: str
+
+
+class MediaPart(Request):
+    """Images, audio and files: Stride serves text models (a clear 400)."""
+
+    model_config = ConfigDict(extra="allow")
+    type: Literal["image_url", "input_audio", "file", "video_url", "audio_url"]
+
+
+ContentPart = Annotated[TextPart | RefusalPart | MediaPart, Field(discriminator="type")]
+
+
+class FunctionCall(Request):
+    name: str
+    arguments: str = Field(..., description="the arguments, as a JSON object's text")
+
+
+class ToolCall(Request):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
 
 
 class ChatMessage(Request):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = Field(None, description="assistant: calls it made")
+    tool_call_id: str | None = Field(None, description="tool: the call this answers")
+    function_call: FunctionCall | None = Field(None, description="assistant (deprecated)")
+    refusal: str | None = None
+    audio: JSONObject | None = Field(None, description="ignored: text only")
+
+
+class FunctionDefinition(Request):
+    name: Name
+    description: str | None = None
+    parameters: JSONObject | None = Field(None, description="a JSON schema of the arguments")
+    strict: bool | None = Field(None, description="ignored: required calls always follow it")
+
+
+class FunctionTool(Request):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(Request):
+    name: Name
+
+
+class NamedToolChoice(Request):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class AllowedTools(Request):
+    mode: Literal["auto", "required"]
+    tools: list[NamedToolChoice] = Field(..., min_length=1)
+
+
+class AllowedToolsChoice(Request):
+    type: Literal["allowed_tools"]
+    allowed_tools: AllowedTools
+
+
+ToolChoice = (
+    Literal["none", "auto", "required"]
+    | Annotated[NamedToolChoice | AllowedToolsChoice, Field(discriminator="type")]
+)
+
+
+class PredictionContent(Request):
+    type: Literal["content"]
+    content: str | list[TextPart]
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -137,12 +291,40 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[FunctionTool] | None = Field(None, max_length=128)
+    tool_choice: ToolChoice | None = Field(None, description="default: auto with tools, else none")
+    parallel_tool_calls: bool = Field(True, description="false: at most one call per answer")
+    functions: Annotated[list[FunctionDefinition], Field(max_length=128)] | None = Field(
+        None, description="deprecated: tools"
+    )
+    function_call: Literal["none", "auto"] | FunctionName | None = Field(
+        None, description="deprecated: tool_choice"
+    )
+    modalities: list[Literal["text", "audio"]] | None = Field(
+        None, description='["text"] only: Stride answers text'
+    )
+    audio: JSONObject | None = Field(None, description="audio output: not supported (400)")
+    store: bool | None = Field(None, description="ignored: nothing is stored")
+    metadata: dict[str, str] | None = Field(None, max_length=16, description="ignored")
+    service_tier: str | None = Field(None, description="ignored: one tier")
+    prediction: PredictionContent | None = Field(None, description="ignored")
+    prompt_cache_key: str | None = Field(None, description="ignored: prefix caching is automatic")
+    prompt_cache_options: JSONObject | None = Field(None, description="ignored (as above)")
+    prompt_cache_retention: str | None = Field(None, description="ignored (as above)")
+    reasoning_effort: str | None = Field(None, description="ignored")
+    verbosity: str | None = Field(None, description="ignored")
+    safety_identifier: str | None = Field(None, description="ignored")
+    moderation: JSONObject | None = Field(None, description="ignored: no moderation runs")
+    web_search_options: JSONObject | None = Field(
+        None, description="web search: not supported (400)"
+    )
 
 
 class TokenizeRequest(Request):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[FunctionTool] | None = Field(None, description="with messages: shown as chat")
     add_special_tokens: bool = True
 
 
@@ -156,6 +338,17 @@ class DetokenizeRequest(Request):
 
 class Response(BaseModel):
     model_config = ConfigDict(extra="allow")
+
+
+def _unset(value: Any) -> bool:
+    return value is None
+
+
+def Optional(description: str | None = None) -> Any:  # noqa: N802 (reads as a type)
+    """A response field that appears only when it holds something (tool calls, prompt
+    logprobs): the chunks of a plain stream stay as they were, byte for byte."""
+    return Field(None, exclude_if=_unset, description=description)
+
 
 
 class PromptTokensDetails(Response):
@@ -184,12 +377,21 @@ class CompletionLogprobs(Response):
     text_offset: list[int] = []
 
 
+class PromptLogprob(Response):
+    logprob: float
+    rank: int | None = None
+    decoded_token: str
+
+
 class CompletionChoice(Response):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = Optional(
+        "vLLM's: per prompt token (the first: null), token id -> logprob, rank, text"
+    )
 
 
 def _created() -> int:
@@ -219,9 +421,23 @@ class ChatLogprobs(Response):
     content: list[TokenLogprobEntry] | None = None
 
 
+class CalledFunction(Response):
+    name: str
+    arguments: str
+
+
+class CalledTool(Response):
+    id: str
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class AssistantMessage(Response):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    refusal: str | None = None
+    tool_calls: list[CalledTool] | None = Optional()
+    function_call: CalledFunction | None = Optional("deprecated: tool_calls")
 
 
 class ChatChoice(Response):
@@ -239,11 +455,26 @@ class ChatCompletionResponse(Response):
     model: str
     choices: list[ChatChoice]
     usage: Usage | None = None
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = Optional("vLLM's")
+
+
+class FunctionDelta(Response):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(Response):
+    index: int
+    id: str | None = Optional("in a call's first delta")
+    type: Literal["function"] | None = Optional("in a call's first delta")
+    function: FunctionDelta
 
 
 class Delta(Response):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = Optional()
+    function_call: FunctionDelta | None = Optional("deprecated: tool_calls")
 
 
 class ChatChunkChoice(Response):
@@ -269,6 +500,19 @@ class ModelCard(Response):
     created: int = Field(default_factory=_created)
     owned_by: str = "stride"
     max_model_len: int | None = None
+
+
+class TokenizerInfo(Response):
+    """What vLLM's /tokenizer_info says (lm-eval's remote tokenizer reads it)."""
+
+    tokenizer_class: str
+    model_max_length: int
+    vocab_size: int
+    bos_token: str | None = None
+    eos_token: str | None = None
+    pad_token: str | None = None
+    unk_token: str | None = None
+    chat_template: str | None = None
 
 
 class ModelList(Response):

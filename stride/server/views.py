@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from json.encoder import encode_basestring  # what json.dumps(ensure_ascii=False) quotes with
 
 from fastapi.responses import StreamingResponse
@@ -20,6 +20,7 @@ from stride.scheduler.outputs import RequestOutput
 from stride.server import schemas as s
 from stride.server.errors import APIError, from_engine_error
 from stride.server.streaming import SSE_DONE, SSE_HEADERS, Generation, sse
+from stride.server.tools import AnswerParser, Call, Tools, split_answer
 
 
 @dataclass
@@ -29,14 +30,22 @@ class Choice:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob | None] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
     last: RequestOutput | None = None
 
     def add(self, out: RequestOutput) -> None:
         self.text += out.text
         self.token_ids += out.token_ids
         self.logprobs += out.logprobs
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
         if out.finished:
             self.last = out
+
+    def mean_logprob(self) -> float:
+        """What best_of ranks samples by: the mean log-probability of their tokens."""
+        scored = [lp.logprob for lp in self.logprobs if lp is not None]
+        return sum(scored) / len(scored) if scored else -math.inf
 
 
 def _failure(out: RequestOutput) -> APIError | None:
@@ -70,7 +79,7 @@ class Pieces:
             out.tokens.append(text)
             out.text_offset.append(offset)
             offset += len(text)
-            if lp is None:  # prompt tokens (echo): Stride does not score the prompt
+            if lp is None:  # the first prompt token (echo): nothing scores it
                 out.token_logprobs.append(None)
                 out.top_logprobs.append(None)
             else:
@@ -100,6 +109,23 @@ class Pieces:
             )
         return s.ChatLogprobs(content=content)
 
+    def vllm_prompt_logprobs(
+        self, prompt: list[int], lps: list[TokenLogprob | None] | None
+    ) -> list[dict[str, s.PromptLogprob] | None]:
+        """vLLM's `prompt_logprobs`: per prompt token (the first: None), the token's own
+        logprob and rank, then its alternatives', keyed by token id."""
+        out: list[dict[str, s.PromptLogprob] | None] = []
+        for token, lp in zip(prompt, lps or [None] * len(prompt), strict=True):
+            if lp is None:
+                out.append(None)
+                continue
+            entry = {str(token): s.PromptLogprob(
+                logprob=_finite(lp.logprob), rank=lp.rank, decoded_token=self(token))}
+            for rank, (t, v) in enumerate(lp.top, 1):
+                entry.setdefault(str(t), s.PromptLogprob(
+                    logprob=_finite(v), rank=rank, decoded_token=self(t)))
+            out.append(entry)
+        return out
 
 
 def sse_response(events: AsyncIterator[str]) -> StreamingResponse:
@@ -123,14 +149,21 @@ class View:
         body: s.SamplingFields,
         rid: str,
         prompts: list[list[int]],
+        samples: int | None = None,
     ) -> None:
         self.model_name = model_name
         self.pieces = pieces
         self.body = body
         self.rid = rid
         self.prompts = prompts
-        self.choices = [Choice() for _ in range(len(prompts) * body.n)]
+        self.samples = samples or body.n  # per prompt (best_of draws more than it returns)
+        self.choices = [Choice() for _ in range(len(prompts) * self.samples)]
+        options = body.stream_options
+        self.include_usage = bool(options and options.include_usage)
+        # vLLM's continuous_usage_stats: the usage so far in every chunk
+        self.usage_always = self.include_usage and bool(options and options.continuous_usage_stats)
         self.created = int(time.time())  # every chunk carries the same, as OpenAI's do
+        self.generated = True  # False: max_tokens 0, the generated token is left out
         self._text_events: dict[int, tuple[str, str]] = {}  # choice -> around a text delta
 
     def _chunk_of(self, choices: list, usage: s.Usage | None = None):
@@ -150,6 +183,8 @@ class View:
         done = [c.last for c in self.choices if c.last is not None]
         completion = sum(o.num_output_tokens for o in done)
         prompt = sum(len(p) for p in self.prompts)
+        if len(done) < len(self.choices):  # in a stream: the usage so far
+            completion = sum(len(c.token_ids) for c in self.choices)
         decoder = [o.decoder_stats for o in done]
         timings = [o.timings for o in done]
         return s.Usage(
@@ -164,7 +199,7 @@ class View:
     def cached_tokens(self) -> int:
         """Prompt tokens read from the prefix cache, each prompt counted once (as in
         `prompt_tokens`): for the sample of it that found the fewest."""
-        n = self.body.n
+        n = self.samples
         total = 0
         for i in range(len(self.prompts)):
             samples = [c.last for c in self.choices[i * n : (i + 1) * n] if c.last is not None]
@@ -176,13 +211,14 @@ class View:
             async for index, out in gen:
                 if out.error is not None:
                     raise _failure(out)
+                out = self.shown(out)
                 self.choices[index].add(out)
         finally:
             gen.close()
         return self.response()
 
     async def stream(self, gen: Generation) -> AsyncIterator[str]:
-        include_usage = bool(self.body.stream_options and self.body.stream_options.include_usage)
+        include_usage = self.include_usage
         try:
             for event in self.opening():
                 yield self.chunk(event, include_usage)
@@ -194,6 +230,7 @@ class View:
                         events.append(sse(_failure(out).body()))
                         failed = True
                         break
+                    out = self.shown(out)
                     self.choices[index].add(out)
                     event = self.event(index, out, include_usage)
                     if event is not None:
@@ -209,6 +246,8 @@ class View:
             gen.close()
 
     def chunk(self, chunk: s.Response, include_usage: bool) -> str:
+        if self.usage_always and getattr(chunk, "usage", 0) is None:
+            chunk.usage = self.usage()
         data = chunk.model_dump_json() if include_usage else chunk.model_dump_json(exclude=_USAGE)
         return f"data: {data}\n\n"
 
@@ -216,7 +255,7 @@ class View:
         """The SSE event of one output. Most carry only text: those are the choice's text-delta
         event, serialized once with a placeholder, with the text put in its place (the same
         bytes as serializing each chunk, at a tenth of the cost)."""
-        if not out.text or out.finished or self.wants_logprobs:
+        if not out.text or out.finished or self.wants_logprobs or self.shaped:
             chunk = self.delta(index, out)
             return None if chunk is None else self.chunk(chunk, include_usage)
         around = self._text_events.get(index)
@@ -226,9 +265,21 @@ class View:
             around = self._text_events[index] = (before, after)
         return around[0] + encode_basestring(out.text) + around[1]
 
+    def shown(self, out: RequestOutput) -> RequestOutput:
+        """What of an output the answer shows (all of it, unless nothing is to be generated)."""
+        if self.generated:
+            return out
+        return replace(out, token_ids=[], text="", logprobs=[], num_output_tokens=0)
+
     @property
     def wants_logprobs(self) -> bool:
         raise NotImplementedError
+
+    @property
+    def shaped(self) -> bool:
+        """Does a text output take more than its text in its chunk (usage, tool calls, the
+        prompt)? Then every chunk is serialized whole."""
+        return self.usage_always
 
     def opening(self) -> list[s.Response]:
         return []
@@ -236,6 +287,7 @@ class View:
 
 class CompletionView(View):
     CHUNK = s.CompletionResponse  # a streamed chunk is shaped as the whole response
+    body: s.CompletionRequest
 
     def __init__(
         self,
@@ -245,13 +297,19 @@ class CompletionView(View):
         rid: str,
         prompts: list[list[int]],
         echo: list[str],
+        samples: int | None = None,
+        generated: bool = True,
     ) -> None:
-        super().__init__(model_name, pieces, body, rid, prompts)
+        super().__init__(model_name, pieces, body, rid, prompts, samples)
+        self.generated = generated
         self.echo = echo
         self.offsets = [0] * len(self.choices)
+        # Echoed prompts whose logprobs are asked for go out with the choice's first tokens,
+        # which bring them.
+        self.echo_later = [body.echo and body.logprobs is not None] * len(self.choices)
 
     def _prompt_of(self, index: int) -> int:
-        return index // self.body.n
+        return index // self.samples
 
     def _logprobs(self, index: int, ids: list[int], lps: list) -> s.CompletionLogprobs:
         out = self.pieces.completion_logprobs(ids, lps, self.offsets[index])
@@ -261,41 +319,62 @@ class CompletionView(View):
 
     def response(self) -> s.CompletionResponse:
         choices = []
-        for i, c in enumerate(self.choices):
+        for i in self._returned():
+            c, prompt = self.choices[i], self.prompts[self._prompt_of(i)]
             logprobs = None
             if self.body.logprobs is not None:
                 ids, lps = c.token_ids, c.logprobs
                 if self.body.echo:
-                    prompt = self.prompts[self._prompt_of(i)]
-                    ids, lps = prompt + ids, [None] * len(prompt) + lps
+                    ids, lps = prompt + ids, self._prompt_lps(c, prompt) + lps
                 logprobs = self._logprobs(i, ids, lps)
             choices.append(
                 s.CompletionChoice(
-                    index=i,
+                    index=len(choices),
                     text=self.echo[self._prompt_of(i)] + c.text,
                     logprobs=logprobs,
                     finish_reason=c.last.finish_reason,
                     stop_reason=c.last.stop_reason,
+                    prompt_logprobs=self._vllm_prompt(c, prompt),
                 )
             )
         return self._chunk_of(choices, self.usage())
+
+    def _returned(self) -> list[int]:
+        """The choices that return, in order: all of them, or with best_of the n samples of
+        each prompt with the best mean logprob."""
+        n, samples = self.body.n, self.samples
+        if samples == n:
+            return list(range(len(self.choices)))
+        out = []
+        for start in range(0, len(self.choices), samples):
+            ranked = sorted(range(start, start + samples),
+                            key=lambda i: -self.choices[i].mean_logprob())  # fmt: skip
+            out += sorted(ranked[:n])
+        return out
+
+    @staticmethod
+    def _prompt_lps(c: Choice, prompt: list[int]) -> list[TokenLogprob | None]:
+        return c.prompt_logprobs if c.prompt_logprobs is not None else [None] * len(prompt)
+
+    def _vllm_prompt(self, c: Choice, prompt: list[int]) -> list | None:
+        if self.body.prompt_logprobs is None:
+            return None
+        return self.pieces.vllm_prompt_logprobs(prompt, c.prompt_logprobs)
+
+    @property
+    def shaped(self) -> bool:
+        return self.usage_always or any(self.echo_later) or self.body.prompt_logprobs is not None
 
     @property
     def wants_logprobs(self) -> bool:
         return self.body.logprobs is not None
 
     def opening(self) -> list[s.Response]:
-        if not self.body.echo:
-            return []
+        if not self.body.echo or self.body.logprobs is not None:
+            return []  # (with logprobs: with the first tokens)
         chunks = []
         for i in range(len(self.choices)):
-            prompt = self.prompts[self._prompt_of(i)]
-            logprobs = None
-            if self.body.logprobs is not None:
-                logprobs = self._logprobs(i, prompt, [None] * len(prompt))
-            choice = s.CompletionChoice(
-                index=i, text=self.echo[self._prompt_of(i)], logprobs=logprobs
-            )
+            choice = s.CompletionChoice(index=i, text=self.echo[self._prompt_of(i)])
             chunks.append(self._chunk_of([choice]))
         return chunks
 
@@ -303,15 +382,26 @@ class CompletionView(View):
         wants_logprobs = self.body.logprobs is not None and out.token_ids
         if not (out.text or out.finished or wants_logprobs):
             return None
+        prompt = self.prompts[self._prompt_of(index)]
+        text, ids, lps = out.text, out.token_ids, out.logprobs
+        if self.echo_later[index]:
+            self.echo_later[index] = False
+            text = self.echo[self._prompt_of(index)] + text
+            ids = prompt + ids
+            lps = self._prompt_lps(self.choices[index], prompt) + lps
         logprobs = None
         if self.body.logprobs is not None:
-            logprobs = self._logprobs(index, out.token_ids, out.logprobs)
+            logprobs = self._logprobs(index, ids, lps)
+        vllm = None
+        if out.prompt_logprobs is not None and self.body.prompt_logprobs is not None:
+            vllm = self.pieces.vllm_prompt_logprobs(prompt, out.prompt_logprobs)
         choice = s.CompletionChoice(
             index=index,
-            text=out.text,
+            text=text,
             logprobs=logprobs,
             finish_reason=out.finish_reason,
             stop_reason=out.stop_reason,
+            prompt_logprobs=vllm,
         )
         return self._chunk_of([choice])
 
@@ -323,22 +413,68 @@ class ChatView(View):
     CHUNK = s.ChatCompletionChunk
     body: s.ChatCompletionRequest
 
+    def __init__(
+        self,
+        model_name: str,
+        pieces: Pieces,
+        body: s.ChatCompletionRequest,
+        rid: str,
+        prompts: list[list[int]],
+        tools: Tools | None = None,
+    ) -> None:
+        super().__init__(model_name, pieces, body, rid, prompts)
+        self.tools = tools
+        self.parsers = [AnswerParser(tools) for _ in self.choices] if tools is not None else []
+        self.announced: list[set[str]] = [set() for _ in self.choices]  # calls begun, by id
+
     def response(self) -> s.ChatCompletionResponse:
-        choices = [
-            s.ChatChoice(
-                index=i,
-                message=s.AssistantMessage(content=c.text),
-                logprobs=self.pieces.chat_logprobs(c.logprobs) if self.body.logprobs else None,
-                finish_reason=c.last.finish_reason,
-                stop_reason=c.last.stop_reason,
+        choices = []
+        for i, c in enumerate(self.choices):
+            message, reason = self._message(c)
+            choices.append(
+                s.ChatChoice(
+                    index=i,
+                    message=message,
+                    logprobs=self.pieces.chat_logprobs(c.logprobs) if self.body.logprobs else None,
+                    finish_reason=reason,
+                    stop_reason=c.last.stop_reason,
+                )
             )
-            for i, c in enumerate(self.choices)
-        ]
-        return self._envelope(s.ChatCompletionResponse, choices, self.usage())
+        response = self._envelope(s.ChatCompletionResponse, choices, self.usage())
+        if self.body.prompt_logprobs is not None:
+            first = self.choices[0].prompt_logprobs
+            response.prompt_logprobs = self.pieces.vllm_prompt_logprobs(self.prompts[0], first)
+        return response
+
+    def _message(self, c: Choice) -> tuple[s.AssistantMessage, str | None]:
+        """The answer, with its tool calls parsed out (see `tools`), and its finish reason."""
+        reason = c.last.finish_reason
+        if self.tools is None:
+            return s.AssistantMessage(content=c.text), reason
+        content, calls = split_answer(c.text, self.tools)
+        if not calls:
+            return s.AssistantMessage(content=content), reason
+        reason = self._called(reason)
+        functions = [s.CalledFunction(name=k.name, arguments=k.arguments) for k in calls]
+        if self.tools.legacy:
+            return s.AssistantMessage(content=content, function_call=functions[0]), reason
+        pairs = zip(calls, functions, strict=True)
+        tool_calls = [s.CalledTool(id=k.id, function=f) for k, f in pairs]
+        return s.AssistantMessage(content=content, tool_calls=tool_calls), reason
+
+    def _called(self, reason: str | None) -> str | None:
+        """An answer that calls tools says so where it stopped of its own accord."""
+        if reason != "stop":
+            return reason
+        return "function_call" if self.tools is not None and self.tools.legacy else "tool_calls"
 
     @property
     def wants_logprobs(self) -> bool:
         return bool(self.body.logprobs)
+
+    @property
+    def shaped(self) -> bool:
+        return self.usage_always or self.tools is not None
 
     def opening(self) -> list[s.Response]:
         return [
@@ -349,17 +485,50 @@ class ChatView(View):
         ]
 
     def delta(self, index: int, out: RequestOutput) -> s.Response | None:
+        content, calls, reason = out.text, [], out.finish_reason
+        if self.tools is not None:
+            parser = self.parsers[index]
+            piece = parser.feed(out.text)
+            content, calls = piece.content, piece.calls
+            if out.finished:
+                rest = parser.finish()
+                content, calls = content + rest.content, calls + rest.calls
+                if parser.calls:
+                    reason = self._called(reason)
         wants_logprobs = self.body.logprobs and out.token_ids
-        if not (out.text or out.finished or wants_logprobs):
+        if not (content or calls or out.finished or wants_logprobs):
             return None
+        delta = s.Delta(content=content or None)
+        if calls:
+            self._add_calls(index, delta, calls)
         choice = s.ChatChunkChoice(
             index=index,
-            delta=s.Delta(content=out.text or None),
+            delta=delta,
             logprobs=self.pieces.chat_logprobs(out.logprobs) if self.body.logprobs else None,
-            finish_reason=out.finish_reason,
+            finish_reason=reason,
             stop_reason=out.stop_reason,
         )
         return self._chunk_of([choice])
+
+    def _add_calls(self, index: int, delta: s.Delta, calls: list[Call]) -> None:
+        """Tool-call deltas as the SDK accumulates them: a call's first one carries its index,
+        id, type and name; later ones (a named call's arguments as they come) more arguments."""
+        made = self.parsers[index].calls
+        begun = self.announced[index]
+        deltas = []
+        for call in calls:
+            first = call.id not in begun
+            begun.add(call.id)
+            function = s.FunctionDelta(name=call.name if first else None, arguments=call.arguments)
+            if self.tools.legacy:
+                delta.function_call = function
+                continue
+            at = next(i for i, made_call in enumerate(made) if made_call.id == call.id)
+            deltas.append(
+                s.ToolCallDelta(index=at, id=call.id if first else None,
+                                type="function" if first else None, function=function)
+            )  # fmt: skip
+        delta.tool_calls = deltas or None
 
     def final_chunk(self) -> s.Response:
         return self._chunk_of([], self.usage())

@@ -90,7 +90,7 @@ def hostile_bodies() -> list[tuple[str, bytes, str]]:
         "user": [5, {}],
         "priority": [2**31, "high"],
         "timeout": [0, -1, 86401, nan],
-        "max_tokens": [0, -1, 2**31, 10**6],
+        "max_tokens": [-1, 2**31, 10**6, "4"],  # (0 is valid: with echo, it scores the prompt)
         "echo": ["yes"],
         "logprobs": [21, -1],
         "ignore_eos": ["no"],

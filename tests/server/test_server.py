@@ -170,7 +170,9 @@ def test_completion_logprobs_and_echo(client, model, server):
     lp = choice.logprobs
     n_prompt = out.usage.prompt_tokens
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.text_offset) == n_prompt + 4
-    assert lp.token_logprobs[:n_prompt] == [None] * n_prompt
+    # the prompt is scored too (tests/scheduler/test_prompt_logprobs.py checks the values)
+    assert lp.token_logprobs[0] is None
+    assert all(v is not None and v <= 0 for v in lp.token_logprobs[1:n_prompt])
     for token, value, top in zip(
         lp.tokens[n_prompt:], lp.token_logprobs[n_prompt:], lp.top_logprobs[n_prompt:], strict=True
     ):
@@ -184,6 +186,8 @@ def test_completion_logprobs_and_echo(client, model, server):
     assert "".join(c.choices[0].text for c in streamed) == choice.text
     tokens = [t for c in streamed for t in c.choices[0].logprobs.tokens]
     assert tokens == lp.tokens
+    values = [v for c in streamed for v in c.choices[0].logprobs.token_logprobs]
+    assert values == pytest.approx(lp.token_logprobs, abs=1e-5)
 
 
 def test_chat_logprobs(client, model):

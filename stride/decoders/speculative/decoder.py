@@ -27,7 +27,7 @@ import torch
 from pydantic import Field
 
 from stride import drafts
-from stride.decoders import sampling
+from stride.decoders import grammar, sampling
 from stride.decoders.autoregressive import sample_one_each
 from stride.decoders.base import (
     Burst,
@@ -224,8 +224,10 @@ class Speculative(Decoder):
             policy.drafter_timed(drafter, time.perf_counter() - start, positions, len(idx))
             for i, d in zip(idx, group, strict=True):
                 made[i] = d
-        for st, d in zip(states, made, strict=True):
-            st.draft = d
+        for i, (seq, st) in enumerate(zip(seqs, states, strict=True)):
+            if seq.grammar is not None and made[i].tokens:
+                made[i] = _within_grammar(seq, st, made[i])
+            st.draft = made[i]
         drafted = any(d.tokens for d in made)
         policy.start_timing(seqs, len(seqs) + sum(len(d.tokens) for d in made), drafted)
         return [_proposal(s, st, d) for s, st, d in zip(seqs, states, made, strict=True)]
@@ -423,6 +425,21 @@ class _EagleBurst(Burst):
             )
         policy.end_step()
         return out
+
+
+def _within_grammar(seq: Sequence, state: SeqState, draft: Draft) -> Draft:
+    """The draft without the tokens the sequence's grammar forbids: a chain cut at the first,
+    a tree without the nodes under one (they would be scored for nothing)."""
+    tree = state.tree
+    if tree is None:
+        n = seq.grammar.valid_prefix(draft.tokens)
+        if n == len(draft.tokens):
+            return draft
+        return Draft(draft.tokens[:n], None if draft.q is None else draft.q[:n])
+    nodes = grammar.allowed_nodes(seq.grammar, tree.tokens, tree.parents)
+    if len(nodes) < len(tree):
+        state.tree = tree.subtree(nodes) if nodes else None
+    return Draft(list(state.tree.tokens) if state.tree else [])
 
 
 def _proposal(seq: Sequence, state: SeqState, draft: Draft) -> Proposal:

@@ -104,7 +104,13 @@ def _draw(
     logits: torch.Tensor, rows: list[sampling.Row], eos_ids: set[int], vocab: int
 ) -> tuple[list[int], torch.Tensor]:
     """Draw one token per row with the rows' own sampling rules; returns tokens and q rows."""
-    q = sampling.probabilities(sampling.adjust(logits, rows, eos_ids), rows)
+    adjusted = sampling.adjust(logits, rows, eos_ids)
+    if any(r.seq.grammar is not None for r in rows):
+        # A draft vocabulary (EAGLE's) may hold none of the tokens a grammar allows: such a
+        # row drafts uniformly (its draft is then cut) rather than from no distribution at all.
+        dead = torch.isneginf(adjusted).all(-1, keepdim=True)
+        adjusted = torch.where(dead, 0.0, adjusted)
+    q = sampling.probabilities(adjusted, rows)
     if q.shape[-1] != vocab:  # a draft head wider than the target's vocabulary
         q = q[:, :vocab] / q[:, :vocab].sum(-1, keepdim=True)
     return sampling.draw(q, rows), q

@@ -26,6 +26,12 @@ class Tree:
     def __len__(self) -> int:
         return len(self.tokens)
 
+    def subtree(self, nodes: list[int]) -> Tree:
+        """The tree of `nodes` (in order, each one's parent among them or the root)."""
+        at = {node: j for j, node in enumerate(nodes)}
+        parents = [self.parents[i] for i in nodes]
+        return Tree([self.tokens[i] for i in nodes], [at[p] if p >= 0 else -1 for p in parents])
+
     def depths(self) -> list[int]:
         """Depth of each node (1 under the root)."""
         out: list[int] = []

@@ -1,0 +1,137 @@
+"""The cost of structured outputs: constrained against unconstrained decoding, in one run.
+
+At each concurrency (default 1 and 64) and temperature (greedy, and sampled), the same prompts
+decode the same number of tokens twice on one engine: free, and constrained to a JSON schema
+(llguidance's token mask applied in the batched sampler). The schema cannot end before
+`--new` tokens (at least `--new` array items), so both runs make exactly the same count of
+tokens and output tok/s compares like with like. Greedy free requests may take the device's
+greedy bursts; constrained ones never do (the mask needs the host between two tokens), which
+is part of what is measured. Grammars are compiled once, before timing (`compile_ms`).
+
+    python bench/bench_constrained.py --model ./SmolLM2-135M-Instruct.Q4_1.gguf --json OUT
+    python bench/bench_constrained.py --device cpu --concurrency 1,4 --new 16  # a quick check
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from stride.engine.engine import Engine, EngineConfig  # noqa: E402
+from stride.engine.sequence import Constraint, SamplingParams  # noqa: E402
+from stride.scheduler.core import EngineCore  # noqa: E402
+from stride.scheduler.outputs import GenerateRequest  # noqa: E402
+
+
+def schema(new: int) -> Constraint:
+    """An object holding a list of short strings, with more items than `new` tokens can
+    write: the grammar never lets the output end early."""
+    notes = {"type": "array", "items": {"type": "string", "maxLength": 12}, "minItems": new}
+    spec = {"type": "object", "properties": {"notes": notes}, "required": ["notes"]}
+    return Constraint("json_schema", json.dumps(spec))
+
+
+def prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab, (n, length), generator=g).tolist()
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def decode(core: EngineCore, batch: list[list[int]], params: SamplingParams) -> tuple[int, float]:
+    """All of `batch` at once, stepped to the end: (output tokens, seconds)."""
+    sync(core.engine.device)
+    t0 = time.perf_counter()
+    for i, ids in enumerate(batch):
+        core.add(GenerateRequest(f"r{i}-{t0}", ids, params))
+    tokens = 0
+    while core.has_work:
+        for out in core.step():
+            if out.error is not None:
+                raise RuntimeError(f"request failed: {out.error}")
+            tokens += len(out.token_ids)
+    sync(core.engine.device)
+    return tokens, time.perf_counter() - t0
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", help="model directory, hub id or .gguf (default: SmolLM2-135M)")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--concurrency", default="1,64")
+    parser.add_argument("--temperatures", default="0,1", help="0: greedy")
+    parser.add_argument("--prompt", type=int, default=64, help="prompt tokens per request")
+    parser.add_argument("--new", type=int, default=128, help="new tokens per request")
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs of each; the best")
+    parser.add_argument("--json", help="write the results here")
+    args = parser.parse_args()
+
+    engine = Engine(
+        EngineConfig(model=args.model, device=args.device, dtype=args.dtype, kv_cache_memory=None)
+    )
+    core = EngineCore(engine)
+    vocab = engine.hf_config.vocab_size
+    constraint = schema(args.new)
+    t0 = time.perf_counter()
+    core.grammars.matcher(constraint)  # (waits for the tokenizer's trie, then compiles)
+    compile_ms = (time.perf_counter() - t0) * 1e3
+    concurrencies = [int(c) for c in args.concurrency.split(",")]
+    temperatures = [float(t) for t in args.temperatures.split(",")]
+    print(f"model {engine.name} on {engine.device} ({engine.dtype}), prompt {args.prompt}, "
+          f"new {args.new}, grammar compiled in {compile_ms:.0f} ms")  # fmt: skip
+
+    results = []
+    for temperature in temperatures:
+        for c in concurrencies:
+            batch = prompts(c, args.prompt, vocab, seed=c)
+            row = {"concurrency": c, "temperature": temperature}
+            for name, given in (("free", None), ("constrained", constraint)):
+                params = SamplingParams(max_tokens=args.new, temperature=temperature, seed=0,
+                                        ignore_eos=True, constraint=given)  # fmt: skip
+                decode(core, batch[:2], replace(params, max_tokens=4))  # warm-up
+                best = None
+                for _ in range(args.repeats):
+                    tokens, seconds = decode(core, batch, params)
+                    if tokens != c * args.new:
+                        raise RuntimeError(f"{name}: {tokens} tokens, not {c * args.new}")
+                    best = seconds if best is None else min(best, seconds)
+                row[f"{name}_tok_s"] = c * args.new / best
+            row["slowdown"] = row["free_tok_s"] / row["constrained_tok_s"] - 1
+            results.append(row)
+            print(f"temperature {temperature:g}, concurrency {c:3d}: free "
+                  f"{row['free_tok_s']:9.1f} tok/s, constrained {row['constrained_tok_s']:9.1f} "
+                  f"tok/s ({row['slowdown']:+.1%})", flush=True)  # fmt: skip
+
+    if args.json:
+        cuda = engine.device.type == "cuda"
+        out = {
+            "bench": "constrained",
+            "model": engine.name,
+            "device": str(engine.device),
+            "gpu": torch.cuda.get_device_name(engine.device) if cuda else None,
+            "dtype": str(engine.dtype),
+            "torch": torch.__version__,
+            "prompt": args.prompt,
+            "new": args.new,
+            "repeats": args.repeats,
+            "schema": json.loads(constraint.spec),
+            "compile_ms": compile_ms,
+            "results": results,
+        }
+        Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,335 @@
+"""Structured outputs in the engine: every decoder keeps to the grammar, exactly.
+
+Greedy constrained decoding must equal the argmax of the model's fp32 logits under the grammar's
+mask (computed here from transformers and a fresh llguidance matcher, step by step); lossless
+decoders (speculative with each drafter, Jacobi, lookahead) must give that same output, and
+sampled speculative decoding the masked target distribution. Drafts the grammar forbids never
+reach the forward pass, and the grammar state after any step equals a fresh matcher fed the
+committed output (nothing rejected ever touched it). Free requests beside constrained ones
+decode exactly as they do alone.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import replace
+from pathlib import Path
+
+import jsonschema
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from stride.decoders import grammar, sampling
+from stride.decoders.registry import DecodersConfig, build_decoders
+from stride.engine.engine import Engine, EngineConfig
+from stride.engine.sequence import Constraint, SamplingParams, Sequence
+from stride.scheduler.core import EngineCore
+from stride.scheduler.outputs import GenerateRequest, RequestRejected
+from stride.scheduler.policy import SchedulerConfig
+from tests.helpers.models import make_model_dir
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 6},
+        "size": {"type": "integer", "minimum": 0, "maximum": 999},
+        "tags": {"type": "array", "items": {"enum": ["a", "b", "for"]}, "maxItems": 3},
+        "ok": {"type": "boolean"},
+    },
+    "required": ["name", "size", "tags", "ok"],
+    "additionalProperties": False,
+}
+JSON = Constraint("json_schema", json.dumps(SCHEMA))
+PROMPTS = [
+    [5, 6, 7, 8, 9, 10, 5, 6, 7],
+    [20, 21, 22, 23],
+    [40, 41, 40, 41, 40, 41, 40],
+]
+DECODERS = {
+    "ar": ("ar", {}),
+    "ngram": ("speculative", {"draft": "ngram", "num_speculative_tokens": 4, "adaptive": False}),
+    "early_exit": (
+        "speculative",
+        {"draft": "early_exit", "num_speculative_tokens": 3, "adaptive": False, "exit_layer": 1},
+    ),
+    "draft_model": ("speculative", {"num_speculative_tokens": 3, "adaptive": False}),
+    "jacobi": ("refine", {"method": "jacobi", "window": 4}),
+    "lookahead": ("refine", {"method": "lookahead", "window": 4, "candidates": 2}),
+}
+
+
+@pytest.fixture(scope="module")
+def other_dir(tmp_path_factory) -> Path:
+    """A second random tiny model with the same tokenizer: a draft model that is often wrong."""
+    return make_model_dir(tmp_path_factory.mktemp("draft") / "other", seed=1)
+
+
+def make(model: Path, draft: Path | None = None, **sched) -> EngineCore:
+    engine = Engine(EngineConfig(model=str(model), device="cpu", kv_cache_memory=8 << 20))
+    decoders = build_decoders(engine, DecodersConfig(draft_model=draft and str(draft)))
+    return EngineCore(engine, SchedulerConfig(**sched), decoders)
+
+
+def params(constraint: Constraint | None = JSON, n: int = 80, **kw) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0.0, constraint=constraint, **kw)
+
+
+def run(core: EngineCore, requests: list[GenerateRequest]) -> dict[str, tuple[list[int], str]]:
+    """Run to completion: each request's tokens and finish reason."""
+    tokens: dict[str, list[int]] = {}
+    ends: dict[str, str] = {}
+    for r in requests:
+        core.add(r)
+    while core.has_work:
+        for out in core.step():
+            assert out.error is None, out.error
+            tokens.setdefault(out.request_id, []).extend(out.token_ids)
+            if out.finished:
+                ends[out.request_id] = out.finish_reason
+    return {rid: (tokens.get(rid, []), ends[rid]) for rid in ends}
+
+
+def text(core: EngineCore, ids: list[int]) -> str:
+    return core.engine.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def masked_greedy(core: EngineCore, hf, prompt: list[int], constraint: Constraint, n: int):
+    """The reference: transformers' fp32 logits, the grammar's mask from a fresh matcher,
+    argmax, one token at a time, until the grammar ends."""
+    matcher = core.grammars.matcher(constraint)
+    ids, out = list(prompt), []
+    with torch.no_grad():
+        for _ in range(n):
+            logits = hf(torch.tensor([ids])).logits[0, -1:].float()
+            bits = grammar.bitmask([(matcher, [])], logits.shape[-1])
+            allowed = np.unpackbits(bits.view(np.uint8), bitorder="little")[: logits.shape[-1]]
+            logits[0, torch.from_numpy(allowed == 0)] = float("-inf")
+            token = int(logits.argmax())
+            out.append(token)
+            ids.append(token)
+            if matcher.advance(token) or token in core.engine.eos_ids:
+                break
+    return out
+
+
+def test_greedy_constrained_output_is_the_masked_argmax(tiny_dir, tiny_hf):
+    core = make(tiny_dir)
+    for i, prompt in enumerate(PROMPTS):
+        ((ids, reason),) = run(core, [GenerateRequest(str(i), prompt, params())]).values()
+        assert ids == masked_greedy(core, tiny_hf, prompt, JSON, 80)
+        assert reason == "stop"
+        jsonschema.validate(json.loads(text(core, ids)), SCHEMA)
+
+
+@pytest.mark.parametrize("name", list(DECODERS))
+def test_every_decoder_keeps_to_the_grammar_and_equals_ar(tiny_dir, other_dir, name):
+    decoder, options = DECODERS[name]
+    reference = run(make(tiny_dir), [GenerateRequest(str(i), p, params())
+                                     for i, p in enumerate(PROMPTS)])  # fmt: skip
+    core = make(tiny_dir, other_dir if name == "draft_model" else None)
+    got = run(core, [GenerateRequest(str(i), p, params(), decoder, options)
+                     for i, p in enumerate(PROMPTS)])  # fmt: skip
+    assert got == reference
+    for ids, _ in got.values():
+        jsonschema.validate(json.loads(text(core, ids)), SCHEMA)
+
+
+def test_regex_choice_and_grammars(tiny_dir):
+    core = make(tiny_dir)
+    cases = {  # constraint -> what the whole output must match
+        Constraint("regex", r"(yes|no), [0-9]{3}!"): r"(yes|no), [0-9]{3}!",
+        Constraint("choice", json.dumps(["red", "green", "blue"])): r"red|green|blue",
+        Constraint("grammar", 'start: "x=" NUM\nNUM: /[0-9]{2}/'): r"x=[0-9]{2}",
+        Constraint("grammar", 'root ::= "go " [a-c]+ "."'): r"go [a-c]+\.",  # GBNF
+    }
+    for spec, pattern in cases.items():
+        for decoder, options in (DECODERS["ar"], DECODERS["ngram"], DECODERS["jacobi"]):
+            request = GenerateRequest("r", PROMPTS[0], params(spec, 40), decoder, options)
+            ((ids, reason),) = run(core, [request]).values()
+            assert re.fullmatch(pattern, text(core, ids)), (spec, text(core, ids))
+            assert reason == "stop"
+
+
+def test_a_bad_grammar_is_refused_at_admission(tiny_dir):
+    core = make(tiny_dir)
+    for bad in (Constraint("regex", "(unclosed"), Constraint("json_schema", '{"type": "nope"}')):
+        with pytest.raises(RequestRejected) as e:
+            core.add(GenerateRequest("r", [5, 6], params(bad)))
+        assert e.value.param == "response_format"
+    assert not core.seqs
+
+
+def _paths(tokens: list[int], positions: list[int] | None, n: int) -> list[list[int]]:
+    """A proposal's paths: one, or (lookahead) the window and each branch beside it, each
+    starting again at the first proposed position."""
+    proposed = tokens[-n:]
+    if positions is None:
+        return [proposed]
+    at = positions[-n:]
+    paths: list[list[int]] = []
+    for token, position in zip(proposed, at, strict=True):
+        if position == at[0]:
+            paths.append([])
+        paths[-1].append(token)
+    return paths
+
+
+class _Spy:
+    """Records what each forward pass scored for constrained sequences, and every cut."""
+
+    def __init__(self, core: EngineCore, monkeypatch) -> None:
+        self.scored: list[tuple[Sequence, list[int]]] = []
+        self.cuts = 0
+        forward = core.engine.runner.forward
+
+        def spying(chunks, *args, **kw):
+            for c in chunks:
+                if c.seq.grammar is not None and c.num_logits > 1:
+                    for path in _paths(c.token_ids, c.positions, c.num_logits - 1):
+                        self.scored.append((c.seq, path))
+            return forward(chunks, *args, **kw)
+
+        valid = grammar.Matcher.valid_prefix
+
+        def counting(matcher, tokens):
+            n = valid(matcher, tokens)
+            self.cuts += n < len(tokens)
+            return n
+
+        monkeypatch.setattr(core.engine.runner, "forward", spying)
+        monkeypatch.setattr(grammar.Matcher, "valid_prefix", counting)
+
+
+@pytest.mark.parametrize("name", ["ngram", "early_exit", "jacobi", "lookahead"])
+def test_drafts_the_grammar_forbids_are_cut_and_the_state_rolls_back(
+    tiny_dir, monkeypatch, name
+):
+    """Every proposal scored for a constrained sequence is one the grammar allows (checked
+    against a fresh matcher fed the committed output then), some were cut to get there, and
+    after every step the sequence's matcher is where that fresh one is."""
+    decoder, options = DECODERS[name]
+    core = make(tiny_dir)
+    spy = _Spy(core, monkeypatch)
+    # Prompts full of non-JSON text: prompt lookup and guesses propose what the grammar forbids.
+    for i, prompt in enumerate(PROMPTS):
+        core.add(GenerateRequest(str(i), prompt * 3, params(), decoder, options))
+    while core.has_work:
+        before = [(seq, list(seq.output_ids)) for seq in core.seqs.values()]
+        spy.scored.clear()
+        core.step()
+        for seq, proposal in spy.scored:
+            output = dict((id(s), o) for s, o in before)[id(seq)]
+            fresh = core.grammars.matcher(JSON)
+            for t in output:
+                fresh.advance(t)
+            assert fresh.valid_prefix(proposal) == len(proposal), (output, proposal)
+        for seq in core.seqs.values():  # the matcher is at the committed output's end
+            fresh = core.grammars.matcher(JSON)
+            for t in seq.output_ids:
+                fresh.advance(t)
+            vocab = core.engine.hf_config.vocab_size
+            same = grammar.bitmask([(fresh, []), (seq.grammar, [])], vocab)
+            assert (same[0] == same[1]).all()
+    if name != "early_exit":  # (early exit draws its drafts under the mask: nothing to cut)
+        assert spy.cuts > 0
+
+
+def test_free_requests_beside_constrained_ones_are_unchanged(tiny_dir, other_dir):
+    """Greedy and seeded sampled free requests decode the same alone and in a batch with
+    constrained ones (every decoder in the batch)."""
+    free = [
+        GenerateRequest("free-greedy", PROMPTS[0], params(None, 24, ignore_eos=True)),
+        GenerateRequest("free-sampled", PROMPTS[1],
+                        SamplingParams(max_tokens=24, temperature=1.0, seed=7, ignore_eos=True)),
+        GenerateRequest("free-spec", PROMPTS[2], params(None, 24, ignore_eos=True),
+                        *DECODERS["ngram"]),
+    ]  # fmt: skip
+    alone = {}
+    for r in free:
+        alone.update(run(make(tiny_dir, other_dir), [replace(r)]))
+    mixed = [replace(r) for r in free] + [
+        GenerateRequest(f"c-{name}", PROMPTS[i % 3], params(), *DECODERS[name])
+        for i, name in enumerate(DECODERS)
+    ]
+    core = make(tiny_dir, other_dir)
+    together = run(core, mixed)
+    assert {r.request_id: together[r.request_id] for r in free} == alone
+    for rid, (ids, _) in together.items():
+        if rid.startswith("c-"):
+            jsonschema.validate(json.loads(text(core, ids)), SCHEMA)
+
+
+def test_fused_decode_steps_leave_constrained_sequences_to_the_sampler(tiny_dir):
+    """With fused greedy bursts on, a constrained request still follows its grammar (it never
+    joins a burst), and a free one beside it decodes as it does alone."""
+    requests = [
+        GenerateRequest("c", PROMPTS[0], params()),
+        GenerateRequest("f", PROMPTS[1], params(None, 24, ignore_eos=True)),
+    ]
+    together = run(make(tiny_dir, fused_decode_steps=8), [replace(r) for r in requests])
+    alone = {}
+    for r in requests:
+        alone.update(run(make(tiny_dir), [replace(r)]))
+    assert together == alone
+
+
+# ---- sampled: the masked target distribution ---------------------------------------------------
+
+DIGITS = Constraint("regex", "[0-9]{2,8}")
+
+
+def _masked_joint(core: EngineCore, hf, prompt: list[int], p: SamplingParams) -> torch.Tensor:
+    """p(t1, t2) of the target with the grammar's mask, then temperature and top-k."""
+
+    def dist(ids: list[int], pending: list[int]) -> torch.Tensor:
+        seq = Sequence("x", prompt, p)
+        seq.grammar = core.grammars.matcher(DIGITS)
+        logits = hf(torch.tensor([ids])).logits[0, -1:].float()
+        row = sampling.Row(seq, pending)
+        return sampling.probabilities(sampling.adjust(logits, [row], set()), [row])[0]
+
+    with torch.no_grad():
+        first = dist(prompt, [])
+        joint = torch.zeros(first.numel(), first.numel(), dtype=torch.float64)
+        for t in first.nonzero()[:, 0].tolist():
+            joint[t] = first[t].double() * dist(prompt + [t], [t]).double()
+    return joint
+
+
+@pytest.mark.parametrize("draft", ["draft_model", "early_exit"])
+def test_sampled_speculative_follows_the_masked_target(tiny_dir, tiny_hf, other_dir, draft):
+    prompt, n = PROMPTS[1], 1200
+    p = SamplingParams(max_tokens=2, temperature=1.5, top_k=6, ignore_eos=True, constraint=DIGITS)
+    decoder, options = DECODERS[draft]
+    core = make(tiny_dir, other_dir, max_waiting=n)
+    requests = [GenerateRequest(str(i), prompt, replace(p, seed=i), decoder, options)
+                for i in range(n)]  # fmt: skip
+    stats: dict[str, dict] = {}
+    tokens: dict[str, list[int]] = {}
+    for r in requests:
+        core.add(r)
+    while core.has_work:
+        for out in core.step():
+            tokens.setdefault(out.request_id, []).extend(out.token_ids)
+            if out.finished:
+                stats[out.request_id] = out.decoder_stats
+    assert sum(s.get("draft_tokens", 0) for s in stats.values()) > 0
+    joint = _masked_joint(core, tiny_hf, prompt, p)
+    cells = joint.flatten().nonzero()[:, 0]
+    counts = torch.zeros(joint.numel(), dtype=torch.float64)
+    for t in tokens.values():
+        assert len(t) == 2
+        counts[t[0] * joint.shape[1] + t[1]] += 1
+    assert counts.sum() == counts[cells].sum()  # nothing the grammar or top-k rules out
+    assert _pvalue(counts[cells], joint.flatten()[cells]) > 1e-3
+    # The same test tells a wrong distribution apart: the masked target at another temperature.
+    wrong = _masked_joint(core, tiny_hf, prompt, replace(p, temperature=0.8))
+    assert _pvalue(counts[cells], wrong.flatten()[cells]) < 1e-3
+
+
+def _pvalue(observed: torch.Tensor, probs: torch.Tensor) -> float:
+    expected = probs / probs.sum() * observed.sum()
+    return chisquare(observed.numpy(), expected.numpy()).pvalue
