@@ -4,6 +4,7 @@ output follows the target's distribution; each slot set sees exactly what traini
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 
 import pytest
@@ -14,7 +15,7 @@ from stride.decoders.introspective import Introspective, IntrospectiveState
 from stride.decoders.refine import Refine
 from stride.engine.adapter import MASK_TOKEN
 from stride.engine.runner import Span
-from stride.engine.sequence import SamplingParams, Sequence
+from stride.engine.sequence import Constraint, SamplingParams, Sequence
 from stride.scheduler.outputs import GenerateRequest
 from tests.helpers.adapters import SLOTS, introspective_core, random_adapter
 from tests.helpers.cores import PROMPTS, chi2_pvalue, greedy, run
@@ -49,6 +50,22 @@ def test_alone_matches_greedy(core, reference, slots):
         assert tokens["i"] == reference[i]
         assert stats["i"]["draft_tokens"] > 0  # proposals were made and verified
         assert stats["i"]["forward_passes"] <= len(tokens["i"])
+
+
+def test_under_a_grammar_matches_constrained_greedy(core):
+    """Proposals the grammar forbids are cut before they are scored: constrained introspective
+    decoding equals constrained `ar` token for token, and its text parses."""
+    fields = {"n": {"type": "integer", "minimum": 0, "maximum": 99},
+              "s": {"type": "string", "maxLength": 4}}  # fmt: skip
+    schema = {"type": "object", "properties": fields, "required": ["n", "s"],
+              "additionalProperties": False}  # fmt: skip
+    params = replace(greedy(64), constraint=Constraint("json_schema", json.dumps(schema)))
+    for i, prompt in enumerate(PROMPTS):
+        want, _ = run(core, [GenerateRequest("r", prompt, params)])
+        got, stats = run(core, [intro("i", prompt, params)])
+        assert got["i"] == want["r"]
+        assert stats["i"]["draft_tokens"] > 0
+        json.loads(core.engine.tokenizer.decode(got["i"], skip_special_tokens=True))
 
 
 def test_every_proposal_passes_when_the_bias_makes_the_choice(core):
