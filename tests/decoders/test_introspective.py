@@ -60,7 +60,7 @@ def test_under_a_grammar_matches_constrained_greedy(core):
     schema = {"type": "object", "properties": fields, "required": ["n", "s"],
               "additionalProperties": False}  # fmt: skip
     params = replace(greedy(64), constraint=Constraint("json_schema", json.dumps(schema)))
-    for i, prompt in enumerate(PROMPTS):
+    for prompt in PROMPTS:
         want, _ = run(core, [GenerateRequest("r", prompt, params)])
         got, stats = run(core, [intro("i", prompt, params)])
         assert got["i"] == want["r"]
