@@ -252,7 +252,10 @@ def traffic(stride, prometheus) -> Traffic:
     t = Traffic(stride.url, decoders)
     t.run()
     stride.wait_idle(timeout=30)
-    wait_for_final_scrape(prometheus, after=time.time())
+    # Two complete scrapes after the traffic: a series born in its last moments then has the
+    # two samples that rate() needs.
+    for _ in range(2):
+        wait_for_final_scrape(prometheus, after=time.time())
     return t
 
 
