@@ -6,11 +6,15 @@ import logging
 from dataclasses import dataclass
 
 import torch
+from transformers import PretrainedConfig
 
 from stride.engine import loader
 from stride.engine.kv_cache import KVCache
-from stride.engine.roofline import ModelShape, device_peaks
+from stride.engine.model import CausalLM
+from stride.engine.parallel import Layout, agree_min
+from stride.engine.roofline import DevicePeaks, ModelShape, device_peaks
 from stride.engine.runner import ModelRunner
+from stride.engine.workers import MirroredKVCache, MirroredRunner, Workers
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +35,10 @@ class EngineConfig:
     # The device's roof (see `roofline`); None: measured when the engine starts.
     peak_bandwidth: float | None = None  # bytes/s, read plus written
     peak_flops: float | None = None  # FLOP/s in the engine's dtype
+    # Ranks the model is split over (one device each; `parallel`): this process is rank 0, and
+    # starts a worker process for each other rank. The KV-cache budget is per rank.
+    tensor_parallel_size: int = 1
+    random_weights: bool = False  # the checkpoint's shapes with random values (benchmarks)
 
 
 class Engine:
@@ -44,8 +52,19 @@ class Engine:
             else config.device
         )
         dtype = None if config.dtype == "auto" else DTYPES[config.dtype]
+        world = config.tensor_parallel_size
+        self.workers: Workers | None = None
+        if world > 1:
+            if loaded is not None:
+                raise ValueError("a model built beforehand cannot be split over ranks")
+            self.workers = Workers.start(config, self.device)
         if loaded is None:
-            loaded = loader.load(config.model, self.device, dtype, config.served_name)
+            layout = None
+            if self.workers is not None:
+                layout = Layout.of(loader.load_config(config.model), world, 0)
+            loaded = loader.load(
+                config.model, self.device, dtype, config.served_name, layout, config.random_weights
+            )
         self.name = loaded.name
         self.path = loaded.path
         self.hf_config = loaded.config
@@ -59,44 +78,63 @@ class Engine:
         self.eos_ids = _eos_ids(loaded)
         self.shape = ModelShape.of(self.model, self.dtype)
         self.peaks = device_peaks(self.device, self.dtype, config.peak_bandwidth, config.peak_flops)
+        if world > 1:  # the roofline of every rank together: the whole model, world devices
+            self.shape, self.peaks = whole_roofline(self.hf_config, self.dtype, self.peaks, world)
         log.info(
             "device peaks: %.0f GB/s, %.1f TFLOP/s (%s)",
             self.peaks.bandwidth / 1e9,
             self.peaks.flops / 1e12,
             "given" if config.peak_bandwidth and config.peak_flops else "measured",
         )
-        self.cache = self._make_cache()  # after the measurement: it takes the free memory
-        self.runner = ModelRunner(self.model, self.cache, self.device)
+        key = f"{self.path}:{self.dtype}"  # the root of every block hash
+        self.cache = make_cache(config, self.model, self.dtype, self.device, key, self.workers)
+        if self.workers is None:
+            self.runner = ModelRunner(self.model, self.cache, self.device)
+        else:  # (the fused kernels know nothing of the collectives: the module forward runs)
+            self.runner = MirroredRunner(self.workers, self.model, self.cache, self.device)
 
-    def _make_cache(self) -> KVCache:
-        attn = self.model.model.layers[0].self_attn
-        per_block = KVCache.bytes_per_block(
-            self.model.num_layers,
-            attn.num_kv_heads,
-            attn.head_dim,
-            self.config.block_size,
-            self.dtype,
-        )
-        budget = self.config.kv_cache_memory
-        if budget is None:
-            if self.device.type == "cuda":
-                free, _ = torch.cuda.mem_get_info(self.device)
-                budget = int(free * self.config.gpu_memory_utilization)
-            else:
-                budget = 1 << 30
-        num_blocks = max(2, budget // per_block)
-        log.info("KV cache: %d blocks of %d tokens", num_blocks, self.config.block_size)
-        return KVCache(
-            self.model.num_layers,
-            attn.num_kv_heads,
-            attn.head_dim,
-            num_blocks,
-            self.config.block_size,
-            self.dtype,
-            self.device,
-            prefix_caching=self.config.enable_prefix_caching,
-            model_key=f"{self.path}:{self.dtype}",
-        )
+
+def make_cache(
+    config: EngineConfig,
+    model: CausalLM,
+    dtype: torch.dtype,
+    device: torch.device,
+    model_key: str,
+    workers: Workers | None = None,
+    parallel: bool = False,
+) -> KVCache:
+    """The KV cache for `model`'s layers (a rank's share of the heads under tensor parallelism,
+    `parallel`; then every rank takes as many blocks as the tightest one can hold). `workers`:
+    rank 0's, which mirror what the cache copies."""
+    attn = model.model.layers[0].self_attn
+    per_block = KVCache.bytes_per_block(
+        model.num_layers, attn.num_kv_heads, attn.head_dim, config.block_size, dtype
+    )
+    budget = config.kv_cache_memory
+    if budget is None:
+        if device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(device)
+            budget = int(free * config.gpu_memory_utilization)
+        else:
+            budget = 1 << 30
+    num_blocks = max(2, budget // per_block)
+    if workers is not None or parallel:
+        num_blocks = agree_min(num_blocks, device)
+    log.info("KV cache: %d blocks of %d tokens", num_blocks, config.block_size)
+    args = (model.num_layers, attn.num_kv_heads, attn.head_dim, num_blocks, config.block_size)
+    caching = config.enable_prefix_caching
+    if workers is not None:
+        return MirroredKVCache(workers, *args, dtype, device, caching, model_key)
+    return KVCache(*args, dtype, device, prefix_caching=caching, model_key=model_key)
+
+
+def whole_roofline(
+    config: PretrainedConfig, dtype: torch.dtype, peaks: DevicePeaks, world: int
+) -> tuple[ModelShape, DevicePeaks]:
+    """The whole model's shape (built on meta: no memory) and `world` devices' peaks."""
+    with torch.device("meta"):
+        whole = CausalLM(config).to(dtype)
+    return ModelShape.of(whole, dtype), DevicePeaks(peaks.bandwidth * world, peaks.flops * world)
 
 
 def _eos_ids(loaded: loader.LoadedModel) -> set[int]:

@@ -18,6 +18,7 @@ import json
 import logging
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -125,8 +126,14 @@ def _permuted_heads(arch: str, name: str, config) -> int | None:
     return None
 
 
-def load_weights(path: Path, device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Every weight of the GGUF directory `path`, dequantized, as `dtype` on `device`.
+def load_weights(
+    path: Path,
+    device: torch.device,
+    dtype: torch.dtype,
+    shard: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
+) -> dict[str, torch.Tensor]:
+    """Every weight of the GGUF directory `path`, dequantized, as `dtype` on `device`; `shard`
+    maps each (name, whole tensor) to what this process keeps of it (a tensor-parallel slice).
 
     On one thread: these element-wise ops on tensors of a few hundred thousand values gain
     nothing from more, and on a busy machine OpenMP's spin-waits slow the whole load down
@@ -144,6 +151,8 @@ def load_weights(path: Path, device: torch.device, dtype: torch.dtype) -> dict[s
                 w = dequantize(raw, t["type"], t["shape"])
                 if t["heads"]:
                     w = _unpermute(w, t["heads"])
+                if shard is not None:
+                    w = shard(name, w)
                 state[name] = w.to(device=device, dtype=dtype)
     finally:
         torch.set_num_threads(threads)

@@ -141,9 +141,13 @@ class KVCache:
         """Copy the keys and values of positions `src` to positions `dst` (every layer); all
         sources are read before any destination is written."""
         bs, table = self.block_size, seq.block_table
-        device = self.k.device
-        frm = torch.tensor([table[p // bs] * bs + p % bs for p in src], device=device)
-        to = torch.tensor([table[p // bs] * bs + p % bs for p in dst], device=device)
+        frm = [table[p // bs] * bs + p % bs for p in src]
+        self.copy_slots(frm, [table[p // bs] * bs + p % bs for p in dst])
+
+    def copy_slots(self, src: list[int], dst: list[int]) -> None:
+        """Copy the keys and values of flat slots `src` to slots `dst` (every layer)."""
+        frm = torch.tensor(src, device=self.k.device)
+        to = torch.tensor(dst, device=self.k.device)
         self.k[:, to] = self.k[:, frm]
         self.v[:, to] = self.v[:, frm]
 

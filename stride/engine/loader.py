@@ -17,12 +17,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
+from safetensors import safe_open
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from stride.engine import gguf_file
 from stride.engine.model import SUPPORTED_ARCHITECTURES, CausalLM
+from stride.engine.parallel import Layout, sharded_model
 
 log = logging.getLogger(__name__)
 
@@ -104,24 +105,39 @@ def default_dtype(device: torch.device) -> torch.dtype:
     return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
-def load(
-    model: str | None,
-    device: torch.device,
-    dtype: torch.dtype | None = None,
-    name: str | None = None,
-) -> LoadedModel:
+def load_config(model: str | None) -> PretrainedConfig:
+    """The config of what the user named, if Stride supports its architecture."""
     path = resolve(model)
-    start = time.perf_counter()
     config = AutoConfig.from_pretrained(path)
     if config.model_type not in SUPPORTED_ARCHITECTURES:
         raise ValueError(
             f"unsupported architecture {config.model_type!r} in {path}; "
             f"Stride supports: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
+    return config
+
+
+def load(
+    model: str | None,
+    device: torch.device,
+    dtype: torch.dtype | None = None,
+    name: str | None = None,
+    layout: Layout | None = None,
+    random_weights: bool = False,
+) -> LoadedModel:
+    """`layout`: load only a tensor-parallel rank's share, each tensor sliced as it is read.
+    `random_weights`: skip the checkpoint and draw random weights of its shapes (benchmarks of
+    shapes nobody has the weights of here; speed does not depend on the values)."""
+    path = resolve(model)
+    start = time.perf_counter()
+    config = load_config(model)
     dtype = dtype or default_dtype(device)
     with torch.device("meta"):
-        net = CausalLM(config)
-    state = load_weights(path, device, dtype)
+        net = CausalLM(config) if layout is None else sharded_model(config, layout)
+    if random_weights:
+        state = random_state(net, device, dtype)
+    else:
+        state = load_weights(path, device, dtype, layout)
     if "lm_head.weight" not in state and getattr(config, "tie_word_embeddings", False):
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     missing, unexpected = net.load_state_dict(state, strict=False, assign=True)
@@ -142,15 +158,39 @@ def load(
     )
 
 
-def load_weights(path: Path, device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """The state dict of the model directory `path`: its safetensors, or its GGUF file's."""
+def load_weights(
+    path: Path, device: torch.device, dtype: torch.dtype, layout: Layout | None = None
+) -> dict[str, torch.Tensor]:
+    """The state dict of the model directory `path`: its safetensors, or its GGUF file's
+    (`layout`: a tensor-parallel rank's slices only; safetensors read just those bytes)."""
     if gguf_file.is_gguf_dir(path):
-        return gguf_file.load_weights(path, device, dtype)
+        return gguf_file.load_weights(path, device, dtype, None if layout is None else layout.shard)
     state: dict[str, torch.Tensor] = {}
     for file in sorted(path.glob("*.safetensors")):
-        state.update((k, v.to(dtype)) for k, v in load_file(file, device=str(device)).items())
+        with safe_open(file, "pt", device=str(device)) as f:
+            for key in f.keys():
+                where = None if layout is None else layout.slice_of(key)
+                if where is None:
+                    tensor = f.get_tensor(key)
+                else:
+                    dim, part = where
+                    lazy = f.get_slice(key)
+                    rows = slice(part.start, part.stop)
+                    tensor = layout.pad(key, lazy[rows] if dim == 0 else lazy[:, rows])
+                state[key] = tensor.to(dtype)
     if not state:
         raise ValueError(f"no *.safetensors weights in {path}")
+    return state
+
+
+def random_state(
+    net: CausalLM, device: torch.device, dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
+    """Random weights for `net`'s parameters (built on meta): matrices N(0, 0.02), norms ones."""
+    state = {}
+    for key, p in net.named_parameters(remove_duplicate=False):
+        w = torch.empty(p.shape, device=device, dtype=dtype)
+        state[key] = w.normal_(0, 0.02) if p.dim() == 2 else w.fill_(1.0)
     return state
 
 

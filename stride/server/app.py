@@ -267,7 +267,8 @@ def create_app(config: ServerConfig | None = None) -> FastAPI:
     # From the start, so /metrics shows the queue gauges (at 0) while the model loads.
     name = served_name(config.engine.model, config.engine.served_name)
     decoders = config.decoders
-    head, draft_model = drafts.pick(decoders.draft_head, decoders.draft_model, name)
+    single = config.engine.tensor_parallel_size == 1
+    head, draft_model = drafts.pick(decoders.draft_head, decoders.draft_model, name, single)
     metrics = app.state.metrics = Metrics(
         name,
         config.metrics_users,

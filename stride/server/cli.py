@@ -241,6 +241,8 @@ def build_parser() -> argparse.ArgumentParser:
           shown="1GiB on CPU; on CUDA --gpu-memory-utilization of free GPU memory")  # fmt: skip
     _flag(e, "gpu-memory-utilization", "share of free GPU memory for the KV cache when no "
           "--kv-cache-memory is given", 0.85, float)  # fmt: skip
+    _flag(e, "tensor-parallel-size", "devices one model is split over (a worker process per "
+          "device past the first; NCCL on GPUs, gloo on CPU)", 1, int)  # fmt: skip
     _flag(e, "max-num-seqs", "most sequences in one step", 256, int)
     _flag(e, "max-num-batched-tokens", "most tokens in one step (prefills are chunked)", 2048, int)
     _flag(e, "max-waiting", "waiting-queue size; beyond it requests get 429", 1024, int)
@@ -320,6 +322,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
             enable_prefix_caching=args.enable_prefix_caching,
             peak_bandwidth=args.peak_bandwidth,
             peak_flops=args.peak_flops,
+            tensor_parallel_size=args.tensor_parallel_size,
         ),
         scheduler=SchedulerConfig(
             max_num_seqs=args.max_num_seqs,
@@ -361,6 +364,8 @@ def check(args: argparse.Namespace) -> str | None:
         args.api_servers < 1 or (args.api_servers > 1 and args.engine_process is False)
     ):
         return f"--api-servers {args.api_servers}: give 1, or more with the engine process"
+    if args.tensor_parallel_size < 1:
+        return f"--tensor-parallel-size {args.tensor_parallel_size}: give 1 or more"
     if args.otlp_traces_endpoint:
         from stride.tracing import unavailable
 

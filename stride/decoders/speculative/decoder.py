@@ -106,7 +106,8 @@ class Speculative(Decoder):
 
     @classmethod
     def from_config(cls, engine: Engine, config: DecodersConfig) -> Speculative:
-        head, model = drafts.pick(config.draft_head, config.draft_model, engine.name)
+        single = engine.workers is None
+        head, model = drafts.pick(config.draft_head, config.draft_model, engine.name, single)
         return cls(engine, model, config.num_speculative_tokens, draft_head=head)
 
     # ---- admission ------------------------------------------------------------------------

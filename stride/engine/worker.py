@@ -1,0 +1,117 @@
+"""A tensor-parallel worker: one rank's share of the model, running the plans rank 0 sends.
+
+Started by `workers.Workers` as `python -m stride.engine.worker FD`, where FD is its end of a
+socket pair to the engine process. It loads its slices of the weights, sizes its KV cache with
+the others (as many blocks as the tightest rank), builds the same runner as rank 0 (the same
+CUDA graphs, so the collectives they captured meet), then runs every plan that comes: forward
+passes, bursts of decode steps (each step's tokens broadcast by rank 0) and KV copies. Its logits
+go nowhere: rank 0 has the same ones.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from collections import deque
+from multiprocessing.connection import Connection
+
+import torch
+import torch.distributed as dist
+
+from stride.engine import loader
+from stride.engine.engine import DTYPES, EngineConfig, make_cache
+from stride.engine.parallel import (
+    COLLECTIVE_TIMEOUT,
+    Layout,
+    backend,
+    broadcast_tokens,
+    rank_device,
+)
+from stride.engine.runner import ModelRunner
+from stride.engine.workers import BURSTS_KEPT, shadow, span_of
+
+log = logging.getLogger("stride.engine.worker")
+
+
+class Rank:
+    """One worker rank's model, KV cache and runner, and what it does with each plan."""
+
+    def __init__(self, config: EngineConfig, rank: int, world: int) -> None:
+        self.device = rank_device(torch.device(config.device), rank)
+        dtype = None if config.dtype == "auto" else DTYPES[config.dtype]
+        layout = Layout.of(loader.load_config(config.model), world, rank)
+        loaded = loader.load(
+            config.model, self.device, dtype, None, layout, config.random_weights
+        )
+        model = loaded.model
+        dtype = next(model.parameters()).dtype
+        cache = make_cache(config, model, dtype, self.device, "", parallel=True)
+        self.runner = ModelRunner(model, cache, self.device, fused_kernels=False)
+        self.bursts: deque[tuple[int, torch.Tensor]] = deque(maxlen=BURSTS_KEPT)
+
+    def forward(self, spans: list[tuple], num_layers: int | None) -> None:
+        self.runner.forward([span_of(s) for s in spans], num_layers)
+
+    def decode(self, tables, fed, steps: int, offset: int, rows, burst: int) -> None:
+        seqs = [shadow(num_cached, table) for num_cached, table in tables]
+        if isinstance(fed, tuple):  # a row an earlier burst sampled (rank 0 broadcast it)
+            earlier, step = fed
+            tokens = next(t for b, t in self.bursts if b == earlier)[step]
+        else:
+            tokens = fed
+
+        def receive(logits: torch.Tensor) -> torch.Tensor:
+            return broadcast_tokens(torch.empty(len(logits), dtype=torch.long, device=self.device))
+
+        out = self.runner.decode_steps(seqs, tokens, steps, receive, offset, rows)
+        self.bursts.append((burst, out.on_device))
+
+    def copy(self, src: list[int], dst: list[int]) -> None:
+        self.runner.cache.copy_slots(src, dst)
+
+
+def _watch_parent(parent: int) -> None:
+    """Exit if the engine process is gone without closing our pipe (no orphans)."""
+    while os.getppid() == parent:
+        time.sleep(1.0)
+    os._exit(1)
+
+
+def main() -> int:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the engine stops us once it has drained
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
+    threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
+    conn = Connection(int(sys.argv[1]))
+    config, rank, world, port = conn.recv()
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=False)
+    conn.send(("joining", rank))
+    device = rank_device(torch.device(config.device), rank)  # (rank 0 resolved "auto")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(
+        backend(device), store=store, rank=rank, world_size=world, timeout=COLLECTIVE_TIMEOUT
+    )
+    here = Rank(config, rank, world)
+    while True:
+        try:
+            kind, payload = conn.recv()
+        except (EOFError, OSError):  # the engine process is gone
+            return 0
+        if kind == "stop":
+            return 0
+        if kind == "forward":
+            here.forward(*payload)
+        elif kind == "decode":
+            here.decode(*payload)
+        elif kind == "copy":
+            here.copy(*payload)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

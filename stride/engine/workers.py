@@ -1,0 +1,278 @@
+"""Rank 0's side of tensor parallelism: the worker processes of the other ranks, and the runner
+and KV cache that mirror every device call onto them.
+
+The engine process is rank 0: it schedules, samples and returns logits, as with one device.
+Ranks 1..N-1 are worker processes (`stride.engine.worker`), one per device, each holding its
+share of the weights and of every layer's KV heads. Before rank 0 runs a forward pass (or a
+burst of decode steps, or a KV copy) it sends the workers that step's plan as plain data over a
+pipe each: the spans' cached lengths, block tables, tokens, positions and masks. Every rank then
+runs the same pass, meeting at the collectives (`parallel`); rank 0 samples, and broadcasts a
+burst's sampled tokens, which are the next step's input on every rank. Nothing above the engine
+knows about ranks: the scheduler and decoders call the runner and the cache as always.
+
+Workers exit when their pipe closes (the engine process ended or was killed), when rank 0 sends
+"stop", or when their parent changes; they ignore SIGINT and SIGTERM, as the engine process does,
+so that a server drains before anything stops. A worker that exits fails the engine at its next
+collective (gloo fails at once; on NCCL a watcher aborts the group) or its next plan: the
+engine's supervision restarts it like after any other fault. A step that fails on rank 0 alone
+leaves the workers inside a collective nobody will join, so it stops them too: then the engine
+restarts (a request's own error, isolated with one device, costs a restart here).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import itertools
+import logging
+import pickle
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from multiprocessing.util import Finalize
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from stride.engine.kv_cache import KVCache
+from stride.engine.parallel import COLLECTIVE_TIMEOUT, backend, broadcast_tokens, rank_device
+from stride.engine.runner import ModelRunner, SampledTokens, Span
+from stride.engine.sequence import Sequence
+
+if TYPE_CHECKING:
+    from stride.engine.engine import EngineConfig
+
+log = logging.getLogger(__name__)
+
+START_TIMEOUT_S = 120.0  # for a worker to start its interpreter and reach the rendezvous
+BURSTS_KEPT = 4  # recent bursts whose samples a chained burst may start from
+
+
+class WorkerDied(RuntimeError):
+    """A tensor-parallel worker is gone: the engine cannot run another step."""
+
+
+def plain_span(c: Span) -> tuple:
+    """What a worker needs of a span (plain data: it crosses a pipe)."""
+    mask = None if c.mask is None else c.mask.cpu()
+    return (c.seq.num_cached, list(c.seq.block_table), list(c.token_ids), c.num_logits,
+            c.positions, mask, c.offset)  # fmt: skip
+
+
+def shadow(num_cached: int, block_table: list[int]) -> Sequence:
+    """A worker's stand-in for a sequence: its KV cursor and block table are all a pass reads."""
+    seq = Sequence("", [], None)  # type: ignore[arg-type]
+    seq.num_cached, seq.block_table = num_cached, block_table
+    return seq
+
+
+def span_of(plain: tuple) -> Span:
+    num_cached, table, tokens, num_logits, positions, mask, offset = plain
+    return Span(shadow(num_cached, table), tokens, num_logits, positions, mask, offset)
+
+
+class Workers:
+    """The worker processes of ranks 1..N-1, started and joined to the process group with rank 0
+    (this process). One group per process: starting another stops the last one's workers."""
+
+    _current: Workers | None = None
+
+    def __init__(
+        self, procs: list[subprocess.Popen], conns: list[Connection], store: dist.Store
+    ) -> None:
+        self.procs, self.conns, self.store = procs, conns, store
+        self.dead: str | None = None
+        self._closing = False
+        self._finalizer = Finalize(self, _stop, args=(procs, conns), exitpriority=10)
+        for rank, proc in enumerate(procs, 1):
+            threading.Thread(
+                target=self._watch, args=(rank, proc), name=f"stride-tp-watch-{rank}", daemon=True
+            ).start()
+
+    @classmethod
+    def start(cls, config: EngineConfig, device: torch.device) -> Workers:
+        if cls._current is not None:
+            cls._current.close()
+        world = config.tensor_parallel_size
+        config = dataclasses.replace(config, device=str(device))  # what "auto" came to here
+        store = dist.TCPStore(
+            "127.0.0.1", 0, world, is_master=True, wait_for_workers=False,
+            timeout=datetime.timedelta(seconds=START_TIMEOUT_S),
+        )  # fmt: skip
+        procs: list[subprocess.Popen] = []
+        conns: list[Connection] = []
+        try:
+            for rank in range(1, world):
+                ours, theirs = socket.socketpair()
+                with theirs:
+                    cmd = [sys.executable, "-m", "stride.engine.worker", str(theirs.fileno())]
+                    procs.append(subprocess.Popen(cmd, pass_fds=(theirs.fileno(),)))
+                conns.append(Connection(ours.detach()))
+                conns[-1].send((config, rank, world, store.port))
+            for rank, (proc, conn) in enumerate(zip(procs, conns, strict=True), 1):
+                _await_start(proc, conn, rank)
+            if device.type == "cuda":
+                torch.cuda.set_device(rank_device(device, 0))
+            dist.init_process_group(
+                backend(device), store=store, rank=0, world_size=world, timeout=COLLECTIVE_TIMEOUT
+            )
+        except BaseException:
+            _stop(procs, conns)
+            raise
+        log.info("tensor parallel over %d ranks (%s)", world, backend(device))
+        cls._current = cls(procs, conns, store)
+        return cls._current
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs]
+
+    def send(self, message: tuple[str, Any]) -> None:
+        """One message to every worker, pickled once; WorkerDied if one is gone."""
+        if self.dead is not None:
+            raise WorkerDied(self.dead)
+        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        for rank, conn in enumerate(self.conns, 1):
+            try:
+                conn.send_bytes(data)
+            except (OSError, ValueError) as e:
+                self.fail(f"tensor-parallel rank {rank} is gone ({type(e).__name__})")
+                raise WorkerDied(self.dead) from e
+
+    def fail(self, why: str) -> None:
+        """Give the group up: the workers stop, and every later plan raises WorkerDied."""
+        if self.dead is None:
+            self.dead = why
+            log.error("tensor parallelism failed: %s", why)
+        self.close()
+
+    def close(self) -> None:
+        """Stop the workers (they finish the plan in hand) and leave the process group."""
+        self._closing = True
+        self._finalizer()
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # a group broken by a dead peer may not go quietly
+                log.debug("destroying the process group failed", exc_info=True)
+        if Workers._current is self:
+            Workers._current = None
+
+    def _watch(self, rank: int, proc: subprocess.Popen) -> None:
+        code = proc.wait()
+        if self._closing:
+            return
+        self.dead = f"tensor-parallel rank {rank} exited with code {code}"
+        log.error("%s", self.dead)
+        if dist.is_initialized() and dist.get_backend() == "nccl":
+            # A collective waiting for the dead rank would wait forever on the device.
+            dist.distributed_c10d._abort_process_group()
+
+
+def _await_start(proc: subprocess.Popen, conn: Connection, rank: int) -> None:
+    """Wait until worker `rank` reaches the rendezvous (or say why it never will)."""
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while not conn.poll(0.2):
+        if proc.poll() is not None:
+            raise RuntimeError(f"tensor-parallel rank {rank} exited at start ({proc.returncode})")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"tensor-parallel rank {rank} did not start in {START_TIMEOUT_S} s")
+    conn.recv()
+
+
+def _stop(procs: list[subprocess.Popen], conns: list[Connection]) -> None:
+    """Ask every worker to stop, then make sure: wait a little, then kill (no orphans)."""
+    data = pickle.dumps(("stop", None))
+    for conn in conns:
+        try:
+            conn.send_bytes(data)
+            conn.close()
+        except (OSError, ValueError):
+            pass
+    deadline = time.monotonic() + 10
+    for proc in procs:
+        try:
+            proc.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+
+
+class MirroredKVCache(KVCache):
+    """Rank 0's KV cache: every copy between slots is also made on the workers' caches."""
+
+    def __init__(self, workers: Workers, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.workers = workers
+
+    def copy_slots(self, src: list[int], dst: list[int]) -> None:
+        self.workers.send(("copy", (src, dst)))
+        super().copy_slots(src, dst)
+
+
+class MirroredRunner(ModelRunner):
+    """Rank 0's runner: each pass is sent to the workers before it runs here."""
+
+    def __init__(
+        self, workers: Workers, model, cache: KVCache, device: torch.device, **kwargs
+    ) -> None:
+        super().__init__(model, cache, device, fused_kernels=False, **kwargs)
+        self.workers = workers
+        self._bursts: deque[tuple[int, torch.Tensor]] = deque(maxlen=BURSTS_KEPT)
+        self._ids = itertools.count()
+
+    def capture_features(self, layers: tuple[int, ...]) -> None:
+        if layers:
+            raise ValueError(
+                "an EAGLE head does not run with --tensor-parallel-size > 1 (its embedding and "
+                "head rows are split over the ranks); use another draft"
+            )
+
+    def forward(self, spans: list[Span], num_layers: int | None = None) -> list[torch.Tensor]:
+        self.workers.send(("forward", ([plain_span(c) for c in spans], num_layers)))
+        return self._here(super().forward, spans, num_layers)
+
+    def decode_steps(
+        self,
+        seqs: list[Sequence],
+        tokens: list[int] | torch.Tensor,
+        steps: int,
+        sample: Callable[[torch.Tensor], torch.Tensor],
+        offset: int = 0,
+        rows: list[int] | None = None,
+    ) -> SampledTokens:
+        fed = self._burst_row(tokens) if isinstance(tokens, torch.Tensor) else list(tokens)
+        burst = next(self._ids)
+        tables = [(s.num_cached, list(s.block_table)) for s in seqs]
+        self.workers.send(("decode", (tables, fed, steps, offset, rows, burst)))
+
+        def sample_everywhere(logits: torch.Tensor) -> torch.Tensor:
+            return broadcast_tokens(sample(logits))
+
+        out = self._here(
+            super().decode_steps, seqs, tokens, steps, sample_everywhere, offset, rows
+        )
+        self._bursts.append((burst, out.on_device))
+        return out
+
+    def _burst_row(self, tokens: torch.Tensor) -> tuple[int, int]:
+        """(burst, step) of a recent burst whose sampled row `tokens` is (what workers keep)."""
+        for burst, sampled in self._bursts:
+            for step in range(len(sampled)):
+                if sampled[step].data_ptr() == tokens.data_ptr():
+                    return burst, step
+        raise ValueError("decode_steps fed tokens that no recent burst sampled")
+
+    def _here(self, run, *args):
+        """Rank 0's share of a pass; if it fails here, the workers are stuck: stop them."""
+        try:
+            return run(*args)
+        except Exception as e:
+            self.workers.fail(f"rank 0 failed mid-pass: {type(e).__name__}: {e}")
+            raise
