@@ -1,0 +1,228 @@
+"""Tensor parallelism on the CPU (fp32, gloo over loopback): every split gives one device's tokens.
+
+Each engine below starts its worker processes for real; one core per model and size serves every
+decoder, and is stopped (workers and process group) when its module is done.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoConfig
+
+from stride.decoders.registry import DecodersConfig, build_decoders
+from stride.engine.engine import Engine, EngineConfig
+from stride.engine.parallel import Layout
+from stride.engine.workers import WorkerDied
+from stride.scheduler.core import EngineCore
+from stride.scheduler.outputs import GenerateRequest
+from tests.helpers.cores import PROMPTS, greedy, run
+from tests.helpers.models import make_diffusion_dir, make_model_dir
+from tests.helpers.servers import wait_gone
+
+VARIANTS = {
+    "ar": ("ar", {}),
+    "ngram": ("speculative", {"draft": "ngram", "num_speculative_tokens": 3, "adaptive": False}),
+    "early_exit": (
+        "speculative",
+        {"draft": "early_exit", "exit_layer": 1, "num_speculative_tokens": 3, "adaptive": False},
+    ),
+    "draft_model": ("speculative", {"num_speculative_tokens": 3, "adaptive": False}),
+    "jacobi": ("refine", {"method": "jacobi", "window": 3}),
+    "lookahead": ("refine", {"method": "lookahead", "window": 2, "ngram": 3, "candidates": 4}),
+    "diffusion": ("refine", {"method": "diffusion", "block_size": 4, "threshold": 0.5}),
+}
+
+
+def layout(heads: int, kv: int, world: int, rank: int, vocab: int = 384, ffn: int = 128):
+    config = AutoConfig.for_model(
+        "llama", hidden_size=8 * heads, num_attention_heads=heads, num_key_value_heads=kv, head_dim=8,
+        intermediate_size=ffn, vocab_size=vocab,
+    )  # fmt: skip
+    return Layout.of(config, world, rank)
+
+
+# ---- the layout: who holds what --------------------------------------------------------------
+
+
+def test_even_split_gives_each_rank_whole_kv_groups():
+    shares = [layout(8, 4, 2, r) for r in range(2)]
+    assert [(s.heads, s.kv_heads) for s in shares] == [
+        (range(0, 4), range(0, 2)),
+        (range(4, 8), range(2, 4)),
+    ]
+    assert [s.ffn for s in shares] == [range(0, 64), range(64, 128)]
+
+
+def test_uneven_split_deals_out_whole_kv_groups():
+    """SmolLM2-135M's shape: 9 heads in 3 KV groups; two ranks get one and two groups."""
+    shares = [layout(9, 3, 2, r) for r in range(2)]
+    assert [(s.heads, s.kv_heads) for s in shares] == [
+        (range(0, 3), range(0, 1)),
+        (range(3, 9), range(1, 3)),
+    ]
+
+
+def test_more_ranks_than_kv_heads_replicate_them():
+    shares = [layout(4, 2, 4, r) for r in range(4)]
+    assert [s.kv_heads for s in shares] == [range(0, 1), range(0, 1), range(1, 2), range(1, 2)]
+    assert [s.heads for s in shares] == [range(r, r + 1) for r in range(4)]
+    uneven = [layout(4, 2, 3, r) for r in range(3)]  # group 0 split over two ranks
+    assert [(s.heads, s.kv_heads) for s in uneven] == [
+        (range(0, 1), range(0, 1)),
+        (range(1, 2), range(0, 1)),
+        (range(2, 4), range(1, 2)),
+    ]
+
+
+def test_a_rank_without_a_head_is_refused():
+    with pytest.raises(ValueError, match="leaves rank .* without an attention head"):
+        layout(4, 2, 5, 0)
+
+
+def test_vocabulary_slices_are_padded_to_one_width():
+    shares = [layout(4, 2, 3, r, vocab=389) for r in range(3)]
+    assert [s.vocab for s in shares] == [range(0, 130), range(130, 260), range(260, 389)]
+    assert {s.vocab_per_rank for s in shares} == {130}
+    table = torch.randn(389, 64)
+    parts = [s.shard("model.embed_tokens.weight", table) for s in shares]
+    assert [len(p) for p in parts] == [130, 130, 130]
+    assert torch.equal(torch.cat(parts)[:389], table) and not parts[2][129].any()
+
+
+def test_shards_reassemble_the_whole_tensors():
+    shares = [layout(9, 3, 2, r, ffn=130) for r in range(2)]
+    q, o = torch.randn(72, 64), torch.randn(64, 72)
+    down = torch.randn(64, 130)
+    name = "model.layers.0."
+    assert torch.equal(torch.cat([s.shard(name + "self_attn.q_proj.weight", q) for s in shares]), q)
+    assert torch.equal(
+        torch.cat([s.shard(name + "self_attn.o_proj.weight", o) for s in shares], 1), o
+    )
+    assert torch.equal(torch.cat([s.shard(name + "mlp.down_proj.weight", down) for s in shares], 1),
+                       down)  # fmt: skip
+    norm = torch.randn(64)
+    assert all(s.shard(name + "input_layernorm.weight", norm) is norm for s in shares)
+
+
+# ---- whole engines: every decoder, token for token ------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def draft_dir(tmp_path_factory) -> Path:
+    return make_model_dir(tmp_path_factory.mktemp("tp") / "draft", seed=1)
+
+
+@pytest.fixture(scope="module")
+def bert_dir(tmp_path_factory) -> Path:
+    return make_diffusion_dir(tmp_path_factory.mktemp("tp") / "bert")
+
+
+@pytest.fixture(scope="module")
+def odd_dir(tmp_path_factory) -> Path:
+    """Tied embeddings, 6 heads in 3 KV groups, 130 MLP columns, a vocabulary of 389: no size
+    above 1 splits it evenly."""
+    return make_model_dir(
+        tmp_path_factory.mktemp("tp") / "odd", seed=3, hidden_size=96, num_attention_heads=6,
+        num_key_value_heads=3, head_dim=16, intermediate_size=130, vocab_size=389,
+        tie_word_embeddings=True,
+    )  # fmt: skip
+
+
+def make_core(model: Path | None, tp: int, **decoders) -> EngineCore:
+    engine = Engine(
+        EngineConfig(
+            model=None if model is None else str(model),
+            device="cpu",
+            kv_cache_memory=16 << 20,
+            tensor_parallel_size=tp,
+        )
+    )
+    return EngineCore(engine, None, build_decoders(engine, DecodersConfig(**decoders)))
+
+
+def requests(variants, prompts, n: int) -> list[GenerateRequest]:
+    return [
+        GenerateRequest(f"{name}-{i}", prompt, greedy(n), *VARIANTS[name])
+        for name in variants
+        for i, prompt in enumerate(prompts)
+    ]
+
+
+def generate(model, tp: int, variants, prompts=PROMPTS, n: int = 16, **decoders):
+    core = make_core(model, tp, **decoders)
+    try:
+        tokens, _ = run(core, requests(variants, prompts, n))
+        if tp > 1:
+            assert len(core.engine.workers.pids) == tp - 1
+        return tokens
+    finally:
+        if core.engine.workers is not None:
+            pids = set(core.engine.workers.pids)
+            core.engine.workers.close()
+            wait_gone(pids, timeout=30)
+
+
+@pytest.fixture(scope="module")
+def tiny_runs(tiny_dir, draft_dir, bert_dir) -> dict[int, dict[str, list[int]]]:
+    decoders = dict(draft_model=str(draft_dir), diffusion_model=str(bert_dir))
+    return {tp: generate(tiny_dir, tp, VARIANTS, **decoders) for tp in (1, 2, 3)}
+
+
+@pytest.mark.parametrize("tp", [2, 3])
+def test_every_decoder_matches_one_device(tiny_runs, tp):
+    """TP=3 over 4 heads in 2 KV groups: one group split over two ranks, its KV head on both."""
+    assert tiny_runs[tp] == tiny_runs[1]
+    assert len(tiny_runs[1]) == len(VARIANTS) * len(PROMPTS)
+    for name in ("ngram", "early_exit", "draft_model", "jacobi", "lookahead"):  # lossless
+        for i in range(len(PROMPTS)):
+            assert tiny_runs[tp][f"{name}-{i}"] == tiny_runs[1][f"ar-{i}"]
+
+
+@pytest.mark.parametrize("tp", [2, 3])
+def test_uneven_splits_and_tied_padded_vocabulary_match_one_device(odd_dir, tp):
+    variants = ("ar", "early_exit", "jacobi")
+    assert generate(odd_dir, tp, variants) == generate(odd_dir, 1, variants)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_biases_and_qk_norms_split(tiny_dirs, arch):
+    variants = ("ar", "ngram")
+    assert generate(tiny_dirs[arch], 2, variants) == generate(tiny_dirs[arch], 1, variants)
+
+
+@pytest.mark.parametrize("tp", [2, 3])
+def test_default_model_matches_one_device(default_engine, tp):
+    """SmolLM2-135M (9 heads, 3 KV groups): TP=2 splits its groups one and two."""
+    tok = default_engine.tokenizer
+    prompts = [tok.encode("The capital of France is"), tok.encode("def fib(n):")]
+    variants = ("ar", "ngram", "early_exit")
+    reference = generate(None, 1, variants, prompts, n=12)
+    assert generate(None, tp, variants, prompts, n=12) == reference
+    assert reference["ngram-1"] == reference["ar-1"]
+
+
+# ---- a dead worker is an engine fault --------------------------------------------------------
+
+
+def test_a_dead_worker_fails_the_engine(tiny_dir):
+    core = make_core(tiny_dir, 2)
+    workers = core.engine.workers
+    try:
+        core.add(GenerateRequest("r", PROMPTS[0], greedy(64)))
+        core.step()
+        (pid,) = workers.pids
+        os.kill(pid, signal.SIGKILL)
+        wait_gone({pid}, timeout=30)
+        with pytest.raises((WorkerDied, RuntimeError)):
+            for _ in range(64):
+                core.step()
+        assert workers.dead is not None
+        with pytest.raises(WorkerDied):  # and stays failed: every later pass refuses
+            core.engine.runner.forward([])
+    finally:
+        workers.close()
