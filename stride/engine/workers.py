@@ -88,8 +88,10 @@ class Workers:
     ) -> None:
         self.procs, self.conns, self.store = procs, conns, store
         self.dead: str | None = None
-        self._closing = False
-        self._finalizer = Finalize(self, _stop, args=(procs, conns), exitpriority=10)
+        self._stopping = threading.Event()  # set once we stop them: their exits are no fault
+        self._finalizer = Finalize(
+            self, _stop, args=(procs, conns, self._stopping), exitpriority=10
+        )
         for rank, proc in enumerate(procs, 1):
             threading.Thread(
                 target=self._watch, args=(rank, proc), name=f"stride-tp-watch-{rank}", daemon=True
@@ -112,7 +114,7 @@ class Workers:
                 ours, theirs = socket.socketpair()
                 with theirs:
                     cmd = [sys.executable, "-m", "stride.engine.worker", str(theirs.fileno())]
-                    procs.append(subprocess.Popen(cmd, pass_fds=(theirs.fileno(),)))
+                    procs.append(_spawn(cmd, theirs.fileno()))
                 conns.append(Connection(ours.detach()))
                 conns[-1].send((config, rank, world, store.port))
             for rank, (proc, conn) in enumerate(zip(procs, conns, strict=True), 1):
@@ -154,7 +156,6 @@ class Workers:
 
     def close(self) -> None:
         """Stop the workers (they finish the plan in hand) and leave the process group."""
-        self._closing = True
         self._finalizer()
         if dist.is_initialized():
             try:
@@ -166,13 +167,19 @@ class Workers:
 
     def _watch(self, rank: int, proc: subprocess.Popen) -> None:
         code = proc.wait()
-        if self._closing:
+        if self._stopping.is_set():
             return
         self.dead = f"tensor-parallel rank {rank} exited with code {code}"
         log.error("%s", self.dead)
         if dist.is_initialized() and dist.get_backend() == "nccl":
             # A collective waiting for the dead rank would wait forever on the device.
             dist.distributed_c10d._abort_process_group()
+
+
+def _spawn(cmd: list[str], fd: int) -> subprocess.Popen:
+    """A worker in a session of its own: a terminal's Ctrl-C or a `kill` of the server's process
+    group reaches the server, which drains and then stops the workers, not the workers first."""
+    return subprocess.Popen(cmd, pass_fds=(fd,), start_new_session=True)
 
 
 def _await_start(proc: subprocess.Popen, conn: Connection, rank: int) -> None:
@@ -186,8 +193,13 @@ def _await_start(proc: subprocess.Popen, conn: Connection, rank: int) -> None:
     conn.recv()
 
 
-def _stop(procs: list[subprocess.Popen], conns: list[Connection]) -> None:
-    """Ask every worker to stop, then make sure: wait a little, then kill (no orphans)."""
+def _stop(
+    procs: list[subprocess.Popen], conns: list[Connection], stopping: threading.Event | None = None
+) -> None:
+    """Ask every worker to stop, then make sure: wait a little, then kill (no orphans). Run by
+    `Workers.close`, when the `Workers` are collected, and at the process's exit."""
+    if stopping is not None:
+        stopping.set()
     data = pickle.dumps(("stop", None))
     for conn in conns:
         try:
