@@ -61,7 +61,7 @@ class DecodeGraphs:
         self._inputs.copy_(self._host)
         self._steps_host: torch.Tensor | None = None  # `run_steps`' inputs, one array per step
         self._steps_inputs: torch.Tensor | None = None
-        vocab = model.lm_head.weight.shape[0]
+        vocab = model.config.vocab_size  # (split over ranks, the head all-gathers it whole)
         self._logits = torch.empty(max_batch, vocab, dtype=torch.float32, device=device)
         self._aux_layers = aux
         width = model.config.hidden_size * len(aux)

@@ -90,7 +90,7 @@ class Engine:
         self.cache = make_cache(config, self.model, self.dtype, self.device, key, self.workers)
         if self.workers is None:
             self.runner = ModelRunner(self.model, self.cache, self.device)
-        else:  # (the fused kernels know nothing of the collectives: the module forward runs)
+        else:
             self.runner = MirroredRunner(self.workers, self.model, self.cache, self.device)
 
 

@@ -16,6 +16,9 @@ Two layer shapes, by the number of rows:
   - more rows: cuBLAS GEMMs with add+RMSNorm, rotary+KV write and SiLU*up as Triton kernels.
     (A tensor-core variant of the fused GEMV for a few rows costs more in-loop norm work than
     the launches it saves: docs/BENCHMARKS.md, "Design choices".)
+Under tensor parallelism (`parallel`) each rank runs the same kernels over its share of the heads
+and columns, with an all-reduce after the O and the down products (the one-row GEMV then writes
+its partial product apart, and the sum joins the residual).
 Rotary angles come from a table built once for every position, not from a dozen kernels per
 step. Apart from the one-row GEMV's norm (see `gemv`), each kernel rounds where the module forward
 rounds (bf16 after every op).
@@ -24,6 +27,7 @@ rounds (bf16 after every op).
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from stride.engine.attention import AttentionMetadata, DecodeMetadata, attend
@@ -36,6 +40,7 @@ from stride.engine.kernels.layer import (
     triton,
 )
 from stride.engine.model import CausalLM
+from stride.engine.parallel import RowParallelLinear
 
 
 def supported(model: CausalLM, device: torch.device) -> bool:
@@ -70,6 +75,9 @@ class FusedForward:
                 _concat_params([layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight])
             )
         self.rope_table = _rope_table(model)
+        # Split over ranks (`parallel`): the O and down products are partial sums, all-reduced
+        # before they join the residual stream.
+        self.parallel = isinstance(model.model.layers[0].mlp.down_proj, RowParallelLinear)
 
     def __call__(
         self,
@@ -107,9 +115,13 @@ class FusedForward:
             q = rope_and_cache(qkv, *rope, k_cache, v_cache, meta.slot_mapping, a)
             o = attend(q, k_cache, v_cache, meta)
             o = F.linear(o.view(o.shape[0], -1), a.o_proj.weight)
+            if self.parallel:
+                dist.all_reduce(o)
             h = rms_norm(o, layer.post_attention_layernorm, residual)
             up = silu_and_mul(F.linear(h, self.gate_up[i]))
             d = F.linear(up, layer.mlp.down_proj.weight)
+            if self.parallel:
+                dist.all_reduce(d)
             after = layers[i + 1].input_layernorm if i + 1 < len(layers) else model.model.norm
             h = rms_norm(d, after, residual)
             if i in aux:
@@ -127,9 +139,18 @@ class FusedForward:
         q = qkv_rope_cache(residual, weight, bias, layer.input_layernorm, rope, k_cache, v_cache,
                            meta.slot_mapping, a)  # fmt: skip
         o = attend(q, k_cache, v_cache, meta)
-        gemv(o.view(o.shape[0], -1), a.o_proj.weight, add_to=residual)
+        self._add_product(o.view(o.shape[0], -1), a.o_proj.weight, residual)
         act = gemv(residual, self.gate_up[i], norm=layer.post_attention_layernorm, silu_mul=True)
-        gemv(act, layer.mlp.down_proj.weight, add_to=residual)
+        self._add_product(act, layer.mlp.down_proj.weight, residual)
+
+    def _add_product(self, x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor) -> None:
+        """residual += x @ weight^T (in the GEMV's epilogue; summed over ranks if split)."""
+        if not self.parallel:
+            gemv(x, weight, add_to=residual)
+            return
+        part = gemv(x, weight)
+        dist.all_reduce(part)
+        residual.add_(part)
 
 
 def _rope_table(model: CausalLM) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -50,7 +50,7 @@ class Rank:
         model = loaded.model
         dtype = next(model.parameters()).dtype
         cache = make_cache(config, model, dtype, self.device, "", parallel=True)
-        self.runner = ModelRunner(model, cache, self.device, fused_kernels=False)
+        self.runner = ModelRunner(model, cache, self.device)
         self.bursts: deque[tuple[int, torch.Tensor]] = deque(maxlen=BURSTS_KEPT)
 
     def forward(self, spans: list[tuple], num_layers: int | None) -> None:

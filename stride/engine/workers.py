@@ -234,7 +234,7 @@ class MirroredRunner(ModelRunner):
     def __init__(
         self, workers: Workers, model, cache: KVCache, device: torch.device, **kwargs
     ) -> None:
-        super().__init__(model, cache, device, fused_kernels=False, **kwargs)
+        super().__init__(model, cache, device, **kwargs)
         self.workers = workers
         self._bursts: deque[tuple[int, torch.Tensor]] = deque(maxlen=BURSTS_KEPT)
         self._ids = itertools.count()

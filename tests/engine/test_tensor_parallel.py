@@ -40,8 +40,8 @@ VARIANTS = {
 
 def layout(heads: int, kv: int, world: int, rank: int, vocab: int = 384, ffn: int = 128):
     config = AutoConfig.for_model(
-        "llama", hidden_size=8 * heads, num_attention_heads=heads, num_key_value_heads=kv, head_dim=8,
-        intermediate_size=ffn, vocab_size=vocab,
+        "llama", hidden_size=8 * heads, num_attention_heads=heads, num_key_value_heads=kv,
+        head_dim=8, intermediate_size=ffn, vocab_size=vocab,
     )  # fmt: skip
     return Layout.of(config, world, rank)
 
