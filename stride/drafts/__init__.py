@@ -48,14 +48,13 @@ def _tensor_names(file: Path) -> set[str]:
 
 
 def pick(
-    draft_head: str | None, draft_model: str | None, served_name: str, shipped: bool = True
+    draft_head: str | None, draft_model: str | None, served_name: str
 ) -> tuple[str | None, str | None]:
     """(EAGLE head, draft model) a server uses: `--draft-model` may name a head; without
-    either, the head shipped for the served model, if any and if `shipped` (a model split over
-    several devices runs no EAGLE head: `engine.workers`)."""
+    either, the head shipped for the served model, if any."""
     if draft_head is None and draft_model is not None and is_head(draft_model):
         draft_head, draft_model = draft_model, None
-    if draft_head is None and draft_model is None and shipped:
+    if draft_head is None and draft_model is None:
         shipped = shipped_head(served_name)
         draft_head = None if shipped is None else str(shipped)
     return draft_head, draft_model

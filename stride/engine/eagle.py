@@ -225,7 +225,14 @@ class HeadLayer(nn.Module):
 class EagleHead(nn.Module):
     """A draft head bound to its target (whose embedding, and maybe head, it shares)."""
 
-    def __init__(self, config: EagleConfig, target: CausalLM) -> None:
+    def __init__(
+        self,
+        config: EagleConfig,
+        target: CausalLM,
+        vocab: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> None:
+        """`vocab`: the target's whole embedding and LM head, when the target holds only a
+        slice of them (split over ranks: `Engine.whole_vocab`)."""
         super().__init__()
         self.config = config
         h = config.hidden_size
@@ -242,6 +249,7 @@ class EagleHead(nn.Module):
         # Shared with the target, not owned (and not saved): its token embedding, and the
         # target's own head rows unless the head brings a draft vocabulary head of its own.
         self._target = [target]  # a list, so that nn.Module does not register it
+        self._vocab = vocab
         self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
         self.lm_head: torch.Tensor | None = None  # [draft_vocab, H]; None: the target's rows
 
@@ -257,7 +265,7 @@ class EagleHead(nn.Module):
     def head_weight(self) -> torch.Tensor:
         if self.lm_head is not None:
             return self.lm_head
-        weight = self.target.lm_head.weight
+        weight = self.target.lm_head.weight if self._vocab is None else self._vocab[1]
         if self.config.draft_vocab_size == self.config.vocab_size:
             return weight
         return weight[self.draft_ids]
@@ -267,6 +275,8 @@ class EagleHead(nn.Module):
         return self.fc(aux) if self.config.eagle3 else aux
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        if self._vocab is not None:
+            return F.embedding(token_ids, self._vocab[0])
         return self.target.model.embed_tokens(token_ids)
 
     def inputs(self, token_ids: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -310,8 +320,11 @@ class EagleHead(nn.Module):
         return x
 
 
-def load_head(path: Path, target: CausalLM) -> EagleHead:
-    """A head directory in either published layout, on the target's device and dtype."""
+def load_head(
+    path: Path, target: CausalLM, vocab: tuple[torch.Tensor, torch.Tensor] | None = None
+) -> EagleHead:
+    """A head directory in either published layout, on the target's device and dtype
+    (`vocab`: the whole embedding and LM head of a target split over ranks)."""
     config = EagleConfig.read(path, target.config)
     if config.hidden_size != target.config.hidden_size:
         raise ValueError(
@@ -332,8 +345,8 @@ def load_head(path: Path, target: CausalLM) -> EagleHead:
             state.update(torch.load(file, map_location="cpu", weights_only=True))
     if not state:
         raise ValueError(f"no weights (*.safetensors or pytorch_model.bin) in {path}")
-    param = target.lm_head.weight
-    head = EagleHead(config, target)
+    param = target.lm_head.weight if vocab is None else vocab[1]
+    head = EagleHead(config, target, vocab)
     own = _from_published(state, config)
     lm_head = own.pop("lm_head.weight", None)
     missing, unexpected = head.load_state_dict(own, strict=False)

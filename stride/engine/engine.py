@@ -93,6 +93,11 @@ class Engine:
         else:
             self.runner = MirroredRunner(self.workers, self.model, self.cache, self.device)
 
+    def whole_vocab(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The whole embedding and LM head of a model split over ranks (what an EAGLE head
+        shares with its target), gathered from every rank; None for a model held whole."""
+        return None if self.workers is None else self.runner.gather_vocab()
+
 
 def make_cache(
     config: EngineConfig,

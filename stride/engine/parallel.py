@@ -218,3 +218,19 @@ def broadcast_tokens(tokens: torch.Tensor) -> torch.Tensor:
     tokens = tokens.contiguous()
     dist.broadcast(tokens, src=0)
     return tokens
+
+
+def gather_vocab(model: CausalLM) -> tuple[torch.Tensor, torch.Tensor]:
+    """The whole embedding and LM head, all-gathered from every rank's slices (what an EAGLE
+    head shares with its target; every rank must call this together)."""
+    vocab = model.config.vocab_size
+    embed = _gather_rows(model.model.embed_tokens.weight, vocab)
+    if model.lm_head.weight is model.model.embed_tokens.weight:
+        return embed, embed
+    return embed, _gather_rows(model.lm_head.weight, vocab)
+
+
+def _gather_rows(part: torch.Tensor, rows: int) -> torch.Tensor:
+    whole = part.new_empty(dist.get_world_size() * part.shape[0], *part.shape[1:])
+    dist.all_gather_single(whole, part.detach().contiguous())
+    return whole[:rows]

@@ -29,6 +29,7 @@ from stride.engine.parallel import (
     Layout,
     backend,
     broadcast_tokens,
+    gather_vocab,
     rank_device,
 )
 from stride.engine.runner import ModelRunner
@@ -111,6 +112,10 @@ def main() -> int:
             here.decode(*payload)
         elif kind == "copy":
             here.copy(*payload)
+        elif kind == "capture":
+            here.runner.capture_features(payload)
+        elif kind == "vocab":
+            gather_vocab(here.runner.model)
 
 
 if __name__ == "__main__":

@@ -41,7 +41,13 @@ import torch
 import torch.distributed as dist
 
 from stride.engine.kv_cache import KVCache
-from stride.engine.parallel import COLLECTIVE_TIMEOUT, backend, broadcast_tokens, rank_device
+from stride.engine.parallel import (
+    COLLECTIVE_TIMEOUT,
+    backend,
+    broadcast_tokens,
+    gather_vocab,
+    rank_device,
+)
 from stride.engine.runner import ModelRunner, SampledTokens, Span
 from stride.engine.sequence import Sequence
 
@@ -240,11 +246,13 @@ class MirroredRunner(ModelRunner):
         self._ids = itertools.count()
 
     def capture_features(self, layers: tuple[int, ...]) -> None:
-        if layers:
-            raise ValueError(
-                "an EAGLE head does not run with --tensor-parallel-size > 1 (its embedding and "
-                "head rows are split over the ranks); use another draft"
-            )
+        self.workers.send(("capture", tuple(layers)))  # (the decode graphs are captured again)
+        self._here(super().capture_features, layers)
+
+    def gather_vocab(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole embedding and LM head (gathered from every rank's slices)."""
+        self.workers.send(("vocab", None))
+        return self._here(gather_vocab, self.model)
 
     def forward(self, spans: list[Span], num_layers: int | None = None) -> list[torch.Tensor]:
         self.workers.send(("forward", ([plain_span(c) for c in spans], num_layers)))

@@ -267,8 +267,7 @@ def create_app(config: ServerConfig | None = None) -> FastAPI:
     # From the start, so /metrics shows the queue gauges (at 0) while the model loads.
     name = served_name(config.engine.model, config.engine.served_name)
     decoders = config.decoders
-    single = config.engine.tensor_parallel_size == 1
-    head, draft_model = drafts.pick(decoders.draft_head, decoders.draft_model, name, single)
+    head, draft_model = drafts.pick(decoders.draft_head, decoders.draft_model, name)
     metrics = app.state.metrics = Metrics(
         name,
         config.metrics_users,

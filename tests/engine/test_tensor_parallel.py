@@ -21,6 +21,7 @@ from stride.engine.workers import WorkerDied
 from stride.scheduler.core import EngineCore
 from stride.scheduler.outputs import GenerateRequest
 from tests.helpers.cores import PROMPTS, greedy, run
+from tests.helpers.eagle import CHAIN, TREE, random_head
 from tests.helpers.models import make_diffusion_dir, make_model_dir
 from tests.helpers.servers import wait_gone
 
@@ -35,7 +36,10 @@ VARIANTS = {
     "jacobi": ("refine", {"method": "jacobi", "window": 3}),
     "lookahead": ("refine", {"method": "lookahead", "window": 2, "ngram": 3, "candidates": 4}),
     "diffusion": ("refine", {"method": "diffusion", "block_size": 4, "threshold": 0.5}),
+    "eagle": ("speculative", CHAIN),
+    "eagle_tree": ("speculative", TREE),  # accepted tree paths move K/V: copies on every rank
 }
+TARGET_ONLY = [v for v in VARIANTS if not v.startswith("eagle")]
 
 
 def layout(heads: int, kv: int, world: int, rank: int, vocab: int = 384, ffn: int = 128):
@@ -170,17 +174,43 @@ def generate(model, tp: int, variants, prompts=PROMPTS, n: int = 16, **decoders)
 @pytest.fixture(scope="module")
 def tiny_runs(tiny_dir, draft_dir, bert_dir) -> dict[int, dict[str, list[int]]]:
     decoders = dict(draft_model=str(draft_dir), diffusion_model=str(bert_dir))
-    return {tp: generate(tiny_dir, tp, VARIANTS, **decoders) for tp in (1, 2, 3)}
+    return {tp: generate(tiny_dir, tp, TARGET_ONLY, **decoders) for tp in (1, 2, 3)}
 
 
 @pytest.mark.parametrize("tp", [2, 3])
 def test_every_decoder_matches_one_device(tiny_runs, tp):
     """TP=3 over 4 heads in 2 KV groups: one group split over two ranks, its KV head on both."""
     assert tiny_runs[tp] == tiny_runs[1]
-    assert len(tiny_runs[1]) == len(VARIANTS) * len(PROMPTS)
+    assert len(tiny_runs[1]) == len(TARGET_ONLY) * len(PROMPTS)
     for name in ("ngram", "early_exit", "draft_model", "jacobi", "lookahead"):  # lossless
         for i in range(len(PROMPTS)):
             assert tiny_runs[tp][f"{name}-{i}"] == tiny_runs[1][f"ar-{i}"]
+
+
+@pytest.fixture(scope="module")
+def small_vocab_head(eagle_target, tmp_path_factory) -> Path:
+    """A head drafting over the lowest 200 ids: its head rows are gathered from the target's."""
+    return random_head(eagle_target, tmp_path_factory.mktemp("tp") / "head200", draft_vocab=200)
+
+
+@pytest.mark.parametrize("tp", [2, 3])
+def test_eagle_heads_draft_for_a_split_target(eagle_target, eagle_head, eagle_ref, tp):
+    """The head runs on rank 0 over the gathered embedding and head; features come from rank
+    0's copy of the residual stream, which every rank holds whole."""
+    variants = ("ar", "eagle", "eagle_tree")
+    got = generate(eagle_target, tp, variants, draft_head=str(eagle_head))
+    assert got == generate(eagle_target, 1, variants, draft_head=str(eagle_head))
+    for name in variants:
+        for i in range(len(PROMPTS)):
+            assert got[f"{name}-{i}"] == eagle_ref[i][:16]
+
+
+def test_eagle_head_with_a_draft_vocabulary(eagle_target, small_vocab_head, eagle_ref):
+    got = generate(eagle_target, 2, ("eagle",), draft_head=str(small_vocab_head))
+    assert got == generate(eagle_target, 1, ("eagle",), draft_head=str(small_vocab_head))
+    assert [got[f"eagle-{i}"] for i in range(len(PROMPTS))] == [
+        eagle_ref[i][:16] for i in range(len(PROMPTS))
+    ]
 
 
 @pytest.mark.parametrize("tp", [2, 3])
@@ -204,6 +234,32 @@ def test_default_model_matches_one_device(default_engine, tp):
     reference = generate(None, 1, variants, prompts, n=12)
     assert generate(None, tp, variants, prompts, n=12) == reference
     assert reference["ngram-1"] == reference["ar-1"]
+
+
+def test_kv_copies_reach_every_rank(tiny_dir):
+    """What a tree's accepted path does to the cache (`KVCache.move`), here by hand: after the
+    prompt, positions 0-1's K/V overwrite 2-3's. One device decodes on from that cache; so must
+    two, which they do only if the workers' caches were copied too."""
+
+    def decode(tp: int, move: bool) -> list[int]:
+        core = make_core(tiny_dir, tp)
+        try:
+            core.add(GenerateRequest("r", PROMPTS[2], greedy(12)))
+            tokens = core.step()[0].token_ids  # the prompt, and its first token
+            if move:
+                seq = core.seqs["r"]
+                core.engine.cache.move(seq, [0, 1], [2, 3])
+            while core.has_work:
+                for out in core.step():
+                    tokens += out.token_ids
+            return tokens
+        finally:
+            if core.engine.workers is not None:
+                core.engine.workers.close()
+
+    moved = decode(1, True)
+    assert moved != decode(1, False)  # the copy changes what follows
+    assert decode(2, True) == moved
 
 
 # ---- a dead worker is an engine fault --------------------------------------------------------

@@ -106,8 +106,7 @@ class Speculative(Decoder):
 
     @classmethod
     def from_config(cls, engine: Engine, config: DecodersConfig) -> Speculative:
-        single = engine.workers is None
-        head, model = drafts.pick(config.draft_head, config.draft_model, engine.name, single)
+        head, model = drafts.pick(config.draft_head, config.draft_model, engine.name)
         return cls(engine, model, config.num_speculative_tokens, draft_head=head)
 
     # ---- admission ------------------------------------------------------------------------
@@ -340,7 +339,7 @@ class Speculative(Decoder):
         sequence drafts a chain of the same K with the head this step and decodes plainly
         greedily (acceptance is the argmax, on the device)."""
         eagle = self.eagle
-        if eagle is None or passes < 2:
+        if eagle is None or eagle.cycles is None or passes < 2:
             return None
         states = [self.state(s) for s in seqs]
         ks = {st.reserved for st in states}

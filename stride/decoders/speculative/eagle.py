@@ -56,7 +56,7 @@ class EagleDrafter(Drafter):
 
     def __init__(self, engine: Engine, head_path: Path) -> None:
         self.engine = engine
-        self.head = load_head(head_path, engine.model)
+        self.head = load_head(head_path, engine.model, engine.whole_vocab())
         self.runner = HeadRunner(self.head, engine.cache)
         engine.runner.capture_features(self.head.config.aux_layers)
         self.vocab = engine.hf_config.vocab_size
@@ -65,7 +65,8 @@ class EagleDrafter(Drafter):
         per_step = own + self.head.head_weight().numel()
         self.cost = per_step / sum(p.numel() for p in engine.model.parameters())
         self.cursors: dict[str, _Cursor] = {}  # by request id: how far the head has read
-        self.cycles = EagleCycles(engine.runner, self.runner)
+        # The device loop runs the target's forward on rank 0 alone: not for a split target.
+        self.cycles = EagleCycles(engine.runner, self.runner) if engine.workers is None else None
 
     def admit(self, seq: Sequence) -> None:
         seq.features = []
