@@ -153,6 +153,18 @@ class Workers:
                 self.fail(f"tensor-parallel rank {rank} is gone ({type(e).__name__})")
                 raise WorkerDied(self.dead) from e
 
+    def exited(self, wait: float = 1.0) -> str | None:
+        """Which worker exited, if one did (waiting up to `wait` s: a peer's crash reaches the
+        collectives before its exit is reaped)."""
+        deadline = time.monotonic() + wait
+        while True:
+            for rank, proc in enumerate(self.procs, 1):
+                if proc.poll() is not None:
+                    return f"tensor-parallel rank {rank} exited with code {proc.returncode}"
+            if time.monotonic() > deadline:
+                return None
+            time.sleep(0.05)
+
     def fail(self, why: str) -> None:
         """Give the group up: the workers stop, and every later plan raises WorkerDied."""
         if self.dead is None:
@@ -290,9 +302,14 @@ class MirroredRunner(ModelRunner):
         raise ValueError("decode_steps fed tokens that no recent burst sampled")
 
     def _here(self, run, *args):
-        """Rank 0's share of a pass; if it fails here, the workers are stuck: stop them."""
+        """Rank 0's share of a pass. If it fails, because a worker died (which fails the
+        collectives) or here alone (the workers then wait in one for us), stop them all."""
         try:
             return run(*args)
         except Exception as e:
-            self.workers.fail(f"rank 0 failed mid-pass: {type(e).__name__}: {e}")
-            raise
+            exited = self.workers.exited()
+            if exited is None:
+                self.workers.fail(f"rank 0 failed mid-pass: {type(e).__name__}: {e}")
+                raise
+            self.workers.fail(exited)
+            raise WorkerDied(exited) from e

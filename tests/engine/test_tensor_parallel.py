@@ -6,8 +6,10 @@ decoder, and is stopped (workers and process group) when its module is done.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -18,8 +20,10 @@ from stride.decoders.registry import DecodersConfig, build_decoders
 from stride.engine.engine import Engine, EngineConfig
 from stride.engine.parallel import Layout
 from stride.engine.workers import WorkerDied
-from stride.scheduler.core import EngineCore
-from stride.scheduler.outputs import GenerateRequest
+from stride.scheduler.client import EngineClient
+from stride.scheduler.core import CoreConfig, EngineCore
+from stride.scheduler.outputs import GenerateRequest, RequestOutput
+from stride.scheduler.policy import SchedulerConfig
 from tests.helpers.cores import PROMPTS, greedy, run
 from tests.helpers.eagle import CHAIN, TREE, random_head
 from tests.helpers.models import make_diffusion_dir, make_model_dir
@@ -274,11 +278,53 @@ def test_a_dead_worker_fails_the_engine(tiny_dir):
         (pid,) = workers.pids
         os.kill(pid, signal.SIGKILL)
         wait_gone({pid}, timeout=30)
-        with pytest.raises((WorkerDied, RuntimeError)):
+        with pytest.raises(WorkerDied, match="rank 1 exited with code -9"):
             for _ in range(64):
                 core.step()
-        assert workers.dead is not None
+        assert workers.dead == "tensor-parallel rank 1 exited with code -9"
         with pytest.raises(WorkerDied):  # and stays failed: every later pass refuses
             core.engine.runner.forward([])
     finally:
         workers.close()
+
+
+def test_the_supervision_restarts_an_engine_whose_worker_died(tiny_dir):
+    """Thread mode: the request in flight ends with engine_dead, a fresh engine (new workers,
+    new process group) starts after the backoff and serves the next request as before."""
+    config = CoreConfig(
+        EngineConfig(model=str(tiny_dir), device="cpu", kv_cache_memory=16 << 20,
+                     tensor_parallel_size=2),
+        SchedulerConfig(),
+        DecodersConfig(),
+    )  # fmt: skip
+    client = EngineClient(config.build(), rebuild=config.build)
+    first = client.core.engine.workers
+
+    async def collect(req: GenerateRequest, kill: int | None = None) -> list[RequestOutput]:
+        outs = []
+        async for _, out in client.generate(req):
+            outs.append(out)
+            if kill is not None and len(outs) == 1:
+                os.kill(kill, signal.SIGKILL)
+        return outs
+
+    try:
+        (pid,) = first.pids
+        outs = asyncio.run(collect(GenerateRequest("long", PROMPTS[0], greedy(1000)), pid))
+        assert outs[-1].error is not None and outs[-1].error.code == "engine_dead"
+        assert "tensor-parallel rank 1 exited with code -9" in outs[-1].error.message
+        deadline = time.monotonic() + 120
+        while (client.dead is not None or client.core.engine.workers is first) and (
+            time.monotonic() < deadline
+        ):
+            time.sleep(0.2)
+        assert client.dead is None and set(client.core.engine.workers.pids).isdisjoint({pid})
+        outs = asyncio.run(collect(GenerateRequest("next", PROMPTS[1], greedy(8))))
+        assert outs[-1].finish_reason == "length"
+        reference = generate(tiny_dir, 1, ("ar",), [PROMPTS[1]], n=8)["ar-0"]
+        assert [t for out in outs for t in out.token_ids] == reference
+    finally:
+        client.shutdown()
+        workers = client.core.engine.workers
+        workers.close()
+        wait_gone(set(workers.pids) | set(first.pids), timeout=30)
