@@ -25,6 +25,7 @@ import dataclasses
 import datetime
 import itertools
 import logging
+import os
 import pickle
 import socket
 import subprocess
@@ -35,6 +36,7 @@ from collections import deque
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from multiprocessing.util import Finalize
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -197,7 +199,10 @@ class Workers:
 def _spawn(cmd: list[str], fd: int) -> subprocess.Popen:
     """A worker in a session of its own: a terminal's Ctrl-C or a `kill` of the server's process
     group reaches the server, which drains and then stops the workers, not the workers first."""
-    return subprocess.Popen(cmd, pass_fds=(fd,), start_new_session=True)
+    root = str(Path(__file__).resolve().parents[2])  # where `stride` is, installed or not
+    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "PYTHONPATH": path}
+    return subprocess.Popen(cmd, pass_fds=(fd,), start_new_session=True, env=env)
 
 
 def _await_start(proc: subprocess.Popen, conn: Connection, rank: int) -> None:
