@@ -101,8 +101,12 @@ class ModelRunner:
             self.forward_fn = fused.FusedForward(model)
         self.aux_layers: tuple[int, ...] = ()  # see `capture_features`
         self.adapter: MaskAdapter | None = None  # see `attach_adapter`
-        k = cache.k
-        self._kv_bytes_per_token = 2 * k.shape[0] * k[0, 0].numel() * k.element_size()
+        # The whole model's K/V per token (from its config, not this rank's cache): ranks of a
+        # split model must all pick the same spans for the graph, or their collectives differ.
+        config, attn = model.config, model.model.layers[0].self_attn
+        kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        item = cache.k.element_size()
+        self._kv_bytes_per_token = 2 * model.num_layers * kv_heads * attn.head_dim * item
         self.graphs: DecodeGraphs | None = None
         head_dim = model.model.layers[0].self_attn.head_dim
         self._graph_args = None
