@@ -6,7 +6,6 @@ import logging
 from dataclasses import dataclass
 
 import torch
-from transformers import PretrainedConfig
 
 from stride.engine import loader
 from stride.engine.kv_cache import KVCache
@@ -78,8 +77,13 @@ class Engine:
         self.eos_ids = _eos_ids(loaded)
         self.shape = ModelShape.of(self.model, self.dtype)
         self.peaks = device_peaks(self.device, self.dtype, config.peak_bandwidth, config.peak_flops)
+        whole = self.model
         if world > 1:  # the roofline of every rank together: the whole model, world devices
-            self.shape, self.peaks = whole_roofline(self.hf_config, self.dtype, self.peaks, world)
+            with torch.device("meta"):  # (no memory: shapes only)
+                whole = CausalLM(self.hf_config).to(self.dtype)
+            self.shape = ModelShape.of(whole, self.dtype)
+            self.peaks = DevicePeaks(self.peaks.bandwidth * world, self.peaks.flops * world)
+        self.num_params = sum(p.numel() for p in whole.parameters())  # every rank's, together
         log.info(
             "device peaks: %.0f GB/s, %.1f TFLOP/s (%s)",
             self.peaks.bandwidth / 1e9,
@@ -131,15 +135,6 @@ def make_cache(
     if workers is not None:
         return MirroredKVCache(workers, *args, dtype, device, caching, model_key)
     return KVCache(*args, dtype, device, prefix_caching=caching, model_key=model_key)
-
-
-def whole_roofline(
-    config: PretrainedConfig, dtype: torch.dtype, peaks: DevicePeaks, world: int
-) -> tuple[ModelShape, DevicePeaks]:
-    """The whole model's shape (built on meta: no memory) and `world` devices' peaks."""
-    with torch.device("meta"):
-        whole = CausalLM(config).to(dtype)
-    return ModelShape.of(whole, dtype), DevicePeaks(peaks.bandwidth * world, peaks.flops * world)
 
 
 def _eos_ids(loaded: loader.LoadedModel) -> set[int]:

@@ -212,7 +212,7 @@ class DraftModelDrafter(Drafter):
         self.engine = engine
         self.name = model
         self.target_vocab = target.hf_config.vocab_size
-        self.cost = _num_params(engine.model) / _num_params(target.model)
+        self.cost = engine.num_params / target.num_params
         self.cursors: dict[str, _DraftCursor] = {}  # by request id: what it has cached
 
     def _cursor(self, seq: Sequence) -> _DraftCursor:
@@ -258,7 +258,3 @@ class DraftModelDrafter(Drafter):
         cur = self.cursors.pop(seq.request_id, None)
         if cur is not None:
             self.engine.cache.free(cur.kv)
-
-
-def _num_params(model: torch.nn.Module) -> int:
-    return sum(p.numel() for p in model.parameters())

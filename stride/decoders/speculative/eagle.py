@@ -63,7 +63,7 @@ class EagleDrafter(Drafter):
         self.path = head_path
         own = sum(p.numel() for p in self.head.parameters())
         per_step = own + self.head.head_weight().numel()
-        self.cost = per_step / sum(p.numel() for p in engine.model.parameters())
+        self.cost = per_step / engine.num_params
         self.cursors: dict[str, _Cursor] = {}  # by request id: how far the head has read
         # The device loop runs the target's forward on rank 0 alone: not for a split target.
         self.cycles = EagleCycles(engine.runner, self.runner) if engine.workers is None else None
