@@ -1,7 +1,8 @@
 """Tensor parallelism on the CPU (fp32, gloo over loopback): every split gives one device's tokens.
 
-Each engine below starts its worker processes for real; one core per model and size serves every
-decoder, and is stopped (workers and process group) when its module is done.
+Each engine starts its worker processes for real, serves every decoder asked of it in one run,
+and is stopped (workers gone, process group left) before the next starts; one device's runs are
+made once per module (`tests/helpers/parallel.py`). The layouts are checked without processes.
 """
 
 from __future__ import annotations
@@ -16,33 +17,20 @@ import pytest
 import torch
 from transformers import AutoConfig
 
-from stride.decoders.registry import DecodersConfig, build_decoders
-from stride.engine.engine import Engine, EngineConfig
+from stride.decoders.registry import DecodersConfig
+from stride.engine.engine import EngineConfig
 from stride.engine.parallel import Layout
 from stride.engine.workers import WorkerDied
 from stride.scheduler.client import EngineClient
-from stride.scheduler.core import CoreConfig, EngineCore
+from stride.scheduler.core import CoreConfig
 from stride.scheduler.outputs import GenerateRequest, RequestOutput
 from stride.scheduler.policy import SchedulerConfig
-from tests.helpers.cores import PROMPTS, greedy, run
-from tests.helpers.eagle import CHAIN, TREE, random_head
+from tests.helpers.cores import PROMPTS, greedy
+from tests.helpers.eagle import random_head
 from tests.helpers.models import make_diffusion_dir, make_model_dir
+from tests.helpers.parallel import VARIANTS, generate, make_core
 from tests.helpers.servers import wait_gone
 
-VARIANTS = {
-    "ar": ("ar", {}),
-    "ngram": ("speculative", {"draft": "ngram", "num_speculative_tokens": 3, "adaptive": False}),
-    "early_exit": (
-        "speculative",
-        {"draft": "early_exit", "exit_layer": 1, "num_speculative_tokens": 3, "adaptive": False},
-    ),
-    "draft_model": ("speculative", {"num_speculative_tokens": 3, "adaptive": False}),
-    "jacobi": ("refine", {"method": "jacobi", "window": 3}),
-    "lookahead": ("refine", {"method": "lookahead", "window": 2, "ngram": 3, "candidates": 4}),
-    "diffusion": ("refine", {"method": "diffusion", "block_size": 4, "threshold": 0.5}),
-    "eagle": ("speculative", CHAIN),
-    "eagle_tree": ("speculative", TREE),  # accepted tree paths move K/V: copies on every rank
-}
 TARGET_ONLY = [v for v in VARIANTS if not v.startswith("eagle")]
 
 
@@ -139,49 +127,6 @@ def odd_dir(tmp_path_factory) -> Path:
         num_key_value_heads=3, head_dim=16, intermediate_size=130, vocab_size=389,
         tie_word_embeddings=True,
     )  # fmt: skip
-
-
-def make_core(model: Path | None, tp: int, **decoders) -> EngineCore:
-    engine = Engine(
-        EngineConfig(
-            model=None if model is None else str(model),
-            device="cpu",
-            kv_cache_memory=16 << 20,
-            tensor_parallel_size=tp,
-        )
-    )
-    return EngineCore(engine, None, build_decoders(engine, DecodersConfig(**decoders)))
-
-
-def requests(variants, prompts, n: int) -> list[GenerateRequest]:
-    return [
-        GenerateRequest(f"{name}-{i}", prompt, greedy(n), *VARIANTS[name])
-        for name in variants
-        for i, prompt in enumerate(prompts)
-    ]
-
-
-ONE_DEVICE: dict[tuple, dict[str, list[int]]] = {}  # TP=1 runs, the reference of several tests
-
-
-def generate(model, tp: int, variants, prompts=PROMPTS, n: int = 16, **decoders):
-    """Every prompt with every variant, greedy, on an engine split over `tp` ranks."""
-    key = (str(model), tuple(variants), str(prompts), n, tuple(sorted(decoders.items())))
-    if tp == 1 and key in ONE_DEVICE:
-        return ONE_DEVICE[key]
-    core = make_core(model, tp, **decoders)
-    try:
-        tokens, _ = run(core, requests(variants, prompts, n))
-        if tp > 1:
-            assert len(core.engine.workers.pids) == tp - 1
-        else:
-            ONE_DEVICE[key] = tokens
-        return tokens
-    finally:
-        if core.engine.workers is not None:
-            pids = set(core.engine.workers.pids)
-            core.engine.workers.close()
-            wait_gone(pids, timeout=30)
 
 
 @pytest.fixture(scope="module")

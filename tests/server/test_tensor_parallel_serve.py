@@ -11,6 +11,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
 from transformers import AutoTokenizer
 
 from tests.helpers.servers import (
@@ -33,13 +34,20 @@ def workers_of(pid: int) -> set[int]:
     }
 
 
-@pytest.mark.parametrize("engine_process", [False, True], ids=["engine-thread", "engine-process"])
-def test_serves_and_sigterm_stops_every_worker(tiny_dir, tiny_hf, engine_process):
+two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+
+
+@pytest.mark.parametrize(
+    "device, engine_process",
+    [("cpu", False), ("cpu", True), pytest.param("cuda", True, marks=two_gpus)],
+    ids=["cpu-engine-thread", "cpu-engine-process", "cuda-engine-process"],
+)
+def test_serves_and_sigterm_stops_every_worker(tiny_dir, tiny_hf, device, engine_process):
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-c", LAUNCH, "serve", "--model", str(tiny_dir), "--device", "cpu",
-           "--tensor-parallel-size", "2", "--kv-cache-memory", "8MiB", "--port", str(port),
-           "--log-level", "warning",
+    cmd = [sys.executable, "-c", LAUNCH, "serve", "--model", str(tiny_dir), "--device", device,
+           "--dtype", "float32", "--tensor-parallel-size", "2", "--kv-cache-memory", "8MiB",
+           "--port", str(port), "--log-level", "warning",
            "--engine-process" if engine_process else "--no-engine-process"]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(
