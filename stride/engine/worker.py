@@ -90,11 +90,11 @@ def main() -> int:
     conn = Connection(int(sys.argv[1]))
     config, rank, world, port = conn.recv()
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    store = dist.TCPStore("127.0.0.1", port, world, is_master=False)
-    conn.send(("joining", rank))
     device = rank_device(torch.device(config.device), rank)  # (rank 0 resolved "auto")
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=False)
+    conn.send(("joining", rank))
     dist.init_process_group(
         backend(device), store=store, rank=rank, world_size=world, timeout=COLLECTIVE_TIMEOUT
     )

@@ -110,6 +110,11 @@ class Workers:
         if cls._current is not None:
             cls._current.close()
         world = config.tensor_parallel_size
+        if device.type == "cuda" and (device.index or 0) + world > torch.cuda.device_count():
+            raise ValueError(
+                f"--tensor-parallel-size {world} needs {world} GPUs from {device}; "
+                f"{torch.cuda.device_count()} are visible"
+            )
         config = dataclasses.replace(config, device=str(device))  # what "auto" came to here
         store = dist.TCPStore(
             "127.0.0.1", 0, world, is_master=True, wait_for_workers=False,
@@ -172,6 +177,10 @@ class Workers:
         if self.dead is None:
             self.dead = why
             log.error("tensor parallelism failed: %s", why)
+        self._stopping.set()
+        for proc in self.procs:  # (they may wait in a collective: asking them would not do)
+            if proc.poll() is None:
+                proc.kill()
         self.close()
 
     def close(self) -> None:

@@ -242,6 +242,29 @@ def test_a_dead_worker_fails_the_engine(tiny_dir):
         workers.close()
 
 
+def test_a_pass_failing_on_rank_0_alone_stops_the_workers(tiny_dir):
+    """The workers would wait in the pass's first collective for rank 0 forever: they are
+    killed at once, and the engine fails (its supervision restarts it)."""
+    core = make_core(tiny_dir, 2)
+    workers, runner = core.engine.workers, core.engine.runner
+    pids = set(workers.pids)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("injected")
+
+    runner._forward_eager = broken  # rank 0's share of every pass (CPU: no graphs)
+    try:
+        core.add(GenerateRequest("r", PROMPTS[0], greedy(4)))
+        with pytest.raises(RuntimeError, match="injected"):
+            core.step()
+        wait_gone(pids, timeout=10)
+        assert workers.dead == "rank 0 failed mid-pass: RuntimeError: injected"
+        with pytest.raises(WorkerDied):
+            runner.forward([])
+    finally:
+        workers.close()
+
+
 def test_the_supervision_restarts_an_engine_whose_worker_died(tiny_dir):
     """Thread mode: the request in flight ends with engine_dead, a fresh engine (new workers,
     new process group) starts after the backoff and serves the next request as before."""
