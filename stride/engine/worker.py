@@ -116,6 +116,8 @@ def main() -> int:
             here.runner.capture_features(payload)
         elif kind == "vocab":
             gather_vocab(here.runner.model)
+        else:  # (a rank that cannot follow the plans must not go on: its exit fails the engine)
+            raise ValueError(f"unknown plan {kind!r}")
 
 
 if __name__ == "__main__":
