@@ -68,6 +68,11 @@ class Refine(Decoder):
                 config.trust_remote_code,
             )
         path = adapters.pick(config.mask_adapter, engine.name)
+        if path is not None and engine.workers is not None:
+            raise ValueError(
+                f"the MASK-slot adapter {path} (refine method introspective) does not run on a "
+                "model split over devices; serve it with --tensor-parallel-size 1"
+            )
         if path is not None:
             adapter = MaskAdapter.load(path, engine.model)
             engine.runner.attach_adapter(adapter)

@@ -25,6 +25,7 @@ from stride.scheduler.client import EngineClient
 from stride.scheduler.core import CoreConfig
 from stride.scheduler.outputs import GenerateRequest, RequestOutput
 from stride.scheduler.policy import SchedulerConfig
+from tests.helpers.adapters import random_adapter
 from tests.helpers.cores import PROMPTS, greedy
 from tests.helpers.eagle import random_head
 from tests.helpers.models import make_diffusion_dir, make_model_dir
@@ -218,6 +219,13 @@ def test_kv_copies_reach_every_rank(tiny_dir):
     moved = decode(1, True)
     assert moved != decode(1, False)  # the copy changes what follows
     assert decode(2, True) == moved
+
+
+def test_a_mask_adapter_is_refused_on_a_split_model(tiny_dir, tiny_hf, tmp_path):
+    """The introspective method's adapter hooks whole projections: not offered split (yet)."""
+    random_adapter(tiny_hf).save(tmp_path / "adapter")
+    with pytest.raises(ValueError, match="does not run on a model split over devices"):
+        make_core(tiny_dir, 2, mask_adapter=str(tmp_path / "adapter"))
 
 
 # ---- a dead worker is an engine fault --------------------------------------------------------

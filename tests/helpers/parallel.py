@@ -39,7 +39,12 @@ def make_core(model: Path | None, tp: int, device: str = "cpu", **decoders) -> E
             tensor_parallel_size=tp,
         )
     )
-    return EngineCore(engine, None, build_decoders(engine, DecodersConfig(**decoders)))
+    try:
+        return EngineCore(engine, None, build_decoders(engine, DecodersConfig(**decoders)))
+    except BaseException:
+        if engine.workers is not None:
+            engine.workers.close()
+        raise
 
 
 def requests(variants, prompts, n: int) -> list[GenerateRequest]:
