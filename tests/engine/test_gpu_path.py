@@ -92,6 +92,22 @@ def test_gpu_fp32_greedy_equals_cpu(tiny_dir):
 
 
 @needs_triton
+def _fp32_engine(tiny_dir, device: str, eager_tokens: list[int], monkeypatch) -> Engine:
+    """The tiny model in fp32 on `device`; on CUDA, the length of every span that runs an eager
+    pass is appended to `eager_tokens`."""
+    engine = Engine(EngineConfig(model=str(tiny_dir), device=device, dtype="float32",
+                                 kv_cache_memory=64 << 20))  # fmt: skip
+    if device == "cuda":
+        eager = engine.runner._forward_eager
+
+        def counting(spans, num_layers):
+            eager_tokens.extend(len(c.token_ids) for c in spans)
+            return eager(spans, num_layers)
+
+        monkeypatch.setattr(engine.runner, "_forward_eager", counting)
+    return engine
+
+
 @needs_cuda
 @pytest.mark.parametrize(
     ("decoder", "options"),
@@ -106,18 +122,9 @@ def test_multi_token_spans_replay_as_graph_rows(tiny_dir, decoder, options, monk
     prompt = [5, 6, 7, 8, 9] * 14  # repetitive (n-gram drafts), longer than MAX_GRAPH_QUERY
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     outs = {}
-    eager_tokens = []
+    eager_tokens: list[int] = []
     for device in ("cpu", "cuda"):
-        engine = Engine(EngineConfig(model=str(tiny_dir), device=device, dtype="float32",
-                                     kv_cache_memory=64 << 20))  # fmt: skip
-        if device == "cuda":
-            eager = engine.runner._forward_eager
-
-            def counting(spans, num_layers, eager=eager):
-                eager_tokens.extend(len(c.token_ids) for c in spans)
-                return eager(spans, num_layers)
-
-            monkeypatch.setattr(engine.runner, "_forward_eager", counting)
+        engine = _fp32_engine(tiny_dir, device, eager_tokens, monkeypatch)
         core = EngineCore(engine)
         core.add(GenerateRequest("r", prompt, params, decoder=decoder, decoder_options=options))
         tokens = []
@@ -140,17 +147,8 @@ def test_short_prompts_and_cached_prefixes_prefill_as_graph_rows(tiny_dir, monke
     outs: dict[str, list] = {}
     eager_tokens: list[int] = []
     for device in ("cpu", "cuda"):
-        engine = Engine(EngineConfig(model=str(tiny_dir), device=device, dtype="float32",
-                                     kv_cache_memory=64 << 20))  # fmt: skip
+        engine = _fp32_engine(tiny_dir, device, eager_tokens, monkeypatch)
         engine.cache.prefix_caching = True
-        if device == "cuda":
-            eager = engine.runner._forward_eager
-
-            def counting(spans, num_layers, eager=eager):
-                eager_tokens.extend(len(c.token_ids) for c in spans)
-                return eager(spans, num_layers)
-
-            monkeypatch.setattr(engine.runner, "_forward_eager", counting)
         core = EngineCore(engine)
         results = []
         for i, prompt in enumerate(prompts):  # one after the other: the second finds the prefix
