@@ -166,7 +166,7 @@ class VocabParallelHead(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         local = F.linear(x, self.weight)
         gathered = local.new_empty(self.world * local.shape[0], local.shape[1])
-        dist.all_gather_single(gathered, local.contiguous())
+        dist.all_gather_into_tensor(gathered, local.contiguous())
         whole = gathered.view(self.world, *local.shape).permute(1, 0, 2).flatten(1)
         return whole[:, : self.vocab]
 
@@ -232,5 +232,5 @@ def gather_vocab(model: CausalLM) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _gather_rows(part: torch.Tensor, rows: int) -> torch.Tensor:
     whole = part.new_empty(dist.get_world_size() * part.shape[0], *part.shape[1:])
-    dist.all_gather_single(whole, part.detach().contiguous())
+    dist.all_gather_into_tensor(whole, part.detach().contiguous())
     return whole[:rows]
