@@ -96,6 +96,7 @@ class Workers:
     ) -> None:
         self.procs, self.conns, self.store = procs, conns, store
         self.dead: str | None = None
+        self._releases: list[Callable[[], None]] = []  # see `before_close`
         self._stopping = threading.Event()  # set once we stop them: their exits are no fault
         self._finalizer = Finalize(
             self, _stop, args=(procs, conns, self._stopping), exitpriority=10
@@ -183,9 +184,17 @@ class Workers:
                 proc.kill()
         self.close()
 
+    def before_close(self, release: Callable[[], None]) -> None:
+        """Run `release` before the group is left: what holds the group's collectives (CUDA
+        graphs that captured them) must go first, or NCCL's destroy waits for it forever."""
+        self._releases.append(release)
+
     def close(self) -> None:
         """Stop the workers (they finish the plan in hand) and leave the process group."""
         self._finalizer()
+        for release in self._releases:
+            release()
+        self._releases.clear()
         if dist.is_initialized():
             try:
                 dist.destroy_process_group()
@@ -270,6 +279,14 @@ class MirroredRunner(ModelRunner):
         self.workers = workers
         self._bursts: deque[tuple[int, torch.Tensor]] = deque(maxlen=BURSTS_KEPT)
         self._ids = itertools.count()
+        workers.before_close(self.release_graphs)
+
+    def release_graphs(self) -> None:
+        """Drop the decode graphs (and the collectives they captured); passes run eagerly."""
+        self.graphs = None
+        self._graph_args = None  # (`capture_features` would capture them again)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def capture_features(self, layers: tuple[int, ...]) -> None:
         self.workers.send(("capture", tuple(layers)))  # (the decode graphs are captured again)
