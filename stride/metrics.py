@@ -1,8 +1,9 @@
 """Every Prometheus metric Stride emits, defined here and recorded where the event happens.
 
-Two feeders: the step loop calls `Metrics.on_step` after every engine step (gauges, step time,
-tokens per step, preemptions, prefix-cache queries and hits, and the step's roofline count:
-bytes read, FLOPs, passes and scored tokens by kind), and the HTTP edge wraps each
+Two feeders: the step loop calls `Metrics.on_step` after every engine step and every abort
+(gauges, step time, tokens per step, preemptions, prefix-cache queries and hits, and the step's
+roofline count: bytes read, FLOPs, passes and scored tokens by kind; an abort that leaves the
+engine idle runs no step, so it reports the freed sequence itself), and the HTTP edge wraps each
 request in `Metrics.track(...)`, which
 sees the request's outputs as they stream (tokens, TTFT, inter-token latency) and its last one
 (finish reason, engine-side timings, the decoder's summary). Labels stay bounded: `user` comes

@@ -463,6 +463,8 @@ class EngineClient(BaseClient):
             if payload is not None:
                 out = self.core.abort(payload)
                 if out is not None:
+                    if self.on_step is not None:
+                        self.on_step(self.core.stats_without_step(), 0.0, [out])
                     self._deliver([out])
             return
         requests, loop, fut = payload

@@ -22,7 +22,7 @@ import logging
 import time
 from collections import Counter, defaultdict
 from collections.abc import Hashable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -241,6 +241,11 @@ class EngineCore:
             prefix_cache_hits=self.scheduler.prefix_cache_hits,
             load=self.executor.load.priced(self.engine.shape),
         )
+
+    def stats_without_step(self) -> StepStats:
+        """The numbers after a change no step made (an abort): the gauges must see the freed
+        sequence and KV blocks now, since an engine left idle runs no step to report them."""
+        return replace(self.stats(), batch_size=0, num_tokens=0, load=StepLoad())
 
     # ---- the step ----------------------------------------------------------------------------
 

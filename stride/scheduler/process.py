@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import importlib
 import itertools
 import logging
@@ -32,7 +31,6 @@ from multiprocessing.process import BaseProcess
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
-from stride.engine.roofline import StepLoad
 from stride.scheduler.client import BaseClient, EngineDead, ModelInfo, admit, settle
 from stride.scheduler.core import CoreConfig, EngineCore
 from stride.scheduler.outputs import (
@@ -340,10 +338,7 @@ def _loop(core: EngineCore, pipes: _Pipes) -> None:
             elif kind == "abort":
                 out = core.abort(payload)
                 if out is not None:
-                    idle = dataclasses.replace(
-                        core.stats(), batch_size=0, num_tokens=0, load=StepLoad()
-                    )
-                    pipes.send_outputs([out], idle, 0.0, core)  # gauges see the freed KV at once
+                    pipes.send_outputs([out], core.stats_without_step(), 0.0, core)
             else:
                 key, requests = payload
                 error = admit(core, requests)

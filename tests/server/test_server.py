@@ -17,6 +17,7 @@ from tests.helpers.servers import (
     error_of,
     extra_decoders,
     hf_greedy,
+    scrape,
     tiny_config,
 )
 
@@ -312,6 +313,12 @@ def test_disconnect_mid_stream_frees_the_engine(server, model):
         assert next(lines).startswith("data: ")
         assert server.core.num_running == 1
     server.wait_idle()  # running back to 0, every KV block free
+    # No step follows the abort: the gauges must hear of it from the abort itself.
+    for gauge in ("requests_running", "kv_cache_usage_ratio"):
+        deadline = time.monotonic() + 10
+        while scrape(server.url, f"stride_{gauge}") != 0:
+            assert time.monotonic() < deadline, f"stride_{gauge} stays above 0 after the abort"
+            time.sleep(0.05)
 
 
 def test_disconnect_while_waiting_for_a_full_response(server, model):
