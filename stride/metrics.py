@@ -556,9 +556,11 @@ class RequestTracker:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def close(self) -> None:
-        """The request is over for the server: samples still open were aborted."""
-        for rid in set(self.streams) - self.finished:
+    def close(self, admitted: Iterable[str] = ()) -> None:
+        """The request is over for the server: samples still open were aborted, and so were
+        the `admitted` ones (the engine took them) that never produced an output: those left
+        while they waited."""
+        for rid in (set(self.streams) | set(admitted)) - self.finished:
             self._count_finish("abort")
             self.finished.add(rid)
 

@@ -130,8 +130,10 @@ class Generation:
         self._closed = True
         if self._sub is not None:
             self._sub.close()
-        for tracker in self._trackers:
-            tracker.close()
+        admitted = self._sub is not None  # (then every child is the engine's to finish)
+        for i, tracker in enumerate(self._trackers):
+            samples = self._children[i * self._n : (i + 1) * self._n] if admitted else []
+            tracker.close([c.request_id for c in samples])
         if self._trace is not None:
             self._trace.end()
 

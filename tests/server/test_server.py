@@ -377,6 +377,32 @@ def test_queue_full_is_429(tiny_dir):
             live.stop()
 
 
+
+def test_a_request_that_leaves_while_waiting_counts_as_aborted(tiny_dir):
+    """Every admitted request ends in `stride_requests_finished_total`, also one whose client left
+    before the engine ever ran it (no output, no HTTP status: not a rejection either)."""
+    config = tiny_config(tiny_dir, scheduler=SchedulerConfig(max_num_seqs=1, max_waiting=4))
+    body = {"prompt": "x", "max_tokens": 500, "decoder": "slow", "ignore_eos": True}
+    with extra_decoders():
+        live = LiveServer(config)
+        try:
+            url = f"{live.url}/v1/completions"
+            with httpx.stream("POST", url, json={**body, "stream": True}, timeout=30) as running:
+                lines = running.iter_lines()
+                next(lines)  # admitted and running: the next one must wait
+                with pytest.raises(httpx.ReadTimeout):  # (headers come with the first token)
+                    with httpx.stream("POST", url, json={**body, "stream": True}, timeout=0.5):
+                        pass
+            live.wait_idle()
+            deadline = time.monotonic() + 10
+            while scrape(live.url, "stride_requests_finished_total", finish_reason="abort") < 2:
+                assert time.monotonic() < deadline, "the one that left is uncounted"
+                time.sleep(0.05)
+            assert scrape(live.url, "stride_requests_finished_total") == 2
+            assert scrape(live.url, "stride_requests_rejected_total") == 0
+        finally:
+            live.stop()
+
 def test_a_request_that_fails_mid_stream_fails_alone(server, model):
     """The engine pins the failure on its request: an error event, and everyone else goes on."""
     body = {"prompt": "x", "max_tokens": 20, "stream": True, "decoder": "broken"}
