@@ -63,7 +63,8 @@ PROMPTS = {
 }
 DECODERS = {
     "ar": ("ar", {}),
-    "jacobi": ("refine", {"method": "jacobi"}),
+    "jacobi": ("refine", {"method": "jacobi"}),  # default options: refines where it pays
+    "jacobi-w8": ("refine", {"method": "jacobi", "window": 8}),  # refines every step
     "lookahead": ("refine", {"method": "lookahead"}),
     "lookahead-wide": (
         "refine",

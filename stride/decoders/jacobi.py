@@ -28,6 +28,7 @@ from stride.decoders.base import (
     parse_options,
 )
 from stride.decoders.catalog import JACOBI
+from stride.decoders.payoff import Payoff
 from stride.engine.sequence import SamplingParams, Sequence
 
 MAX_WINDOW = 64
@@ -122,17 +123,33 @@ class JacobiState:
 
 
 class Jacobi(Decoder):
-    """Jacobi iteration over a window of `window` guesses (option), greedy only."""
+    """Jacobi iteration over a window of `window` guesses (option), greedy only. A request with
+    default options is adaptive: it refines only while refining pays (`payoff`)."""
 
     name = JACOBI
     default_window = 8
 
     options_model = JacobiOptions
 
+    def __init__(self) -> None:
+        self.payoff = Payoff()
+
     def validate(self, params: SamplingParams, options: dict[str, Any]) -> dict[str, Any]:
         check_greedy(params, self.name)
         window = parse_options(JacobiOptions, options, "refine method 'jacobi'").window
-        return {"window": self.default_window if window is None else window}
+        window = self.default_window if window is None else window
+        return {"window": window, "adaptive": not options}  # default options: see `payoff`
+
+    def plain(self, seq: Sequence) -> bool:
+        """Does `seq` take a plain step (its method measured that refining does not pay)?"""
+        return seq.decoder_options.get("adaptive", False) and not self.payoff.refining
+
+    def plain_steps(self, seqs: list[Sequence]) -> int:
+        """Adaptive sequences in a plain epoch decode as `ar` until the epoch ends."""
+        return self.payoff.steps_left() if all(map(self.plain, seqs)) else 0
+
+    def advance(self, seqs: list[Sequence], steps: int) -> None:
+        self.payoff.record(len(seqs), len(seqs) * steps, steps)
 
     def state(self, seq: Sequence) -> JacobiState:
         if seq.decoder_state is None:
@@ -143,6 +160,9 @@ class Jacobi(Decoder):
         """The window's size; with a grammar, only its guesses the grammar allows (a window
         that strays from it would be scored for nothing)."""
         st = self.state(seq)
+        if self.plain(seq):
+            st.size, st.guesses = 0, []  # (guesses from before the plain steps are stale)
+            return 0
         st.size = min(seq.decoder_options.get("window", self.default_window), cap)
         if seq.grammar is not None:
             st.size = seq.grammar.valid_prefix(self.window(seq))
@@ -171,7 +191,15 @@ class Jacobi(Decoder):
         for seq, prop, v, lp in zip(seqs, proposals, verdicts, lps, strict=True):
             self.refine(seq, prop, v)
             commits.append(Commit(v.tokens, lp, kv_keep=v.accepted))
+        self.measure(seqs, commits)
         return commits
+
+    def measure(self, seqs: list[Sequence], commits: list[Commit]) -> None:
+        """The step's tokens of adaptive sequences, for `payoff`."""
+        made = [len(c.tokens) for s, c in zip(seqs, commits, strict=True)
+                if s.decoder_options.get("adaptive") and c.tokens]  # fmt: skip
+        if made:
+            self.payoff.record(len(made), sum(made))
 
     def refine(self, seq: Sequence, prop: Proposal, v: Verdict) -> None:
         """Keep the window's predictions past the committed tokens as the next guesses."""

@@ -88,6 +88,7 @@ class Lookahead(Jacobi):
             "window": self.default_window if opts.window is None else opts.window,
             "ngram": self.default_ngram if opts.ngram is None else opts.ngram,
             "candidates": self.default_candidates if opts.candidates is None else opts.candidates,
+            "adaptive": not options,
         }
 
     def state(self, seq: Sequence) -> LookaheadState:
@@ -102,9 +103,11 @@ class Lookahead(Jacobi):
         st.pool.add_text(seq.token_ids[max(st.harvested - st.pool.n + 1, 0) :])
         st.harvested = seq.num_tokens
         size = super().extra_tokens(seq, cap)
+        st.candidates = []
+        if self.plain(seq):  # (the pool still learns the text: see above)
+            return 0
         window = self.window(seq)
         room = cap - size
-        st.candidates = []
         for cand in st.pool.lookup(seq.token_ids[-1]):
             if len(st.candidates) == seq.decoder_options.get("candidates", 0):
                 break
@@ -155,6 +158,7 @@ class Lookahead(Jacobi):
             self._harvest(seq, prop, v)
             self.refine(seq, prop, v)
             commits.append(Commit(v.tokens, lp, kv_keep=self._contiguous(seq, prop, v)))
+        self.measure(seqs, commits)
         return commits
 
     def _contiguous(self, seq: Sequence, prop: Proposal, v: Verdict) -> int:

@@ -142,6 +142,14 @@ class Refine(Decoder):
                 out[i] = commit
         return out
 
+    def plain_steps(self, seqs: list[Sequence]) -> int:
+        groups = _by_method(seqs)
+        return min(self.causal[m].plain_steps([seqs[i] for i in idx]) for m, idx in groups.items())
+
+    def advance(self, seqs: list[Sequence], steps: int) -> None:
+        for method, idx in _by_method(seqs).items():
+            self.causal[method].advance([seqs[i] for i in idx], steps)
+
     def _of(self, seq: Sequence) -> Decoder:
         return self.causal[seq.decoder_options["method"]]
 

@@ -1,0 +1,91 @@
+"""Does refining pay? `jacobi` and `lookahead` with default options choose by measurement between
+refining passes and plain steps.
+
+A model that was not trained to guess its future accepts few guesses (Jacobi about 1.05 tokens
+per pass on the default model), and a refining pass costs more than a plain step: more rows to
+score, and no greedy bursts on the device. Refining can then be slower than `ar`, and a request
+that named a method without tuning it should not pay for that. So a method's adaptive sequences
+run in epochs of `EPOCH` steps, all in one mode: plain (they decode as `ar` does, greedy bursts
+included) or refining. Each epoch measures what its mode delivered, tokens committed per second
+per sequence, at its batch-size bucket; the faster mode runs next, refining only if it beats
+plain by `MIN_GAIN`. The other mode is tried again after `EXPLORE_EVERY` epochs, since what it
+measured goes stale (the batch changes, the text gets more predictable). Epochs start refining.
+
+Wall time is what is measured, so whatever a mode costs counts, on any device: its forwards,
+its host work, the bursts it allows. An epoch's clock starts at the step that ended the epoch
+before (the first step ever only starts it), and an epoch interrupted by a pause (no adaptive
+sequence for a while) is dropped, not measured.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from stride.decoders.speculative.costs import MIN_GAIN, bucket, ema
+
+EPOCH = 16  # steps per measured epoch
+EXPLORE_EVERY = 8  # epochs of the faster mode before the slower one is measured again
+PAUSE = 20.0  # a step this many times the epoch's mean step time apart: the epoch is dropped
+
+
+class Payoff:
+    """One method's choice between refining and plain steps, shared by its adaptive sequences."""
+
+    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.clock = clock
+        self.refining = True
+        self.rates: dict[int, dict[bool, float]] = {}  # bucket -> mode -> tokens/s/sequence
+        self._since_explore = 0
+        self._start: float | None = None  # when the epoch's clock started
+        self._last = 0.0
+        self._steps = 0
+        self._tokens = 0
+        self._rows = 0  # sequence-steps in the epoch
+
+    def steps_left(self) -> int:
+        """Steps before the epoch ends (a greedy burst must not run past it)."""
+        return max(1, EPOCH - self._steps)
+
+    def record(self, batch: int, tokens: int, steps: int = 1) -> None:
+        """`steps` steps of `batch` adaptive sequences committed `tokens` in all (one step, or a
+        greedy burst of plain ones)."""
+        now = self.clock()
+        if self._start is not None and self._steps:
+            mean = (self._last - self._start) / self._steps
+            if now - self._last > PAUSE * steps * max(mean, 1e-6):
+                self._start = None  # a pause: this epoch measures nothing
+        if self._start is None:
+            self._start, self._last = now, now
+            self._steps = self._tokens = self._rows = 0
+            return
+        self._last = now
+        self._steps += steps
+        self._tokens += tokens
+        self._rows += batch * steps
+        if self._steps >= EPOCH:
+            self._end_epoch(now)
+
+    def _end_epoch(self, now: float) -> None:
+        seconds = now - self._start
+        if seconds > 0:
+            batch = self._rows / self._steps
+            rate = self._tokens / seconds / batch
+            rates = self.rates.setdefault(bucket(round(batch)), {})
+            rates[self.refining] = ema(rates.get(self.refining), rate, 0.5)
+            self.refining = self._next(rates)
+        self._start, self._steps, self._tokens, self._rows = now, 0, 0, 0
+
+    def _next(self, rates: dict[bool, float]) -> bool:
+        other = not self.refining
+        if other not in rates:
+            return other
+        faster = rates[True] >= MIN_GAIN * rates[False]
+        if self.refining != faster:  # this epoch explored; back to the faster mode
+            self._since_explore = 0
+            return faster
+        self._since_explore += 1
+        if self._since_explore >= EXPLORE_EVERY:
+            self._since_explore = 0
+            return other
+        return faster

@@ -1,0 +1,84 @@
+"""Does refining pay? The measured choice between refining and plain steps (`payoff`), and
+adaptive Jacobi and lookahead, whose outputs stay greedy AR's whichever mode they run in."""
+
+from __future__ import annotations
+
+import pytest
+
+from stride.decoders import payoff
+from stride.decoders.payoff import EPOCH, EXPLORE_EVERY, Payoff
+from tests.decoders.test_refine import make_refine_core, reqs
+from tests.helpers.cores import run
+
+
+class Clock:
+    """Time that passes `cost[refining]` seconds per step of the payoff it is read for."""
+
+    def __init__(self, refine_s: float, plain_s: float) -> None:
+        self.now, self.cost, self.payoff = 0.0, {True: refine_s, False: plain_s}, None
+
+    def __call__(self) -> float:
+        self.now += self.cost[self.payoff.refining]
+        return self.now
+
+
+def clocked(refine_s: float, plain_s: float) -> Payoff:
+    clock = Clock(refine_s, plain_s)
+    clock.payoff = p = Payoff(clock)
+    return p
+
+
+def modes(p: Payoff, epochs: int, tokens: dict[bool, int], batch: int = 4) -> list[bool]:
+    """Run `epochs` epochs of steps committing `tokens[mode]` per sequence; each epoch's mode."""
+    seen = []
+    p.record(batch, 0)  # the first step only starts the clock
+    for _ in range(epochs):
+        seen.append(p.refining)
+        for _ in range(EPOCH):
+            p.record(batch, batch * tokens[p.refining])
+    return seen
+
+
+def test_refining_that_does_not_pay_gives_way_to_plain_steps_and_is_tried_again():
+    # One token per refining pass at twice a plain step's time: plain is faster.
+    seen = modes(clocked(refine_s=2.0, plain_s=1.0), 3 + EXPLORE_EVERY, {True: 1, False: 1})
+    assert seen[0] is True  # refining first, then plain measured ...
+    assert seen[1 : 1 + EXPLORE_EVERY] == [False] * EXPLORE_EVERY  # ... and kept ...
+    assert seen[1 + EXPLORE_EVERY] is True  # ... until refining is measured again
+    assert seen[2 + EXPLORE_EVERY] is False
+
+
+def test_refining_that_pays_keeps_refining():
+    # 3 tokens per refining pass at 1.5 plain steps' time.
+    seen = modes(clocked(refine_s=1.5, plain_s=1.0), 3 + EXPLORE_EVERY, {True: 3, False: 1})
+    assert seen[:2] == [True, False]
+    assert seen[2 : 2 + EXPLORE_EVERY] == [True] * EXPLORE_EVERY
+    assert seen[2 + EXPLORE_EVERY] is False  # plain measured again, once
+
+
+def test_a_pause_is_not_measured():
+    p = clocked(refine_s=1.0, plain_s=1.0)
+    p.record(1, 0)
+    for _ in range(EPOCH - 1):
+        p.record(1, 1)
+    p.clock.cost[True] = 1000.0  # the server idled before the epoch's last step
+    p.record(1, 1)
+    assert p.rates == {} and p.refining  # dropped: the clock restarted there
+
+
+@pytest.mark.parametrize("bursts", [None, 3], ids=["steps", "bursts"])
+@pytest.mark.parametrize("method", ["jacobi", "lookahead"])
+def test_adaptive_methods_match_greedy_across_mode_switches(tiny_dir, method, bursts, monkeypatch):
+    """Default options: the method measures (here a clock on which refining looks slow) and
+    switches to plain steps, greedy bursts of them too, and back; every token is still greedy
+    AR's."""
+    monkeypatch.setattr(payoff, "EPOCH", 4)
+    monkeypatch.setattr(payoff, "EXPLORE_EVERY", 2)
+    core = make_refine_core(tiny_dir, fused_decode_steps=bursts)
+    decoder = core.decoders["refine"].causal[method]
+    decoder.payoff = clocked(refine_s=3.0, plain_s=1.0)
+    ar, _ = run(core, reqs(core, "ar", {}, n=48))
+    got, stats = run(core, reqs(core, "refine", {"method": method}, n=48))
+    assert got == {k.replace("ar", "refine"): v for k, v in ar.items()}
+    measured = decoder.payoff.rates.values()
+    assert any(set(modes) == {True, False} for modes in measured)  # both ran, both measured
