@@ -42,6 +42,7 @@ class Payoff:
         self._steps = 0
         self._tokens = 0
         self._rows = 0  # sequence-steps in the epoch
+        self._step_s: float | None = None  # the last epoch's mean step time
 
     def steps_left(self) -> int:
         """Steps before the epoch ends (a greedy burst must not run past it)."""
@@ -51,9 +52,9 @@ class Payoff:
         """`steps` steps of `batch` adaptive sequences committed `tokens` in all (one step, or a
         greedy burst of plain ones)."""
         now = self.clock()
-        if self._start is not None and self._steps:
-            mean = (self._last - self._start) / self._steps
-            if now - self._last > PAUSE * steps * max(mean, 1e-6):
+        if self._start is not None:
+            mean = (self._last - self._start) / self._steps if self._steps else self._step_s
+            if mean is not None and now - self._last > PAUSE * steps * max(mean, 1e-6):
                 self._start = None  # a pause: this epoch measures nothing
         if self._start is None:
             self._start, self._last = now, now
@@ -68,6 +69,7 @@ class Payoff:
 
     def _end_epoch(self, now: float) -> None:
         seconds = now - self._start
+        self._step_s = seconds / self._steps
         if seconds > 0:
             batch = self._rows / self._steps
             rate = self._tokens / seconds / batch

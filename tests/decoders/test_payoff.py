@@ -56,14 +56,17 @@ def test_refining_that_pays_keeps_refining():
     assert seen[2 + EXPLORE_EVERY] is False  # plain measured again, once
 
 
-def test_a_pause_is_not_measured():
+@pytest.mark.parametrize("at", [EPOCH - 1, 0], ids=["mid-epoch", "between-epochs"])
+def test_a_pause_is_not_measured(at):
     p = clocked(refine_s=1.0, plain_s=1.0)
     p.record(1, 0)
-    for _ in range(EPOCH - 1):
+    for _ in range(EPOCH):  # one epoch of refining, measured: then plain
         p.record(1, 1)
-    p.clock.cost[True] = 1000.0  # the server idled before the epoch's last step
-    p.record(1, 1)
-    assert p.rates == {} and p.refining  # dropped: the clock restarted there
+    assert not p.refining
+    for step in range(EPOCH):
+        p.clock.cost[False] = 1000.0 if step == at else 1.0  # the server idled before it
+        p.record(1, 1)
+    assert set(p.rates[0]) == {True} and not p.refining  # dropped: the clock restarted there
 
 
 @pytest.mark.parametrize("bursts", [None, 3], ids=["steps", "bursts"])
