@@ -8,8 +8,10 @@ that named a method without tuning it should not pay for that. So a method's ada
 run in epochs of `EPOCH` steps, all in one mode: plain (they decode as `ar` does, greedy bursts
 included) or refining. Each epoch measures what its mode delivered, tokens committed per second
 per sequence, at its batch-size bucket; the faster mode runs next, refining only if it beats
-plain by `MIN_GAIN`. The other mode is tried again after `EXPLORE_EVERY` epochs, since what it
-measured goes stale (the batch changes, the text gets more predictable). Epochs start refining.
+plain by `MIN_GAIN`. The other mode is measured again after `EXPLORE_EVERY` epochs, since what
+it measured goes stale (the batch changes, the text gets more predictable); each time it loses
+again the wait doubles, up to `MAX_WAIT` epochs, so that a mode that never pays costs little.
+Epochs start refining.
 
 Wall time is what is measured, so whatever a mode costs counts, on any device: its forwards,
 its host work, the bursts it allows. An epoch's clock starts at the step that ended the epoch
@@ -26,6 +28,7 @@ from stride.decoders.speculative.costs import MIN_GAIN, bucket, ema
 
 EPOCH = 16  # steps per measured epoch
 EXPLORE_EVERY = 8  # epochs of the faster mode before the slower one is measured again
+MAX_WAIT = 64  # the longest that wait grows to
 PAUSE = 20.0  # a step this many times the epoch's mean step time apart: the epoch is dropped
 
 
@@ -37,6 +40,8 @@ class Payoff:
         self.refining = True
         self.rates: dict[int, dict[bool, float]] = {}  # bucket -> mode -> tokens/s/sequence
         self._since_explore = 0
+        self._wait = EXPLORE_EVERY
+        self._exploring = False
         self._start: float | None = None  # when the epoch's clock started
         self._last = 0.0
         self._steps = 0
@@ -83,11 +88,17 @@ class Payoff:
         if other not in rates:
             return other
         faster = rates[True] >= MIN_GAIN * rates[False]
-        if self.refining != faster:  # this epoch explored; back to the faster mode
+        if self._exploring:  # the slower mode was measured again: did it lose again?
+            self._exploring = False
+            lost = faster != self.refining
+            self._wait = min(2 * self._wait, MAX_WAIT) if lost else EXPLORE_EVERY
+            self._since_explore = 0
+            return faster
+        if faster != self.refining:  # the mode in use measured slower now
             self._since_explore = 0
             return faster
         self._since_explore += 1
-        if self._since_explore >= EXPLORE_EVERY:
-            self._since_explore = 0
+        if self._since_explore >= self._wait:
+            self._since_explore, self._exploring = 0, True
             return other
         return faster

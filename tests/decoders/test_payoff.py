@@ -39,13 +39,13 @@ def modes(p: Payoff, epochs: int, tokens: dict[bool, int], batch: int = 4) -> li
     return seen
 
 
-def test_refining_that_does_not_pay_gives_way_to_plain_steps_and_is_tried_again():
+def test_refining_that_does_not_pay_gives_way_to_plain_steps_and_is_tried_ever_less_often():
     # One token per refining pass at twice a plain step's time: plain is faster.
-    seen = modes(clocked(refine_s=2.0, plain_s=1.0), 3 + EXPLORE_EVERY, {True: 1, False: 1})
-    assert seen[0] is True  # refining first, then plain measured ...
-    assert seen[1 : 1 + EXPLORE_EVERY] == [False] * EXPLORE_EVERY  # ... and kept ...
-    assert seen[1 + EXPLORE_EVERY] is True  # ... until refining is measured again
-    assert seen[2 + EXPLORE_EVERY] is False
+    epochs = 4 + 3 * EXPLORE_EVERY
+    seen = modes(clocked(refine_s=2.0, plain_s=1.0), epochs, {True: 1, False: 1})
+    first = 1 + EXPLORE_EVERY  # refining first, then plain measured and kept ...
+    second = first + 1 + 2 * EXPLORE_EVERY  # ... refining loses again: twice as long a wait
+    assert [i for i, refining in enumerate(seen) if refining] == [0, first, second]
 
 
 def test_refining_that_pays_keeps_refining():
