@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
+from collections.abc import Iterator
 
 import httpx
 import openai
@@ -346,62 +348,72 @@ def test_api_key(tiny_dir):
         live.stop()
 
 
-def test_queue_full_is_429(tiny_dir):
-    config = tiny_config(tiny_dir, scheduler=SchedulerConfig(max_num_seqs=1, max_waiting=1))
-    body = {"prompt": "x", "max_tokens": 500, "decoder": "slow", "ignore_eos": True}
+SLOW = {"prompt": "x", "max_tokens": 500, "decoder": "slow", "ignore_eos": True}
+
+
+@contextlib.contextmanager
+def one_at_a_time(tiny_dir, max_waiting: int) -> Iterator[LiveServer]:
+    """A server that runs one sequence at a time (and has the `slow` decoder)."""
+    config = tiny_config(
+        tiny_dir, scheduler=SchedulerConfig(max_num_seqs=1, max_waiting=max_waiting)
+    )
     with extra_decoders():
         live = LiveServer(config)
         try:
-            url = f"{live.url}/v1/completions"
-            with httpx.stream("POST", url, json={**body, "stream": True}, timeout=30) as running:
-                lines = running.iter_lines()
-                next(lines)  # admitted and running; the next one must wait
-                answers: list[httpx.Response] = []
-                waiting = threading.Thread(
-                    target=lambda: answers.append(
-                        live.post(url[len(live.url) :], {**body, "max_tokens": 2})
-                    )
-                )
-                waiting.start()
-                deadline = time.monotonic() + 30
-                while live.core.num_waiting == 0 and not answers and time.monotonic() < deadline:
-                    time.sleep(0.01)
-                assert live.core.num_waiting == 1, answers and answers[0].text
-                r = live.post("/v1/completions", body)
-                error_of(r, 429, "queue_full")
-                assert int(r.headers["Retry-After"]) >= 1
-            waiting.join(timeout=30)  # the running one was aborted: the waiting one ran
-            assert answers[0].status_code == 200
-            live.wait_idle()
+            yield live
         finally:
             live.stop()
 
+
+@contextlib.contextmanager
+def running(live: LiveServer) -> Iterator[None]:
+    """A slow stream admitted and running for the block: the next request must wait."""
+    url = f"{live.url}/v1/completions"
+    with httpx.stream("POST", url, json={**SLOW, "stream": True}, timeout=30) as r:
+        lines = r.iter_lines()
+        next(lines)  # (the stream stays open while `lines` lives)
+        yield
+
+
+def test_queue_full_is_429(tiny_dir):
+    with one_at_a_time(tiny_dir, max_waiting=1) as live:
+        with running(live):
+            answers: list[httpx.Response] = []
+            waiting = threading.Thread(
+                target=lambda: answers.append(
+                    live.post("/v1/completions", {**SLOW, "max_tokens": 2})
+                )
+            )
+            waiting.start()
+            deadline = time.monotonic() + 30
+            while live.core.num_waiting == 0 and not answers and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert live.core.num_waiting == 1, answers and answers[0].text
+            r = live.post("/v1/completions", SLOW)
+            error_of(r, 429, "queue_full")
+            assert int(r.headers["Retry-After"]) >= 1
+        waiting.join(timeout=30)  # the running one was aborted: the waiting one ran
+        assert answers[0].status_code == 200
+        live.wait_idle()
 
 
 def test_a_request_that_leaves_while_waiting_counts_as_aborted(tiny_dir):
     """Every admitted request ends in `stride_requests_finished_total`, also one whose client left
     before the engine ever ran it (no output, no HTTP status: not a rejection either)."""
-    config = tiny_config(tiny_dir, scheduler=SchedulerConfig(max_num_seqs=1, max_waiting=4))
-    body = {"prompt": "x", "max_tokens": 500, "decoder": "slow", "ignore_eos": True}
-    with extra_decoders():
-        live = LiveServer(config)
-        try:
-            url = f"{live.url}/v1/completions"
-            with httpx.stream("POST", url, json={**body, "stream": True}, timeout=30) as running:
-                lines = running.iter_lines()
-                next(lines)  # admitted and running: the next one must wait
-                with pytest.raises(httpx.ReadTimeout):  # (headers come with the first token)
-                    with httpx.stream("POST", url, json={**body, "stream": True}, timeout=0.5):
-                        pass
-            live.wait_idle()
-            deadline = time.monotonic() + 10
-            while scrape(live.url, "stride_requests_finished_total", finish_reason="abort") < 2:
-                assert time.monotonic() < deadline, "the one that left is uncounted"
-                time.sleep(0.05)
-            assert scrape(live.url, "stride_requests_finished_total") == 2
-            assert scrape(live.url, "stride_requests_rejected_total") == 0
-        finally:
-            live.stop()
+    with one_at_a_time(tiny_dir, max_waiting=4) as live:
+        url = f"{live.url}/v1/completions"
+        with running(live):
+            with pytest.raises(httpx.ReadTimeout):  # (headers come with the first token)
+                with httpx.stream("POST", url, json={**SLOW, "stream": True}, timeout=0.5):
+                    pass
+        live.wait_idle()
+        deadline = time.monotonic() + 10
+        while scrape(live.url, "stride_requests_finished_total", finish_reason="abort") < 2:
+            assert time.monotonic() < deadline, "the one that left is uncounted"
+            time.sleep(0.05)
+        assert scrape(live.url, "stride_requests_finished_total") == 2
+        assert scrape(live.url, "stride_requests_rejected_total") == 0
+
 
 def test_a_request_that_fails_mid_stream_fails_alone(server, model):
     """The engine pins the failure on its request: an error event, and everyone else goes on."""
