@@ -62,8 +62,7 @@ class Payoff:
             if mean is not None and now - self._last > PAUSE * steps * max(mean, 1e-6):
                 self._start = None  # a pause: this epoch measures nothing
         if self._start is None:
-            self._start, self._last = now, now
-            self._steps = self._tokens = self._rows = 0
+            self._restart(now)
             return
         self._last = now
         self._steps += steps
@@ -81,20 +80,23 @@ class Payoff:
             rates = self.rates.setdefault(bucket(round(batch)), {})
             rates[self.refining] = ema(rates.get(self.refining), rate, 0.5)
             self.refining = self._next(rates)
-        self._start, self._steps, self._tokens, self._rows = now, 0, 0, 0
+        self._restart(now)
+
+    def _restart(self, now: float) -> None:
+        """The epoch's clock starts now, with nothing counted."""
+        self._start = self._last = now
+        self._steps = self._tokens = self._rows = 0
 
     def _next(self, rates: dict[bool, float]) -> bool:
         other = not self.refining
         if other not in rates:
             return other
         faster = rates[True] >= MIN_GAIN * rates[False]
-        if self._exploring:  # the slower mode was measured again: did it lose again?
-            self._exploring = False
+        explored, self._exploring = self._exploring, False
+        if explored:  # the slower mode was measured again: did it lose again?
             lost = faster != self.refining
             self._wait = min(2 * self._wait, MAX_WAIT) if lost else EXPLORE_EVERY
-            self._since_explore = 0
-            return faster
-        if faster != self.refining:  # the mode in use measured slower now
+        if explored or faster != self.refining:  # (or the mode in use measured slower now)
             self._since_explore = 0
             return faster
         self._since_explore += 1
