@@ -128,6 +128,14 @@ class ModelRunner:
                 self.model, self.forward_fn, self.cache, *self._graph_args, aux=self.aux_layers
             )
 
+    def release_graphs(self) -> None:
+        """Drop the decode graphs (and any collectives they captured: a tensor-parallel group
+        cannot be left while they live); passes run eagerly from now on."""
+        self.graphs = None
+        self._graph_args = None  # (`capture_features` would capture them again)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
     def attach_adapter(self, adapter: MaskAdapter) -> None:
         """From now on, MASK slots in spans run `adapter` (on their rows only)."""
         self.adapter = adapter.attach(self.model)

@@ -104,8 +104,8 @@ def main() -> int:
             kind, payload = conn.recv()
         except (EOFError, OSError):  # the engine process is gone
             return 0
-        if kind == "stop":  # (the graphs go first: NCCL waits on those that captured it)
-            here.runner.graphs = None
+        if kind == "stop":
+            here.runner.release_graphs()
             return 0
         if kind == "forward":
             here.forward(*payload)

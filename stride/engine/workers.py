@@ -281,13 +281,6 @@ class MirroredRunner(ModelRunner):
         self._ids = itertools.count()
         workers.before_close(self.release_graphs)
 
-    def release_graphs(self) -> None:
-        """Drop the decode graphs (and the collectives they captured); passes run eagerly."""
-        self.graphs = None
-        self._graph_args = None  # (`capture_features` would capture them again)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-
     def capture_features(self, layers: tuple[int, ...]) -> None:
         self.workers.send(("capture", tuple(layers)))  # (the decode graphs are captured again)
         self._here(super().capture_features, layers)
