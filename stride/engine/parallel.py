@@ -35,6 +35,9 @@ from transformers import PretrainedConfig
 
 from stride.engine.model import CausalLM
 
+# torch 2.13 renamed the gather into one tensor and warns on the old name; 2.11 has only the old
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 # How long a collective may wait for a peer before it fails (a dead peer fails it at once on
 # gloo; on NCCL the engine's watcher aborts the group as soon as a worker exits).
 COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=10)
@@ -166,7 +169,7 @@ class VocabParallelHead(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         local = F.linear(x, self.weight)
         gathered = local.new_empty(self.world * local.shape[0], local.shape[1])
-        dist.all_gather_into_tensor(gathered, local.contiguous())
+        _all_gather(gathered, local.contiguous())
         whole = gathered.view(self.world, *local.shape).permute(1, 0, 2).flatten(1)
         return whole[:, : self.vocab]
 
@@ -232,5 +235,5 @@ def gather_vocab(model: CausalLM) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _gather_rows(part: torch.Tensor, rows: int) -> torch.Tensor:
     whole = part.new_empty(dist.get_world_size() * part.shape[0], *part.shape[1:])
-    dist.all_gather_into_tensor(whole, part.detach().contiguous())
+    _all_gather(whole, part.detach().contiguous())
     return whole[:rows]

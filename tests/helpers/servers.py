@@ -291,6 +291,23 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 180) -> None
     raise TimeoutError("stride serve did not become healthy")
 
 
+def wait_all_healthy(url: str, proc: subprocess.Popen, fresh: int = 20, timeout: float = 180):
+    """Wait until `fresh` new connections in a row see 200: with several API processes on one
+    socket, each connection lands on any of them, and a late one still answers 503 (loading)."""
+    deadline = time.monotonic() + timeout
+    seen, last = 0, None
+    while seen < fresh:
+        assert proc.poll() is None, proc.stdout.read()
+        assert time.monotonic() < deadline, f"not every API process became healthy: {last}"
+        try:
+            r = httpx.get(f"{url}/health", timeout=5)
+            last = None if r.status_code == 200 else r.text
+        except httpx.HTTPError as e:
+            last = repr(e)
+        seen = 0 if last else seen + 1
+        if last:
+            time.sleep(0.1)
+
 
 def serve_engine_process(
     model_dir: Path, port: int, api_servers: int = 1, flags: tuple[str, ...] = ()

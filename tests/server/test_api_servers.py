@@ -18,8 +18,8 @@ from tests.helpers.servers import (
     hf_greedy,
     scrape,
     serve_engine_process,
+    wait_all_healthy,
     wait_gone,
-    wait_healthy,
 )
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -28,19 +28,13 @@ NEW = 6
 SLOW = {"prompt": "x", "max_tokens": 40, "ignore_eos": True, "stream": True, "decoder": "slow"}
 
 
-
-
-
-
 @pytest.fixture(scope="module")
 def served(tiny_dir):
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     proc = serve_engine_process(tiny_dir, port, api_servers=2)
     try:
-        wait_healthy(url, proc)
-        for _ in range(20):  # both API processes are up once fresh connections all see 200
-            assert httpx.get(f"{url}/health", timeout=5).status_code == 200
+        wait_all_healthy(url, proc)
         yield url, proc
     finally:
         if proc.poll() is None:
@@ -109,7 +103,7 @@ def test_killed_supervisor_leaves_no_process(tiny_dir):
     port = free_port()
     proc = serve_engine_process(tiny_dir, port, api_servers=2)
     try:
-        wait_healthy(f"http://127.0.0.1:{port}", proc)
+        wait_all_healthy(f"http://127.0.0.1:{port}", proc)
         children = descendants(proc.pid)
         proc.kill()
         proc.wait()
