@@ -9,6 +9,10 @@ the host overhead alone.
     python bench/bench_host.py --concurrency 256 [--profile]
     python bench/bench_host.py --concurrency 64 --decoder ar speculative:ngram \
         speculative:early_exit
+    python bench/bench_host.py --concurrency 64 --model default --schema bounded
+
+`--schema` constrains every request to one of bench_constrained's JSON schemas; the token
+masks' cost depends on the vocabulary, so it wants the default model (its 49,152 tokens).
 
 With several decoders, each runs in turn on a fresh engine and a table compares their host µs
 per step. Speculative runs use the adaptive policy with a GPU's saturation (256 tokens) unless
@@ -40,6 +44,8 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench_constrained import STRINGS, schema  # noqa: E402
 
 from stride.decoders.registry import build_decoders  # noqa: E402
 from stride.decoders.speculative import Speculative  # noqa: E402
@@ -89,8 +95,8 @@ class _NoGraph:
 
 def run(args: argparse.Namespace, decoder: str) -> dict[str, Any]:
     """Prefill `concurrency` requests decoded by `decoder`, then time every decode step."""
-    model_dir = make_model_dir(Path(tempfile.mkdtemp()) / "tiny")
-    engine = Engine(EngineConfig(model=str(model_dir), device="cpu", max_model_len=1024))
+    model = None if args.model == "default" else str(make_model_dir(Path(tempfile.mkdtemp()) / "t"))
+    engine = Engine(EngineConfig(model=model, device="cpu", dtype="float32", max_model_len=1024))
     vocab = engine.hf_config.vocab_size
     # Rows for a draft-scoring step too (a graph row per scored token), as on the GPU.
     rows = max(args.concurrency, MAX_GRAPH_QUERY)
@@ -102,7 +108,10 @@ def run(args: argparse.Namespace, decoder: str) -> dict[str, Any]:
     options = {"draft": draft, "adaptive": args.k is None} if draft else {}
     if draft and args.k is not None:
         options["num_speculative_tokens"] = args.k
-    params = SamplingParams(max_tokens=args.new, temperature=0.0, ignore_eos=True)
+    constraint = schema(args.new, args.schema) if args.schema else None
+    params = SamplingParams(
+        max_tokens=args.new, temperature=0.0, ignore_eos=True, constraint=constraint
+    )
     g = torch.Generator().manual_seed(0)
     for i in range(args.concurrency):
         ids = torch.randint(3, vocab, (args.prompt,), generator=g).tolist()
@@ -191,6 +200,8 @@ def main() -> None:
     parser.add_argument(
         "--saturation", type=float, default=256.0, help="speculative: the policy's saturation"
     )
+    parser.add_argument("--model", default="tiny", choices=["tiny", "default"])
+    parser.add_argument("--schema", choices=list(STRINGS), help="constrain every request")
     parser.add_argument("--profile", action="store_true", help="cProfile the decode steps")
     args = parser.parse_args()
     torch.set_num_threads(1)
