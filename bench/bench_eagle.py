@@ -1,9 +1,11 @@
 """EAGLE drafting on held-out prompts: accepted length, speed against AR, equality with AR.
 
 Held-out prompts are loadtest's built-in ones plus `bench/data/heldout_prompts.jsonl`, none of
-them from the generator the shipped head was trained on. Every request decodes greedily; each
-configuration's outputs are compared with AR's token for token (exact in fp32; bf16 may differ
-by rounding). Two parts:
+them from the generator the shipped head was trained on. `--prompt-set training` takes as many
+prompts from that generator instead (`stride.train.prompts.builtin_prompts`, seed 0): the gap
+between the two accepted lengths is how far the head falls off outside its training prompts.
+Every request decodes greedily; each configuration's outputs are compared with AR's token for
+token (exact in fp32; bf16 may differ by rounding). Two parts:
 
 - acceptance: all prompts at once, each configuration's mean accepted length: tokens committed
   per verification pass that checked drafts (the accepted drafts plus the target's own token);
@@ -36,7 +38,7 @@ from stride.scheduler.core import EngineCore  # noqa: E402
 from stride.scheduler.outputs import GenerateRequest  # noqa: E402
 from stride.scheduler.policy import SchedulerConfig  # noqa: E402
 from stride.train.data import render  # noqa: E402
-from stride.train.prompts import read_prompts  # noqa: E402
+from stride.train.prompts import builtin_prompts, read_prompts  # noqa: E402
 
 HELDOUT = Path(__file__).parent / "data" / "heldout_prompts.jsonl"
 CONFIGS = {
@@ -123,9 +125,14 @@ def main() -> None:
     ap.add_argument("--speed-prompts", type=int, default=8, help="requests per speed run")
     ap.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     ap.add_argument("--skip-acceptance", action="store_true")
+    ap.add_argument("--prompt-set", default="heldout", choices=["heldout", "training"])
     ap.add_argument("--kv-gib", type=float, default=2.0)
-    ap.add_argument("--fused-decode-steps", type=int, default=None,
-                    help="passes per host sync (1: no device cycles; default: the server's)")
+    ap.add_argument(
+        "--fused-decode-steps",
+        type=int,
+        default=None,
+        help="passes per host sync (1: no device cycles; default: the server's)",
+    )
     ap.add_argument("--json", type=Path, default=None, help="write the results here")
     args = ap.parse_args()
 
@@ -142,6 +149,8 @@ def main() -> None:
     core = EngineCore(engine, scheduler, decoders)
     tok = engine.tokenizer
     prompts = [[{"role": "user", "content": p}] for p in BUILTIN_PROMPTS] + read_prompts(HELDOUT)
+    if args.prompt_set == "training":
+        prompts = builtin_prompts(len(prompts), seed=0)
     encoded = [render(tok, p) for p in prompts]
     card = (
         torch.cuda.get_device_name(engine.device)
@@ -156,8 +165,9 @@ def main() -> None:
         "dtype": str(engine.dtype),
         "tokens": args.tokens,
         "prompts": len(encoded),
+        "prompt_set": args.prompt_set,
     }
-    print(f"{engine.name} on {card}, {engine.dtype}: {len(encoded)} held-out prompts", flush=True)
+    print(f"{engine.name} on {card}, {engine.dtype}: {len(encoded)} {args.prompt_set} prompts")
     run(core, encoded[:2], 8, "speculative", CONFIGS["chain K=5"])  # warm-up
     if not args.skip_acceptance:
         _, ref, _ = run(core, encoded, args.tokens, "ar", {})
