@@ -89,7 +89,13 @@ def main() -> None:
     args = parser.parse_args()
 
     engine = Engine(
-        EngineConfig(model=args.model, device=args.device, dtype=args.dtype, kv_cache_memory=None)
+        EngineConfig(
+            model=args.model,
+            device=args.device,
+            dtype=args.dtype,
+            kv_cache_memory=None,
+            enable_prefix_caching=False,  # free and constrained runs pay for their own prefills
+        )
     )
     core = EngineCore(engine)
     vocab = engine.hf_config.vocab_size

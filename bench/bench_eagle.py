@@ -142,6 +142,7 @@ def main() -> None:
             device=args.device,
             dtype=args.dtype,
             kv_cache_memory=int(args.kv_gib * (1 << 30)),
+            enable_prefix_caching=False,  # each configuration pays for its own prefills
         )
     )
     decoders = build_decoders(engine, DecodersConfig(draft_head=args.draft_head))

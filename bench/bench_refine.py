@@ -157,7 +157,11 @@ def main() -> None:
 
     engine = Engine(
         EngineConfig(
-            model=args.model, device=args.device, dtype=args.dtype, kv_cache_memory=512 << 20
+            model=args.model,
+            device=args.device,
+            dtype=args.dtype,
+            kv_cache_memory=512 << 20,
+            enable_prefix_caching=False,  # each decoder pays for its own prefills
         )
     )
     card = torch.cuda.get_device_name() if engine.device.type == "cuda" else "cpu"

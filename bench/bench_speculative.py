@@ -128,6 +128,7 @@ def main() -> None:
             device=args.device,
             dtype=args.dtype,
             kv_cache_memory=int(args.kv_gib * (1 << 30)),
+            enable_prefix_caching=False,  # each configuration pays for its own prefills
         )
     )
     layers = engine.model.num_layers

@@ -11,7 +11,9 @@ per sequence, at its batch-size bucket; the faster mode runs next, refining only
 plain by `MIN_GAIN`. The other mode is measured again after `EXPLORE_EVERY` epochs, since what
 it measured goes stale (the batch changes, the text gets more predictable); each time it loses
 again the wait doubles, up to `MAX_WAIT` epochs, so that a mode that never pays costs little.
-Epochs start refining.
+Such a probe of the mode out of favour (or its first try) ends after `PROBE` steps if it is
+already losing, so a method that never pays costs a few slow steps each time, not an epoch.
+Epochs start plain: the first refining epoch is then a probe against a measured plain rate.
 
 Wall time is what is measured, so whatever a mode costs counts, on any device: its forwards,
 its host work, the bursts it allows. An epoch's clock starts at the step that ended the epoch
@@ -27,6 +29,7 @@ from collections.abc import Callable
 from stride.decoders.speculative.costs import MIN_GAIN, bucket, ema
 
 EPOCH = 16  # steps per measured epoch
+PROBE = 4  # steps after which a probe of the mode out of favour may end, already losing
 EXPLORE_EVERY = 8  # epochs of the faster mode before the slower one is measured again
 MAX_WAIT = 64  # the longest that wait grows to
 PAUSE = 20.0  # a step this many times the epoch's mean step time apart: the epoch is dropped
@@ -37,11 +40,13 @@ class Payoff:
 
     def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
         self.clock = clock
-        self.refining = True
+        self.refining = False
         self.rates: dict[int, dict[bool, float]] = {}  # bucket -> mode -> tokens/s/sequence
+        self.epochs = 0  # epochs measured so far
         self._since_explore = 0
         self._wait = EXPLORE_EVERY
-        self._exploring = False
+        self._exploring = False  # this epoch measures the slower mode again
+        self._probing = False  # this epoch runs the mode out of favour (or not yet measured)
         self._start: float | None = None  # when the epoch's clock started
         self._last = 0.0
         self._steps = 0
@@ -68,17 +73,34 @@ class Payoff:
         self._steps += steps
         self._tokens += tokens
         self._rows += batch * steps
-        if self._steps >= EPOCH:
+        if self._steps >= EPOCH or self._probe_lost(now):
             self._end_epoch(now)
 
-    def _end_epoch(self, now: float) -> None:
+    def _measured(self, now: float) -> tuple[dict[bool, float], float] | None:
+        """This epoch's bucket's rates, and the rate this epoch has made so far."""
         seconds = now - self._start
-        self._step_s = seconds / self._steps
-        if seconds > 0:
-            batch = self._rows / self._steps
-            rate = self._tokens / seconds / batch
-            rates = self.rates.setdefault(bucket(round(batch)), {})
+        if seconds <= 0:
+            return None
+        batch = self._rows / self._steps
+        return self.rates.setdefault(bucket(round(batch)), {}), self._tokens / seconds / batch
+
+    def _probe_lost(self, now: float) -> bool:
+        """A probe that has run `PROBE` steps and is already slower than the other mode."""
+        if not self._probing or self._steps < PROBE:
+            return False
+        measured = self._measured(now)
+        if measured is None or (not self.refining) not in measured[0]:
+            return False
+        rates, rate = measured
+        return _refining_wins({**rates, self.refining: rate}) != self.refining
+
+    def _end_epoch(self, now: float) -> None:
+        self._step_s = (now - self._start) / self._steps
+        measured = self._measured(now)
+        if measured is not None:
+            rates, rate = measured
             rates[self.refining] = ema(rates.get(self.refining), rate, 0.5)
+            self.epochs += 1
             self.refining = self._next(rates)
         self._restart(now)
 
@@ -89,9 +111,10 @@ class Payoff:
 
     def _next(self, rates: dict[bool, float]) -> bool:
         other = not self.refining
-        if other not in rates:
+        self._probing = other not in rates
+        if self._probing:
             return other
-        faster = rates[True] >= MIN_GAIN * rates[False]
+        faster = _refining_wins(rates)
         explored, self._exploring = self._exploring, False
         if explored:  # the slower mode was measured again: did it lose again?
             lost = faster != self.refining
@@ -101,6 +124,11 @@ class Payoff:
             return faster
         self._since_explore += 1
         if self._since_explore >= self._wait:
-            self._since_explore, self._exploring = 0, True
+            self._since_explore, self._exploring, self._probing = 0, True, True
             return other
         return faster
+
+
+def _refining_wins(rates: dict[bool, float]) -> bool:
+    """Refining is the faster mode only by `MIN_GAIN`: a tie goes to plain steps."""
+    return rates[True] >= MIN_GAIN * rates[False]

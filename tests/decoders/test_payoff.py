@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from stride.decoders import payoff
-from stride.decoders.payoff import EPOCH, EXPLORE_EVERY, Payoff
+from stride.decoders.payoff import EPOCH, EXPLORE_EVERY, PROBE, Payoff
 from tests.decoders.test_refine import make_refine_core, reqs
 from tests.helpers.cores import run
 
@@ -28,14 +28,17 @@ def clocked(refine_s: float, plain_s: float) -> Payoff:
     return p
 
 
-def modes(p: Payoff, epochs: int, tokens: dict[bool, int], batch: int = 4) -> list[bool]:
-    """Run `epochs` epochs of steps committing `tokens[mode]` per sequence; each epoch's mode."""
-    seen = []
+def modes(p: Payoff, epochs: int, tokens: dict[bool, int], batch: int = 4):
+    """Run `epochs` epochs of steps committing `tokens[mode]` per sequence: each epoch's mode
+    and its length in steps."""
+    seen: list[tuple[bool, int]] = []
     p.record(batch, 0)  # the first step only starts the clock
-    for _ in range(epochs):
-        seen.append(p.refining)
-        for _ in range(EPOCH):
+    for epoch in range(epochs):
+        mode, steps = p.refining, 0
+        while p.epochs == epoch:
             p.record(batch, batch * tokens[p.refining])
+            steps += 1
+        seen.append((mode, steps))
     return seen
 
 
@@ -43,30 +46,46 @@ def test_refining_that_does_not_pay_gives_way_to_plain_steps_and_is_tried_ever_l
     # One token per refining pass at twice a plain step's time: plain is faster.
     epochs = 4 + 3 * EXPLORE_EVERY
     seen = modes(clocked(refine_s=2.0, plain_s=1.0), epochs, {True: 1, False: 1})
-    first = 1 + EXPLORE_EVERY  # refining first, then plain measured and kept ...
+    first = 2 + EXPLORE_EVERY  # plain first, refining probed and dropped, plain kept ...
     second = first + 1 + 2 * EXPLORE_EVERY  # ... refining loses again: twice as long a wait
-    assert [i for i, refining in enumerate(seen) if refining] == [0, first, second]
+    assert [i for i, (refining, _) in enumerate(seen) if refining] == [1, first, second]
+    # Each refining probe stops as soon as it may: a method that never pays costs PROBE steps.
+    assert {steps for refining, steps in seen if refining} == {PROBE}
+    assert {steps for refining, steps in seen if not refining} == {EPOCH}
 
 
 def test_refining_that_pays_keeps_refining():
     # 3 tokens per refining pass at 1.5 plain steps' time.
     seen = modes(clocked(refine_s=1.5, plain_s=1.0), 3 + EXPLORE_EVERY, {True: 3, False: 1})
-    assert seen[:2] == [True, False]
-    assert seen[2 : 2 + EXPLORE_EVERY] == [True] * EXPLORE_EVERY
-    assert seen[2 + EXPLORE_EVERY] is False  # plain measured again, once
+    assert seen[:2] == [(False, EPOCH), (True, EPOCH)]  # the probe wins: a whole epoch
+    assert seen[2 : 1 + EXPLORE_EVERY] == [(True, EPOCH)] * (EXPLORE_EVERY - 1)
+    assert seen[1 + EXPLORE_EVERY] == (False, PROBE)  # plain probed again, and dropped early
+    assert seen[2 + EXPLORE_EVERY][0] is True
+
+
+def test_a_probe_that_is_winning_runs_its_whole_epoch():
+    # Refining is as fast as plain for its first steps, then faster: ahead at PROBE, it runs on.
+    p = clocked(refine_s=1.0, plain_s=1.0)
+    p.record(1, 0)
+    for _ in range(EPOCH):
+        p.record(1, 1)
+    assert p.refining
+    for step in range(EPOCH):
+        p.record(1, 1 if step < PROBE - 1 else 4)
+    assert p.epochs == 2 and p.refining  # measured in full, and it pays
 
 
 @pytest.mark.parametrize("at", [EPOCH - 1, 0], ids=["mid-epoch", "between-epochs"])
 def test_a_pause_is_not_measured(at):
     p = clocked(refine_s=1.0, plain_s=1.0)
     p.record(1, 0)
-    for _ in range(EPOCH):  # one epoch of refining, measured: then plain
+    for _ in range(EPOCH):  # one epoch of plain steps, measured: then refining
         p.record(1, 1)
-    assert not p.refining
+    assert p.refining
     for step in range(EPOCH):
-        p.clock.cost[False] = 1000.0 if step == at else 1.0  # the server idled before it
-        p.record(1, 1)
-    assert set(p.rates[0]) == {True} and not p.refining  # dropped: the clock restarted there
+        p.clock.cost[True] = 1000.0 if step == at else 1.0  # the server idled before it
+        p.record(1, 2)  # (refining pays: the probe runs its whole epoch)
+    assert set(p.rates[0]) == {False} and p.refining  # dropped: the clock restarted there
 
 
 @pytest.mark.parametrize("bursts", [None, 3], ids=["steps", "bursts"])
