@@ -166,7 +166,7 @@ def test_random_bert_seeded_runs_reproduce(bert_core):
     others = [
         diffusion("o", tok.encode("Hello"), SamplingParams(max_tokens=9, temperature=1.0)),
         GenerateRequest("ar", prompt, greedy(8)),
-        GenerateRequest("j", prompt, greedy(8), "refine", {"method": "jacobi"}),
+        GenerateRequest("j", prompt, greedy(8), "refine", {"method": "jacobi", "window": 4}),
     ]
     mixed, _ = run(
         bert_core, [diffusion("s", prompt, params, block_size=5, threshold=0.3)] + others

@@ -113,7 +113,7 @@ def _fp32_engine(tiny_dir, device: str, eager_tokens: list[int], monkeypatch) ->
     ("decoder", "options"),
     [
         ("speculative", {"draft": "ngram", "num_speculative_tokens": 4, "adaptive": False}),
-        ("refine", {"method": "jacobi"}),
+        ("refine", {"method": "jacobi", "window": 4}),
     ],
 )
 def test_multi_token_spans_replay_as_graph_rows(tiny_dir, decoder, options, monkeypatch):

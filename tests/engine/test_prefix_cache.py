@@ -198,7 +198,7 @@ DECODERS = [
     ("speculative", {"draft": "early_exit", "num_speculative_tokens": 2, "adaptive": False,
                      "exit_layer": 1}),
     ("refine", {"method": "jacobi", "window": 4}),
-    ("refine", {"method": "lookahead"}),
+    ("refine", {"method": "lookahead", "window": 4}),
 ]  # fmt: skip
 PER_BLOCK = KVCache.bytes_per_block(2, 2, 16, 16, torch.float32)  # the tiny model's
 

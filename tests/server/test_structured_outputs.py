@@ -23,11 +23,11 @@ from openai.lib._pydantic import to_strict_json_schema
 from tests.helpers.schemas import SCHEMAS
 from tests.helpers.servers import LiveServer
 
-DECODERS = {  # speculative at a fixed K: every step drafts, so every step's drafts meet the grammar
+DECODERS = {  # a fixed K and a fixed window: every step drafts, and its drafts meet the grammar
     "ar": "ar",
     "speculative-ngram": {"type": "speculative", "draft": "ngram", "adaptive": False},
     "speculative-eagle": {"type": "speculative", "draft": "eagle", "adaptive": False},
-    "refine-jacobi": {"type": "refine", "method": "jacobi"},
+    "refine-jacobi": {"type": "refine", "method": "jacobi", "window": 4},
 }
 FREE = ["Name three colours.", "Count from one to five.", "Say hello in French."]
 MAX_TOKENS = 200

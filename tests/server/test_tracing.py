@@ -198,8 +198,9 @@ def test_streamed_speculative_request_is_one_trace_continuing_the_clients(traced
 
 
 def test_refinement_passes_are_events_and_a_new_trace_without_traceparent(traced, receiver):
+    jacobi = {"type": "refine", "method": "jacobi", "window": 4}  # refines every step
     body = {"prompt": "def add(a, b): return a + b", "max_tokens": 16, "temperature": 0.0,
-            "ignore_eos": True, "decoder": {"type": "refine", "method": "jacobi"}}  # fmt: skip
+            "ignore_eos": True, "decoder": jacobi}  # fmt: skip
     before = {s["trace_id"] for s in receiver.spans}
     usage = traced.post("/v1/completions", body).json()["usage"]
     deadline = time.monotonic() + 20
