@@ -76,29 +76,30 @@ class Payoff:
         if self._steps >= EPOCH or self._probe_lost(now):
             self._end_epoch(now)
 
-    def _measured(self, now: float) -> tuple[dict[bool, float], float] | None:
-        """This epoch's bucket's rates, and the rate this epoch has made so far."""
+    def _measured(self, now: float) -> tuple[int, float] | None:
+        """This epoch's batch-size bucket, and the rate it has made so far."""
         seconds = now - self._start
         if seconds <= 0:
             return None
         batch = self._rows / self._steps
-        return self.rates.setdefault(bucket(round(batch)), {}), self._tokens / seconds / batch
+        return bucket(round(batch)), self._tokens / seconds / batch
 
     def _probe_lost(self, now: float) -> bool:
         """A probe that has run `PROBE` steps and is already slower than the other mode."""
         if not self._probing or self._steps < PROBE:
             return False
         measured = self._measured(now)
-        if measured is None or (not self.refining) not in measured[0]:
+        rates = {} if measured is None else self.rates.get(measured[0], {})
+        if (not self.refining) not in rates:
             return False
-        rates, rate = measured
-        return _refining_wins({**rates, self.refining: rate}) != self.refining
+        return _refining_wins({**rates, self.refining: measured[1]}) != self.refining
 
     def _end_epoch(self, now: float) -> None:
         self._step_s = (now - self._start) / self._steps
         measured = self._measured(now)
         if measured is not None:
-            rates, rate = measured
+            key, rate = measured
+            rates = self.rates.setdefault(key, {})
             rates[self.refining] = ema(rates.get(self.refining), rate, 0.5)
             self.epochs += 1
             self.refining = self._next(rates)

@@ -268,7 +268,6 @@ def error_of(response: httpx.Response, status: int, code: str) -> dict:
     return error
 
 
-
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -278,27 +277,15 @@ LAUNCH = (
 )
 
 
-def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 180) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, proc.stdout.read()
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    raise TimeoutError("stride serve did not become healthy")
-
-
-def wait_all_healthy(url: str, proc: subprocess.Popen, fresh: int = 20, timeout: float = 180):
-    """Wait until `fresh` new connections in a row see 200: with several API processes on one
-    socket, each connection lands on any of them, and a late one still answers 503 (loading)."""
+def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 180, fresh: int = 1) -> None:
+    """Wait until `fresh` new connections in a row see `/health` 200: with several API
+    processes on one socket each connection lands on any of them, and a late one still answers
+    503 (loading)."""
     deadline = time.monotonic() + timeout
     seen, last = 0, None
     while seen < fresh:
         assert proc.poll() is None, proc.stdout.read()
-        assert time.monotonic() < deadline, f"not every API process became healthy: {last}"
+        assert time.monotonic() < deadline, f"stride serve did not become healthy: {last}"
         try:
             r = httpx.get(f"{url}/health", timeout=5)
             last = None if r.status_code == 200 else r.text
@@ -327,7 +314,6 @@ def serve_engine_process(
     )
 
 
-
 def alive(pids: set[int]) -> set[int]:
     alive = set()
     for pid in pids:
@@ -345,4 +331,3 @@ def wait_gone(pids: set[int], timeout: float = 60) -> None:
     while alive(pids) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not alive(pids), f"left behind: {alive(pids)}"
-

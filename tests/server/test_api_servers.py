@@ -18,8 +18,8 @@ from tests.helpers.servers import (
     hf_greedy,
     scrape,
     serve_engine_process,
-    wait_all_healthy,
     wait_gone,
+    wait_healthy,
 )
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -34,7 +34,7 @@ def served(tiny_dir):
     url = f"http://127.0.0.1:{port}"
     proc = serve_engine_process(tiny_dir, port, api_servers=2)
     try:
-        wait_all_healthy(url, proc)
+        wait_healthy(url, proc, fresh=20)
         yield url, proc
     finally:
         if proc.poll() is None:
@@ -103,7 +103,7 @@ def test_killed_supervisor_leaves_no_process(tiny_dir):
     port = free_port()
     proc = serve_engine_process(tiny_dir, port, api_servers=2)
     try:
-        wait_all_healthy(f"http://127.0.0.1:{port}", proc)
+        wait_healthy(f"http://127.0.0.1:{port}", proc, fresh=20)
         children = descendants(proc.pid)
         proc.kill()
         proc.wait()
