@@ -3,7 +3,8 @@
 Held-out prompts are loadtest's built-in ones plus `bench/data/heldout_prompts.jsonl`, none of
 them from the generator the shipped head was trained on. `--prompt-set training` takes as many
 prompts from that generator instead (`stride.train.prompts.builtin_prompts`, seed 0): the gap
-between the two accepted lengths is how far the head falls off outside its training prompts.
+between the two accepted lengths is how far the head falls off outside its training prompts;
+`--prompt-set FILE` reads a JSONL file (`bench/data/test_prompts.jsonl`: a second held-out set).
 Every request decodes greedily; each configuration's outputs are compared with AR's token for
 token (exact in fp32; bf16 may differ by rounding). Two parts:
 
@@ -48,6 +49,9 @@ CONFIGS = {
     "tree 16": {"num_speculative_tokens": 5, "tree_nodes": 16, "tree_topk": 4, "adaptive": False},
     "tree 32": {"num_speculative_tokens": 6, "tree_nodes": 32, "tree_topk": 6, "adaptive": False},
     "tree 64": {"num_speculative_tokens": 7, "tree_nodes": 64, "tree_topk": 8, "adaptive": False},
+    "tree 128": {
+        "num_speculative_tokens": 8, "tree_nodes": 128, "tree_topk": 10, "adaptive": False
+    },
     "chain K=3": {"num_speculative_tokens": 3, "adaptive": False},
     "adaptive": {"num_speculative_tokens": 6},
 }
@@ -125,7 +129,8 @@ def main() -> None:
     ap.add_argument("--speed-prompts", type=int, default=8, help="requests per speed run")
     ap.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     ap.add_argument("--skip-acceptance", action="store_true")
-    ap.add_argument("--prompt-set", default="heldout", choices=["heldout", "training"])
+    ap.add_argument("--prompt-set", default="heldout",
+                    help="heldout, training, or a JSONL file of prompts")  # fmt: skip
     ap.add_argument("--kv-gib", type=float, default=2.0)
     ap.add_argument(
         "--fused-decode-steps",
@@ -146,12 +151,18 @@ def main() -> None:
         )
     )
     decoders = build_decoders(engine, DecodersConfig(draft_head=args.draft_head))
-    scheduler = SchedulerConfig(fused_decode_steps=args.fused_decode_steps)
+    # Room for every prompt's whole tree in one step: a tighter token budget would shrink the
+    # trees of the sequences scheduled last, and the acceptance measured with them.
+    scheduler = SchedulerConfig(
+        fused_decode_steps=args.fused_decode_steps, max_num_batched_tokens=16384
+    )
     core = EngineCore(engine, scheduler, decoders)
     tok = engine.tokenizer
     prompts = [[{"role": "user", "content": p}] for p in BUILTIN_PROMPTS] + read_prompts(HELDOUT)
     if args.prompt_set == "training":
         prompts = builtin_prompts(len(prompts), seed=0)
+    elif args.prompt_set != "heldout":
+        prompts = read_prompts(Path(args.prompt_set))
     encoded = [render(tok, p) for p in prompts]
     card = (
         torch.cuda.get_device_name(engine.device)

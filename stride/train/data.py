@@ -72,23 +72,23 @@ def run_requests(
     return outputs
 
 
-def self_prompts(core: EngineCore, count: int, seed: int = 0, max_tokens: int = 64) -> list[Prompt]:
-    """Requests the chat model writes itself, sampled from an empty user turn."""
+def self_prompts(core: EngineCore, count: int, max_tokens: int = 64) -> list[Prompt]:
+    """Distinct requests the chat model writes itself, sampled from an empty user turn.
+
+    Unseeded: every row draws from the one device generator in one batched draw (a seeded
+    request draws alone); `torch.manual_seed` makes a run reproducible."""
     tokenizer = core.engine.tokenizer
     text = tokenizer.apply_chat_template(
         [{"role": "user", "content": MARK}], add_generation_prompt=False, tokenize=False
     )
     prefix = tokenizer.encode(text[: text.index(MARK)], add_special_tokens=False)
-    requests = [
-        (prefix, SamplingParams(max_tokens=max_tokens, temperature=1.0, top_p=0.95, seed=seed + i))
-        for i in range(count)
-    ]
-    prompts: list[Prompt] = []
-    for ids in run_requests(core, requests):
+    params = SamplingParams(max_tokens=max_tokens, temperature=1.0, top_p=0.95)
+    seen: dict[str, None] = {}
+    for ids in run_requests(core, [(prefix, params)] * count):
         words = tokenizer.decode(ids, skip_special_tokens=True).strip()
         if len(words) >= 12 and words.count("\n") < 8:
-            prompts.append([{"role": "user", "content": words}])
-    return prompts
+            seen.setdefault(words)
+    return [[{"role": "user", "content": words}] for words in seen]
 
 
 def generate(
@@ -99,24 +99,24 @@ def generate(
     temperature: float = 0.7,
     seed: int = 0,
 ) -> list[Sample]:
-    """The target's answers to `prompts`: greedy, or sampled for `sampled_share` of them."""
+    """The target's answers to `prompts`: greedy, or sampled for `sampled_share` of them.
+
+    The greedy requests go first and the sampled ones after, so that most batches are all
+    greedy (they decode in bursts on the device); sampled ones are unseeded (see
+    `self_prompts`). Samples come back in the order of `prompts`, less those that do not fit.
+    """
     tokenizer = core.engine.tokenizer
     rng = random.Random(seed)
     limit = core.engine.max_model_len
-    requests, rendered, greedy = [], [], []
-    for i, prompt in enumerate(prompts):
+    todo: list[tuple[list[int], bool]] = []
+    for prompt in prompts:
         ids = render(tokenizer, prompt)
-        if not ids or len(ids) + max_tokens > limit:
-            continue
-        sampled = rng.random() < sampled_share
-        params = SamplingParams(
-            max_tokens=max_tokens,
-            temperature=temperature if sampled else 0.0,
-            seed=seed + i if sampled else None,
-        )
-        requests.append((ids, params))
-        rendered.append(ids)
-        greedy.append(not sampled)
+        if ids and len(ids) + max_tokens <= limit:
+            todo.append((ids, rng.random() >= sampled_share))
+    order = sorted(range(len(todo)), key=lambda i: not todo[i][1])  # greedy first (stable)
+    greedy = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    sampled = SamplingParams(max_tokens=max_tokens, temperature=temperature)
+    requests = [(todo[i][0], greedy if todo[i][1] else sampled) for i in order]
     start, last = time.monotonic(), [0.0]
 
     def progress(done: int, total: int) -> None:
@@ -125,9 +125,5 @@ def generate(
             last[0] = now
             log.info("answered %d/%d prompts in %.0f s", done, total, now - start)
 
-    answers = run_requests(core, requests, progress=progress)
-    return [
-        Sample(ids + out, len(ids), g)
-        for ids, out, g in zip(rendered, answers, greedy, strict=True)
-        if out
-    ]
+    answers = dict(zip(order, run_requests(core, requests, progress=progress), strict=True))
+    return [Sample(ids + answers[i], len(ids), g) for i, (ids, g) in enumerate(todo) if answers[i]]
