@@ -38,7 +38,7 @@ from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 from types import FrameType
 
-from stride.metrics import MULTIPROC_ENV
+from stride.metrics.registry import MULTIPROC_ENV
 from stride.scheduler.core import CoreConfig
 from stride.scheduler.process import run_setup, start_engine_process
 from stride.scheduler.supervision import RestartBudget, SupervisionConfig

@@ -33,7 +33,9 @@ from stride import adapters, drafts
 from stride.decoders.base import DecodersConfig
 from stride.engine.engine import EngineConfig
 from stride.engine.loader import served_name
-from stride.metrics import PROBES, Metrics, MetricsMiddleware
+from stride.metrics.access import PROBES
+from stride.metrics.middleware import MetricsMiddleware
+from stride.metrics.registry import Metrics
 from stride.scheduler.client import BaseClient, EngineClient
 from stride.scheduler.core import CoreConfig
 from stride.scheduler.policy import SchedulerConfig

@@ -16,7 +16,7 @@ from typing import Any
 
 from starlette.requests import Request
 
-from stride.metrics import Metrics
+from stride.metrics.registry import Metrics
 from stride.scheduler.client import BaseClient
 from stride.scheduler.outputs import GenerateRequest
 from stride.server import schemas as s

@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 
 from starlette.requests import Request
 
-from stride.metrics import Metrics
+from stride.metrics.registry import Metrics
 from stride.scheduler.client import BaseClient, Submission, child, coalesce
 from stride.scheduler.outputs import GenerateRequest, RequestOutput
 from stride.server.errors import APIError

@@ -424,7 +424,7 @@ def test_inference_pool_selects_the_stride_pods_and_the_route_targets_it():
 
 def test_router_and_autoscalers_read_one_series_per_pod_present_from_the_start():
     """The EPP and the HPA read a gauge per pod: it must exist, unsplit, before any request."""
-    from stride.metrics import Metrics
+    from stride.metrics.registry import Metrics
 
     flags = yaml.safe_load((K8S / "gateway" / "epp-values.yaml").read_text())[
         "inferenceExtension"]["flags"]  # fmt: skip

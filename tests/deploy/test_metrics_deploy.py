@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from stride.metrics import Metrics
+from stride.metrics.registry import Metrics
 from stride.server.cli import build_parser
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
@@ -161,7 +161,7 @@ def test_every_queried_series_exists_before_the_first_request(tiny_dir):
     from prometheus_client.parser import text_string_to_metric_families
 
     from stride.engine.engine import EngineConfig
-    from stride.metrics import NO_USER, OTHER_USER
+    from stride.metrics.labels import NO_USER, OTHER_USER
     from stride.server.app import ServerConfig
     from tests.helpers.servers import LiveServer
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from stride.metrics import Metrics
+from stride.metrics.registry import Metrics
 
 
 def value(m: Metrics, name: str, **labels: str) -> float:

@@ -9,7 +9,10 @@ import threading
 import pytest
 
 from stride.engine.sequence import SamplingParams
-from stride.metrics import STEP_BUCKETS, Metrics, MetricsMiddleware, parse_users, strategy
+from stride.metrics.buckets import STEP_BUCKETS
+from stride.metrics.labels import parse_users, strategy
+from stride.metrics.middleware import MetricsMiddleware
+from stride.metrics.registry import Metrics
 from stride.scheduler.client import EngineClient
 from stride.scheduler.outputs import EngineError, GenerateRequest, RequestOutput
 from stride.server.cli import build_parser, server_config
