@@ -25,7 +25,6 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from stride.engine.attention import DecodeMetadata  # noqa: E402
 from stride.engine.kernels import decode_attention as attention  # noqa: E402
 from stride.engine.kernels import layer  # noqa: E402
 from stride.engine.model import RMSNorm  # noqa: E402
@@ -113,7 +112,7 @@ def bench_attention(heads: int, kv_heads: int, dim: int, context: int, batch: in
                           dtype=torch.bfloat16)  # fmt: skip
     v_cache = torch.randn_like(k_cache)
     tables = (torch.arange(batch * per_seq, device=DEV, dtype=torch.int32) + 1).view(batch, -1)
-    meta = DecodeMetadata(
+    meta = attention.DecodeMetadata(
         slot_mapping=torch.zeros(batch, dtype=torch.long, device=DEV),
         block_tables=tables,
         context_lens=torch.full((batch,), context, device=DEV, dtype=torch.int32),

@@ -7,8 +7,8 @@ n-gram branches). That is why the general path is masked SDPA and not a causal k
 
 Decode steps (one new token per sequence, causal) on a GPU take a paged decode kernel instead
 (`kernels.decode_attention`): it reads each sequence's keys straight from its blocks, with no
-gather and no padded mask, and its inputs (block tables, context lengths) live in fixed
-buffers, so the step can be a CUDA graph.
+gather and no padded mask, and its inputs (`DecodeMetadata`: block tables, context lengths) live
+in fixed buffers, so the step can be a CUDA graph.
 """
 
 from __future__ import annotations
@@ -18,7 +18,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from stride.engine.kernels.decode_attention import decode_attention, decode_attention_reference
+from stride.engine.kernels.decode_attention import (
+    DecodeMetadata,
+    decode_attention,
+    decode_attention_reference,
+)
 
 
 @dataclass
@@ -28,16 +32,6 @@ class AttentionMetadata:
     q_rows: torch.Tensor  # [T] each token's row in the padded [B * Qmax] query layout
     kv_slots: torch.Tensor  # [B, Lmax] flat cache slots of each sequence's context
     mask: torch.Tensor  # [B, 1, Qmax, Lmax] True where a query may attend
-
-
-@dataclass
-class DecodeMetadata:
-    """One query token per sequence, attending causally to its whole context (itself included)."""
-
-    slot_mapping: torch.Tensor  # [B] slot the new token's K/V is written to
-    block_tables: torch.Tensor  # [B, max_blocks] block ids of each sequence (rest unused)
-    context_lens: torch.Tensor  # [B] tokens in each context, the new one included (>= 1)
-    block_size: int
 
 
 def paged_attention(

@@ -17,7 +17,7 @@ from itertools import chain
 import numpy as np
 import torch
 
-from stride.engine.attention import DecodeMetadata
+from stride.engine.kernels.decode_attention import DecodeMetadata
 from stride.engine.kv_cache import KVCache
 from stride.engine.model import CausalLM
 

@@ -36,7 +36,8 @@ from torch import nn
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-from stride.engine.attention import AttentionMetadata, DecodeMetadata, paged_attention
+from stride.engine.attention import AttentionMetadata, paged_attention
+from stride.engine.kernels.decode_attention import DecodeMetadata
 from stride.engine.kv_cache import KVCache
 from stride.engine.model import MLP, CausalLM, RMSNorm, rotate
 from stride.engine.runner import Span, prepare

@@ -28,9 +28,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from stride.engine.attention import DecodeMetadata, attend
+from stride.engine.attention import attend
 from stride.engine.eagle import EagleHead, HeadRunner
 from stride.engine.kernels import layer as kernels
+from stride.engine.kernels.decode_attention import DecodeMetadata
 from stride.engine.runner import ModelRunner
 
 log = logging.getLogger(__name__)

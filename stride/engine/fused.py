@@ -30,7 +30,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from stride.engine.attention import AttentionMetadata, DecodeMetadata, attend
+from stride.engine.attention import AttentionMetadata, attend
+from stride.engine.kernels.decode_attention import DecodeMetadata
 from stride.engine.kernels.layer import (
     gemv,
     qkv_rope_cache,

@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from stride.engine import fused
-from stride.engine.attention import DecodeMetadata
 from stride.engine.engine import Engine, EngineConfig
 from stride.engine.kernels import decode_attention as attention
 from stride.engine.runner import Span, prepare
@@ -34,7 +33,7 @@ def test_decode_kernel_matches_reference(dtype, heads, kv_heads, head_dim):
     for i, n in enumerate(lengths):
         for j in range(-(-n // block)):
             tables[i, j] = free.pop()
-    meta = DecodeMetadata(
+    meta = attention.DecodeMetadata(
         slot_mapping=torch.zeros(len(lengths), dtype=torch.long, device=dev),
         block_tables=tables,
         context_lens=torch.tensor(lengths, dtype=torch.int32, device=dev),

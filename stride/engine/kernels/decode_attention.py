@@ -4,15 +4,12 @@ CPU-only installs have no Triton: the kernel is not offered there (`decode_kerne
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from stride.engine.kernels import pdl
-
-if TYPE_CHECKING:
-    from stride.engine.attention import DecodeMetadata
 
 try:
     import triton
@@ -20,6 +17,18 @@ try:
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 except ImportError:  # CPU-only installs: the decode kernel is simply not offered
     triton = None
+
+
+@dataclass
+class DecodeMetadata:
+    """One query token per sequence, attending causally to its whole context (itself included).
+    The kernel reads the block tables and context lengths; `attention.paged_attention` first
+    writes the new keys and values at `slot_mapping`."""
+
+    slot_mapping: torch.Tensor  # [B] slot the new token's K/V is written to
+    block_tables: torch.Tensor  # [B, max_blocks] block ids of each sequence (rest unused)
+    context_lens: torch.Tensor  # [B] tokens in each context, the new one included (>= 1)
+    block_size: int
 
 
 def decode_kernel_supported(device: torch.device, head_dim: int) -> bool:
