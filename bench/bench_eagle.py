@@ -33,7 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from loadtest.prompts import BUILTIN_PROMPTS  # noqa: E402
 from stride.decoders.registry import DecodersConfig, build_decoders  # noqa: E402
-from stride.engine.engine import Engine, EngineConfig  # noqa: E402
+from stride.engine.config import EngineConfig  # noqa: E402
+from stride.engine.engine import Engine  # noqa: E402
 from stride.engine.sequence import SamplingParams  # noqa: E402
 from stride.scheduler.core import EngineCore  # noqa: E402
 from stride.scheduler.outputs import GenerateRequest  # noqa: E402

@@ -19,7 +19,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from stride.engine.engine import Engine, EngineConfig  # noqa: E402
+from stride.engine.config import EngineConfig  # noqa: E402
+from stride.engine.engine import Engine  # noqa: E402
 from stride.engine.gguf_file import transformers_kwargs  # noqa: E402
 from stride.engine.sequence import SamplingParams  # noqa: E402
 from stride.scheduler.core import EngineCore  # noqa: E402

@@ -31,8 +31,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from stride.engine import loader  # noqa: E402
+from stride.engine.config import EngineConfig  # noqa: E402
 from stride.engine.cuda_graphs import DecodeGraphs  # noqa: E402
-from stride.engine.engine import Engine, EngineConfig  # noqa: E402
+from stride.engine.engine import Engine  # noqa: E402
 from stride.engine.gguf_file import transformers_kwargs  # noqa: E402
 from stride.engine.model import CausalLM  # noqa: E402
 from stride.engine.runner import ModelRunner  # noqa: E402

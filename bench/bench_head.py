@@ -23,8 +23,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from loadtest.prompts import BUILTIN_PROMPTS  # noqa: E402
+from stride.engine.config import EngineConfig  # noqa: E402
 from stride.engine.eagle import load_head  # noqa: E402
-from stride.engine.engine import Engine, EngineConfig  # noqa: E402
+from stride.engine.engine import Engine  # noqa: E402
 from stride.scheduler.core import EngineCore  # noqa: E402
 from stride.scheduler.policy import SchedulerConfig  # noqa: E402
 from stride.train import data  # noqa: E402

@@ -49,8 +49,9 @@ from bench_constrained import STRINGS, schema  # noqa: E402
 
 from stride.decoders.registry import build_decoders  # noqa: E402
 from stride.decoders.speculative import Speculative  # noqa: E402
+from stride.engine.config import EngineConfig  # noqa: E402
 from stride.engine.cuda_graphs import TABLE, DecodeGraphs  # noqa: E402
-from stride.engine.engine import Engine, EngineConfig  # noqa: E402
+from stride.engine.engine import Engine  # noqa: E402
 from stride.engine.runner import MAX_GRAPH_QUERY  # noqa: E402
 from stride.engine.sequence import SamplingParams  # noqa: E402
 from stride.scheduler.core import EngineCore  # noqa: E402

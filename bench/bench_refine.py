@@ -30,7 +30,8 @@ from loadtest.prompts import BUILTIN_PROMPTS  # noqa: E402
 from stride.decoders.autoregressive import Autoregressive  # noqa: E402
 from stride.decoders.base import DecodersConfig  # noqa: E402
 from stride.decoders.refine import Refine  # noqa: E402
-from stride.engine.engine import Engine, EngineConfig  # noqa: E402
+from stride.engine.config import EngineConfig  # noqa: E402
+from stride.engine.engine import Engine  # noqa: E402
 from stride.engine.sequence import SamplingParams  # noqa: E402
 from stride.scheduler.core import EngineCore  # noqa: E402
 from stride.scheduler.outputs import GenerateRequest  # noqa: E402

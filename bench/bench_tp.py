@@ -34,7 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import bench_gpu as gpu  # noqa: E402  (same folder: the shapes, prompts and the step loop)
 
-from stride.engine.engine import Engine, EngineConfig  # noqa: E402
+from stride.engine.config import EngineConfig  # noqa: E402
+from stride.engine.engine import Engine  # noqa: E402
 from stride.scheduler.core import EngineCore  # noqa: E402
 
 SHAPES = {

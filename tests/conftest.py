@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from stride.engine.engine import Engine, EngineConfig
+from stride.engine.config import EngineConfig
+from stride.engine.engine import Engine
 from stride.scheduler.outputs import GenerateRequest
 from tests.helpers.cores import PROMPTS, greedy, run
 from tests.helpers.eagle import eagle_core, random_head

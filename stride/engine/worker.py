@@ -23,7 +23,8 @@ import torch
 import torch.distributed as dist
 
 from stride.engine import loader
-from stride.engine.engine import DTYPES, EngineConfig, make_cache
+from stride.engine.config import DTYPES, EngineConfig
+from stride.engine.engine import make_cache
 from stride.engine.parallel import (
     COLLECTIVE_TIMEOUT,
     Layout,

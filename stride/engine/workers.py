@@ -37,11 +37,12 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 from multiprocessing.util import Finalize
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from stride.engine.config import EngineConfig
 from stride.engine.kv_cache import KVCache
 from stride.engine.parallel import (
     COLLECTIVE_TIMEOUT,
@@ -52,9 +53,6 @@ from stride.engine.parallel import (
 )
 from stride.engine.runner import ModelRunner, SampledTokens, Span
 from stride.engine.sequence import Sequence
-
-if TYPE_CHECKING:
-    from stride.engine.engine import EngineConfig
 
 log = logging.getLogger(__name__)
 

@@ -37,7 +37,8 @@ from stride.decoders.base import (
 )
 from stride.decoders.grammar import GrammarError, Grammars
 from stride.decoders.registry import build_decoders
-from stride.engine.engine import Engine, EngineConfig
+from stride.engine.config import EngineConfig
+from stride.engine.engine import Engine
 from stride.engine.roofline import StepLoad
 from stride.engine.sequence import Sequence, Status
 from stride.scheduler import prompt_logprobs

@@ -31,7 +31,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from stride import adapters, drafts
 from stride.decoders.base import DecodersConfig
-from stride.engine.engine import EngineConfig
+from stride.engine.config import EngineConfig
 from stride.engine.loader import served_name
 from stride.metrics.access import PROBES
 from stride.metrics.middleware import MetricsMiddleware

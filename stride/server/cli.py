@@ -303,7 +303,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def server_config(args: argparse.Namespace) -> ServerConfig:
     from stride.decoders.base import DecodersConfig
-    from stride.engine.engine import EngineConfig
+    from stride.engine.config import EngineConfig
     from stride.scheduler.policy import SchedulerConfig
     from stride.scheduler.supervision import SupervisionConfig
     from stride.server.app import ServerConfig

@@ -77,7 +77,8 @@ def main(args: argparse.Namespace) -> int:
 
     import torch
 
-    from stride.engine.engine import Engine, EngineConfig
+    from stride.engine.config import EngineConfig
+    from stride.engine.engine import Engine
     from stride.scheduler.core import EngineCore
     from stride.scheduler.policy import SchedulerConfig
     from stride.train import data, prompts

@@ -13,8 +13,9 @@ from stride.decoders.autoregressive import Autoregressive
 from stride.decoders.base import DecodersConfig
 from stride.decoders.diffusion import DiffusionGroup
 from stride.decoders.refine import Refine
+from stride.engine.config import EngineConfig
 from stride.engine.diffusion import DiffusionModel
-from stride.engine.engine import Engine, EngineConfig
+from stride.engine.engine import Engine
 from stride.engine.sequence import SamplingParams
 from stride.scheduler.core import EngineCore
 from stride.scheduler.outputs import GenerateRequest, RequestRejected

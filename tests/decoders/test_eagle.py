@@ -14,8 +14,9 @@ from stride import drafts
 from stride.decoders.speculative.drafters import Draft
 from stride.decoders.speculative.eagle import EagleDrafter
 from stride.decoders.speculative.tree import Tree
+from stride.engine.config import EngineConfig
 from stride.engine.eagle import EagleConfig, load_head
-from stride.engine.engine import Engine, EngineConfig
+from stride.engine.engine import Engine
 from stride.engine.sequence import SamplingParams
 from stride.scheduler.outputs import GenerateRequest
 from tests.helpers.cores import PROMPTS, chi2_pvalue, exact_joint, greedy, run

@@ -269,7 +269,8 @@ def test_the_server_config_loads_and_attaches_the_adapter(tiny_dir, tmp_path, re
     """`--mask-adapter DIR` (DecodersConfig.mask_adapter): the refine decoder offers the
     method, and the engine's runner runs the adapter on MASK rows."""
     from stride.decoders.registry import DecodersConfig, build_decoders
-    from stride.engine.engine import Engine, EngineConfig
+    from stride.engine.config import EngineConfig
+    from stride.engine.engine import Engine
     from stride.scheduler.core import EngineCore
 
     engine = Engine(EngineConfig(model=str(tiny_dir), device="cpu", kv_cache_memory=8 << 20))

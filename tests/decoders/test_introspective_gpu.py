@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from stride.engine.adapter import MASK_TOKEN
-from stride.engine.engine import Engine, EngineConfig
+from stride.engine.config import EngineConfig
+from stride.engine.engine import Engine
 from stride.engine.runner import Span, prepare
 from stride.engine.sequence import SamplingParams, Sequence
 from stride.scheduler.core import EngineCore

@@ -7,7 +7,8 @@ import torch
 
 from stride.decoders.autoregressive import Autoregressive
 from stride.decoders.refine import Refine
-from stride.engine.engine import Engine, EngineConfig
+from stride.engine.config import EngineConfig
+from stride.engine.engine import Engine
 from stride.engine.sequence import SamplingParams
 from stride.scheduler.core import EngineCore
 from stride.scheduler.outputs import GenerateRequest, RequestRejected

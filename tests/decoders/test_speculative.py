@@ -16,7 +16,8 @@ from stride.decoders.speculative import Speculative
 from stride.decoders.speculative.costs import StepCosts, Timings, bucket, choose_k
 from stride.decoders.speculative.drafters import Draft, Drafter
 from stride.decoders.speculative.verify import verify
-from stride.engine.engine import Engine, EngineConfig
+from stride.engine.config import EngineConfig
+from stride.engine.engine import Engine
 from stride.engine.runner import Span
 from stride.engine.sequence import SamplingParams, Sequence
 from stride.scheduler.core import EngineCore

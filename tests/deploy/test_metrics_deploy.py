@@ -160,7 +160,7 @@ def test_every_queried_series_exists_before_the_first_request(tiny_dir):
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
 
-    from stride.engine.engine import EngineConfig
+    from stride.engine.config import EngineConfig
     from stride.metrics.labels import NO_USER, OTHER_USER
     from stride.server.app import ServerConfig
     from tests.helpers.servers import LiveServer

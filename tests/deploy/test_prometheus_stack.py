@@ -25,7 +25,7 @@ import httpx
 import pytest
 import yaml
 
-from stride.engine.engine import EngineConfig
+from stride.engine.config import EngineConfig
 from stride.scheduler.policy import SchedulerConfig
 from stride.server.app import ServerConfig
 from tests.helpers.servers import LiveServer, free_port

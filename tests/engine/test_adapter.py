@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from stride.engine.adapter import MASK_TOKEN, AdapterConfig, MaskAdapter
-from stride.engine.engine import Engine, EngineConfig
+from stride.engine.config import EngineConfig
+from stride.engine.engine import Engine
 from stride.engine.runner import Span
 from stride.engine.sequence import SamplingParams, Sequence
 from tests.helpers.adapters import SLOTS, random_adapter

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from stride.engine import fused
-from stride.engine.engine import Engine, EngineConfig
+from stride.engine.config import EngineConfig
+from stride.engine.engine import Engine
 from stride.engine.kernels import decode_attention as attention
 from stride.engine.runner import Span, prepare
 from stride.engine.sequence import SamplingParams, Sequence

@@ -10,7 +10,8 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from stride.engine import gguf_file, loader
-from stride.engine.engine import Engine, EngineConfig
+from stride.engine.config import EngineConfig
+from stride.engine.engine import Engine
 
 
 def test_unsupported_architecture_names_the_supported_ones(tmp_path):

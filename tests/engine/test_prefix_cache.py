@@ -12,7 +12,8 @@ import httpx
 import pytest
 import torch
 
-from stride.engine.engine import Engine, EngineConfig
+from stride.engine.config import EngineConfig
+from stride.engine.engine import Engine
 from stride.engine.kv_cache import KVCache, OutOfBlocks
 from stride.engine.sequence import SamplingParams, Sequence
 from stride.scheduler.client import child

@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from stride.engine.engine import EngineConfig
+from stride.engine.config import EngineConfig
 from stride.engine.roofline import MIXED, ModelShape, StepLoad, device_peaks
 from stride.engine.sequence import SamplingParams
 from stride.scheduler.core import EngineCore

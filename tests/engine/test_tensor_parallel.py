@@ -18,7 +18,7 @@ import torch
 from transformers import AutoConfig
 
 from stride.decoders.registry import DecodersConfig
-from stride.engine.engine import EngineConfig
+from stride.engine.config import EngineConfig
 from stride.engine.parallel import Layout
 from stride.engine.workers import WorkerDied
 from stride.scheduler.client import EngineClient

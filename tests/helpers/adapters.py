@@ -11,7 +11,8 @@ from stride.decoders.autoregressive import Autoregressive
 from stride.decoders.refine import Refine
 from stride.decoders.speculative import Speculative
 from stride.engine.adapter import MaskAdapter
-from stride.engine.engine import Engine, EngineConfig
+from stride.engine.config import EngineConfig
+from stride.engine.engine import Engine
 from stride.scheduler.core import EngineCore
 from stride.scheduler.policy import SchedulerConfig
 

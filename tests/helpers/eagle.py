@@ -9,8 +9,9 @@ from pathlib import Path
 import torch
 
 from stride.decoders.registry import DecodersConfig, build_decoders
+from stride.engine.config import EngineConfig
 from stride.engine.eagle import save_head
-from stride.engine.engine import Engine, EngineConfig
+from stride.engine.engine import Engine
 from stride.scheduler.core import EngineCore
 from stride.scheduler.policy import SchedulerConfig
 from stride.train import eagle as trainer

@@ -6,7 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from stride.decoders.registry import DecodersConfig, build_decoders
-from stride.engine.engine import Engine, EngineConfig
+from stride.engine.config import EngineConfig
+from stride.engine.engine import Engine
 from stride.scheduler.core import EngineCore
 from stride.scheduler.outputs import GenerateRequest
 from tests.helpers.cores import PROMPTS, greedy, run

@@ -30,7 +30,8 @@ import uvicorn
 from stride.decoders.autoregressive import Autoregressive
 from stride.decoders.base import Commit, DecodersConfig, Proposal, StepContext
 from stride.decoders.registry import DECODERS
-from stride.engine.engine import Engine, EngineConfig
+from stride.engine.config import EngineConfig
+from stride.engine.engine import Engine
 from stride.engine.sequence import Sequence
 from stride.server.app import ServerConfig, create_app
 

@@ -325,7 +325,7 @@ def test_http_metrics_exist_while_loading_and_label_requests_by_strategy(tiny_di
     import httpx
 
     import stride.server.app as app_module
-    from stride.engine.engine import EngineConfig
+    from stride.engine.config import EngineConfig
     from stride.server.app import ServerConfig
     from tests.helpers.servers import LiveServer
 
@@ -387,7 +387,7 @@ def test_stats_line_while_busy_silence_while_idle(caplog):
 def test_access_line_per_request(tiny_dir, caplog):
     """One `stride.access` line per request at info: method, path, status, decoder, tokens and
     latency; probes only at debug."""
-    from stride.engine.engine import EngineConfig
+    from stride.engine.config import EngineConfig
     from stride.server.app import ServerConfig
     from tests.helpers.servers import LiveServer
 

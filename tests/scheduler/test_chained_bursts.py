@@ -17,8 +17,9 @@ import torch
 from stride.decoders import sampling
 from stride.decoders.registry import build_decoders
 from stride.decoders.speculative import Speculative
+from stride.engine.config import EngineConfig
 from stride.engine.cuda_graphs import LENGTH, POSITION, SLOT, TABLE, TOKEN, DecodeGraphs
-from stride.engine.engine import Engine, EngineConfig
+from stride.engine.engine import Engine
 from stride.engine.kv_cache import OutOfBlocks
 from stride.engine.sequence import SamplingParams
 from stride.scheduler import executor as executor_module

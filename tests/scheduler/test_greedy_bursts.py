@@ -10,7 +10,8 @@ import torch
 
 from stride.decoders.registry import build_decoders
 from stride.decoders.speculative import Speculative
-from stride.engine.engine import Engine, EngineConfig
+from stride.engine.config import EngineConfig
+from stride.engine.engine import Engine
 from stride.engine.sequence import SamplingParams
 from stride.scheduler.core import EngineCore
 from stride.scheduler.outputs import GenerateRequest

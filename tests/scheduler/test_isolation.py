@@ -13,7 +13,8 @@ import pytest
 
 from stride.decoders.autoregressive import Autoregressive
 from stride.decoders.registry import build_decoders
-from stride.engine.engine import Engine, EngineConfig
+from stride.engine.config import EngineConfig
+from stride.engine.engine import Engine
 from stride.engine.sequence import SamplingParams
 from stride.scheduler.core import EngineCore
 from stride.scheduler.outputs import GenerateRequest, RequestOutput, RequestRejected

@@ -13,7 +13,8 @@ import torch
 
 from stride.decoders.registry import DecodersConfig, build_decoders
 from stride.decoders.speculative import Speculative
-from stride.engine.engine import Engine, EngineConfig
+from stride.engine.config import EngineConfig
+from stride.engine.engine import Engine
 from stride.engine.sequence import SamplingParams
 from stride.scheduler.core import EngineCore
 from stride.scheduler.outputs import GenerateRequest
@@ -78,7 +79,8 @@ def test_launch_ahead_changes_no_output(tiny_dir, device):
         pytest.skip("no GPU")
     core = make_core(tiny_dir, max_num_seqs=8)
     if device == "cuda":
-        from stride.engine.engine import Engine, EngineConfig
+        from stride.engine.config import EngineConfig
+        from stride.engine.engine import Engine
         from stride.scheduler.core import EngineCore
 
         engine = Engine(EngineConfig(model=str(tiny_dir), device="cuda", dtype="float32"))

@@ -17,7 +17,7 @@ import pytest
 from openai.types import completion_create_params
 from openai.types.chat import completion_create_params as chat_create_params
 
-from stride.engine.engine import EngineConfig
+from stride.engine.config import EngineConfig
 from stride.server.app import ServerConfig
 from tests.helpers.servers import LiveServer
 

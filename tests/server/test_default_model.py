@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from stride.engine.engine import EngineConfig
+from stride.engine.config import EngineConfig
 from stride.server.app import ServerConfig
 from tests.helpers.servers import LiveServer
 

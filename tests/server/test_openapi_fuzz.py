@@ -21,7 +21,7 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
-from stride.engine.engine import EngineConfig
+from stride.engine.config import EngineConfig
 from stride.server.app import ServerConfig
 from tests.helpers.servers import LiveServer
 

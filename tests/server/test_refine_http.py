@@ -8,7 +8,7 @@ import openai
 import pytest
 
 from stride.decoders.registry import DecodersConfig
-from stride.engine.engine import EngineConfig
+from stride.engine.config import EngineConfig
 from stride.server.app import ServerConfig
 from tests.helpers.adapters import random_adapter
 from tests.helpers.models import load_hf, make_diffusion_dir

@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from stride.engine.engine import EngineConfig
+from stride.engine.config import EngineConfig
 from stride.server import schemas as s
 from stride.server import tools
 from stride.server.app import ServerConfig

@@ -26,7 +26,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceResponse,
 )
 
-from stride.engine.engine import EngineConfig
+from stride.engine.config import EngineConfig
 from stride.server.app import ServerConfig
 from tests.helpers.servers import LiveServer, free_port
 
@@ -249,7 +249,7 @@ def test_a_client_that_does_not_sample_gets_no_trace(traced, receiver):
 
 OFF = """
 import sys, httpx
-from stride.engine.engine import EngineConfig
+from stride.engine.config import EngineConfig
 from stride.server.app import ServerConfig
 from tests.helpers.servers import LiveServer, free_port
 server = LiveServer(ServerConfig(engine=EngineConfig(model=sys.argv[1], device="cpu",

@@ -9,8 +9,9 @@ import json
 import torch
 
 from stride import drafts
+from stride.engine.config import EngineConfig
 from stride.engine.eagle import load_head
-from stride.engine.engine import Engine, EngineConfig
+from stride.engine.engine import Engine
 from stride.engine.runner import Span
 from stride.engine.sequence import SamplingParams, Sequence
 from stride.scheduler.outputs import GenerateRequest

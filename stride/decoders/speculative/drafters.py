@@ -31,7 +31,8 @@ from transformers import AutoConfig
 from stride.decoders import sampling
 from stride.decoders.catalog import EARLY_EXIT, NGRAM
 from stride.engine import loader
-from stride.engine.engine import Engine, EngineConfig
+from stride.engine.config import EngineConfig
+from stride.engine.engine import Engine
 from stride.engine.kv_cache import KVCache, OutOfBlocks
 from stride.engine.runner import Span
 from stride.engine.sequence import Sequence
