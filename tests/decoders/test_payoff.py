@@ -7,8 +7,8 @@ import pytest
 
 from stride.decoders import payoff
 from stride.decoders.payoff import EPOCH, EXPLORE_EVERY, PROBE, Payoff
-from tests.decoders.test_refine import make_refine_core, reqs
 from tests.helpers.cores import run
+from tests.helpers.refine import make_refine_core, reqs
 
 
 class Clock:

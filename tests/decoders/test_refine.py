@@ -7,20 +7,13 @@ import torch
 
 from stride.decoders.autoregressive import Autoregressive
 from stride.decoders.refine import Refine
-from stride.engine.config import EngineConfig
-from stride.engine.engine import Engine
 from stride.engine.sequence import SamplingParams
 from stride.scheduler.core import EngineCore
 from stride.scheduler.outputs import GenerateRequest, RequestRejected
-from stride.scheduler.policy import SchedulerConfig
 from tests.helpers.cores import run
 from tests.helpers.models import VOCAB_SIZE, load_hf, make_model_dir
+from tests.helpers.refine import TEXT_PROMPTS, make_refine_core, reqs
 
-PROMPTS = [
-    "def add(a, b): return a + b\ndef add(a, b):",
-    "Once upon a time there was a small model that could count: 1, 2, 3,",
-    "Hello, world!",
-]
 METHODS = [
     {"method": "jacobi"},
     {"method": "jacobi", "window": 3},
@@ -29,28 +22,8 @@ METHODS = [
 ]
 
 
-def make_refine_core(model_dir, kv_bytes: int = 16 << 20, **sched) -> EngineCore:
-    engine = Engine(
-        EngineConfig(
-            model=None if model_dir is None else str(model_dir),
-            device="cpu",
-            kv_cache_memory=kv_bytes,
-        )
-    )
-    decoders = {"ar": Autoregressive(), "refine": Refine()}
-    return EngineCore(engine, SchedulerConfig(**sched), decoders=decoders)
-
-
 def greedy(n: int, **kw) -> SamplingParams:
     return SamplingParams(max_tokens=n, temperature=0.0, **kw)
-
-
-def reqs(core, decoder: str, options: dict, n: int = 24, **kw) -> list[GenerateRequest]:
-    tok = core.engine.tokenizer
-    return [
-        GenerateRequest(f"{decoder}{i}", tok.encode(p), greedy(n, **kw), decoder, dict(options))
-        for i, p in enumerate(PROMPTS)
-    ]
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +35,7 @@ def core(tiny_dir) -> EngineCore:
 def test_alone_matches_greedy(core, options):
     ar, _ = run(core, reqs(core, "ar", {}))
     got, stats = run(core, reqs(core, "refine", options))
-    for i in range(len(PROMPTS)):
+    for i in range(len(TEXT_PROMPTS)):
         assert got[f"refine{i}"] == ar[f"ar{i}"]
         s = stats[f"refine{i}"]
         assert s["decoder"] == "refine"
@@ -77,7 +50,7 @@ def test_jacobi_converges_on_a_fixed_point(core):
     opts = {"method": "jacobi", "window": window}
     got, stats = run(core, reqs(core, "refine", opts, n=1 + 2 * (window + 1), logit_bias=bias))
     ar, _ = run(core, reqs(core, "ar", {}, n=1 + 2 * (window + 1), logit_bias=bias))
-    for i in range(len(PROMPTS)):
+    for i in range(len(TEXT_PROMPTS)):
         assert got[f"refine{i}"] == ar[f"ar{i}"] == [7] * 11
         assert stats[f"refine{i}"]["forward_passes"] == 3  # 1 + 5 + 5 tokens
 
@@ -125,7 +98,7 @@ def test_mixed_batch_with_penalties_matches_greedy(core):
         + reqs(core, "ar", {}, n=20, **kw)
     )
     got, _ = run(core, mixed)
-    for i in range(len(PROMPTS)):
+    for i in range(len(TEXT_PROMPTS)):
         assert got[f"refine{i}"] == ar[f"ar{i}"]
         assert got[f"laar{i}"] == ar[f"ar{i}"]
         assert got[f"ar{i}"] == ar[f"ar{i}"]
@@ -139,7 +112,7 @@ def test_staggered_arrivals_and_preemption_match_greedy(tiny_dir):
     tok = small.engine.tokenizer
     pending = [
         GenerateRequest(f"r{i}", tok.encode(p), greedy(40), "refine", METHODS[2 * (i % 2)])
-        for i, p in enumerate(PROMPTS)
+        for i, p in enumerate(TEXT_PROMPTS)
     ]
     got: dict[str, list[int]] = {}
     preempted = 0
@@ -150,7 +123,7 @@ def test_staggered_arrivals_and_preemption_match_greedy(tiny_dir):
         for out in small.step():
             got.setdefault(out.request_id, []).extend(out.token_ids)
     assert preempted > 0
-    for i in range(len(PROMPTS)):
+    for i in range(len(TEXT_PROMPTS)):
         assert got[f"r{i}"] == ar[f"ar{i}"]
 
 
@@ -160,7 +133,7 @@ def test_other_archs_match_greedy(arch, tiny_dirs):
     ar, _ = run(core, reqs(core, "ar", {}, n=16))
     for options in METHODS[1], METHODS[3]:
         got, _ = run(core, reqs(core, "refine", options, n=16))
-        assert all(got[f"refine{i}"] == ar[f"ar{i}"] for i in range(len(PROMPTS)))
+        assert all(got[f"refine{i}"] == ar[f"ar{i}"] for i in range(len(TEXT_PROMPTS)))
 
 
 def test_stop_rules_hold(core):

@@ -1,4 +1,4 @@
-"""The load tests' shared pieces: a live server on the tiny model, and what a PNG starts with."""
+"""The load tests' fixture: a live server (`stride serve`) on the tiny model."""
 
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
 def _free_port() -> int:

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from loadtest.plots import chunk_arrivals, gantt_rows, phases, plot_gantt
-from tests.loadtest.conftest import PNG_SIGNATURE
+from tests.helpers.png import PNG_SIGNATURE
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -14,7 +14,7 @@ from loadtest.prompts import IntDistribution, PromptSource, parse_decoder_mix
 from loadtest.stats import RequestRecord, StepWindow, parse_steps, percentile, summarize
 from loadtest.stream import StreamError, sse_data, time_stream
 from stride.decoders.registry import DECODERS
-from tests.loadtest.conftest import PNG_SIGNATURE
+from tests.helpers.png import PNG_SIGNATURE
 
 ROOT = Path(__file__).resolve().parents[2]
 
