@@ -104,7 +104,7 @@ def main() -> None:
     compile_ms = {}
     for kind, constraint in constraints.items():
         t0 = time.perf_counter()
-        core.grammars.matcher(constraint)  # (the first waits for the tokenizer's trie)
+        core.intake.grammars.matcher(constraint)  # (the first waits for the tokenizer's trie)
         compile_ms[kind] = round((time.perf_counter() - t0) * 1e3, 1)
     concurrencies = [int(c) for c in args.concurrency.split(",")]
     temperatures = [float(t) for t in args.temperatures.split(",")]

@@ -239,13 +239,13 @@ def bench_stride(core: EngineCore, vocab: int, shape: str, bytes_read: int, bw: 
     b1 = run_core(core, prompts(1, vocab))
     record(f"{shape}/stride/batch1_tok_s", round(b1["decode_tok_s"], 1))
     executor = core.executor
-    chain, executor.chain = executor.chain, False  # ablation: a sync between bursts
-    unchained = run_core(core, prompts(1, vocab))["decode_tok_s"]
-    record(f"{shape}/stride_unchained/batch1_tok_s", round(unchained, 1))
+    executor.overlap = False  # ablation: every launch waited for before the next is prepared
+    waited = run_core(core, prompts(1, vocab))["decode_tok_s"]
+    record(f"{shape}/stride_no_overlap/batch1_tok_s", round(waited, 1))
     steps, executor.burst_steps = executor.burst_steps, 1  # ablation: a sync every token
     single = run_core(core, prompts(1, vocab))["decode_tok_s"]
     record(f"{shape}/stride_no_fused_steps/batch1_tok_s", round(single, 1))
-    executor.burst_steps, executor.chain = steps, chain
+    executor.burst_steps, executor.overlap = steps, True
     for name, rate in bw.items():
         record(
             f"{shape}/stride/batch1_roofline_{name}",
@@ -256,7 +256,7 @@ def bench_stride(core: EngineCore, vocab: int, shape: str, bytes_read: int, bw: 
         record(f"{shape}/stride/concurrent_{n}_tok_s", round(r["tok_s"], 1))
     if runner.graphs is None:
         return
-    for b in (1, 64, 256):
+    for b in (1, 8, 64, 256):
         record(f"{shape}/stride/graph_replay_ms_batch{b}", round(replay_ms(runner, b), 3))
     # Ablations on the same engine and cache: module-by-module layers (still CUDA graphs), and
     # fused kernels without CUDA graphs.

@@ -19,14 +19,14 @@ per step. Speculative runs use the adaptive policy with a GPU's saturation (256 
 told otherwise, so that it weighs drafting as it would on the GPU; with the replay removed,
 whatever a speculative step costs beyond an `ar` step is the decoder's own host work.
 
-How each decode step's forward was launched tells how much of that host work a GPU would
-overlap: "chained" bursts (`Executor.follow`) were queued before the burst they continue was
-committed, fed its last tokens on the device ("picked": minus the rows of finished sequences),
-so the host's sync, commit, schedule and pack all overlap the device; "launched ahead" forwards
-were started before the previous step's text was decoded (only that overlaps); the rest leave
-the device idle while the host works. The decode graphs' replay is replaced by a fixed logits
-tensor, but everything around it runs as on a GPU: packing, and in a burst the argmax (a CPU
-argmax here, ~0.2 ms at 256 rows, a kernel there) fed to the next step by `run_steps`.
+How each decode step was launched tells how much of that host work a GPU would overlap: "fed"
+launches were queued before the launch they continue was committed, fed its last tokens on the
+device ("picked": minus the rows of finished sequences), and steps that kept their launch in
+flight let the next step's host work (commit, detokenize, schedule, pack) overlap the device;
+the rest leave the device idle while the host works. The decode graphs' replay is replaced by a
+fixed logits tensor, but everything around it runs as on a GPU: packing, and in a burst the
+argmax (a CPU argmax here, ~0.2 ms at 256 rows, a kernel there) fed to the next step by
+`run_steps`.
 """
 
 from __future__ import annotations
@@ -120,8 +120,8 @@ def run(args: argparse.Namespace, decoder: str) -> dict[str, Any]:
 
     while any(len(s.tail) > 1 or s.num_cached == 0 for s in core.seqs.values()):
         core.step()  # prefill (eager, real model compute): not measured
-    ahead = count_launch_ahead(core)
     launches = count_launches(core)
+    in_flight = 0
     profiler = cProfile.Profile() if args.profile else None
     times = []
     tokens = drafted = 0
@@ -133,6 +133,7 @@ def run(args: argparse.Namespace, decoder: str) -> dict[str, Any]:
         if profiler:
             profiler.disable()
         times.append(time.perf_counter() - t0)
+        in_flight += core.executor.in_flight
         tokens += sum(len(o.token_ids) for o in outs)
         drafted += sum((o.decoder_stats or {}).get("draft_tokens", 0) for o in outs)
     full = [t for t in times if t][: max(1, len(times) - 2)]
@@ -142,45 +143,37 @@ def run(args: argparse.Namespace, decoder: str) -> dict[str, Any]:
         f"{decoder}: {len(times)} decode steps, {tokens} tokens, concurrency "
         f"{args.concurrency}: host {mean * 1e6:.0f} us/step mean, {median * 1e6:.0f} median, "
         f"{mean * 1e6 / args.concurrency:.2f} us per sequence; {drafted} drafted; "
-        f"launches: {launches['chained']} chained ({launches['picked']} picked), "
-        f"{launches['burst']} other bursts, {launches['forward']} forwards; launched ahead "
-        f"{ahead[True]} of {ahead[True] + ahead[False]} unchained; "
+        f"launches: {launches['fed']} fed ({launches['picked']} picked), "
+        f"{launches['burst']} other bursts, {launches['forward']} other forwards; kept in "
+        f"flight by {in_flight} of {len(times)} steps; "
         f"worst {sorted((round(t * 1e6), i) for i, t in enumerate(times))[-4:]} us"
     )
     if profiler:
         pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
-    return {"mean": mean, "median": median, "drafted": drafted, "ahead": ahead, **launches}
-
-
-def count_launch_ahead(core: EngineCore) -> Counter:
-    """Count the core's launch-ahead answers: on a GPU an unoverlapped step waits for the host."""
-    answers: Counter = Counter()
-    decide = core.executor.may_launch_ahead
-
-    def counted(*args) -> bool:
-        answers[ok := decide(*args)] += 1
-        return ok
-
-    core.executor.may_launch_ahead = counted
-    return answers
+    return {"mean": mean, "median": median, "drafted": drafted, "in_flight": in_flight, **launches}
 
 
 def count_launches(core: EngineCore) -> Counter:
-    """Count forwards by how they were launched: a burst chained to an uncommitted one (fed on
-    the device; "picked" if some of its rows were left out), another burst, a plain forward."""
-    counts: Counter = Counter({"chained": 0, "picked": 0, "burst": 0, "forward": 0})
-    runner = core.engine.runner
+    """Count launches: bursts and forwards fed on the device by a launch not yet committed
+    ("picked" if they left out some of its rows), other bursts, other forwards."""
+    counts: Counter = Counter({"fed": 0, "picked": 0, "burst": 0, "forward": 0})
+    runner, executor = core.engine.runner, core.executor
     decode_steps, forward = runner.decode_steps, runner.forward
 
+    def count(seqs) -> bool:
+        fed = [s for s in seqs if s.pending]
+        before = executor._in_flight
+        counts["fed"] += bool(fed)
+        counts["picked"] += bool(fed) and before is not None and len(fed) < len(before.rows)
+        return bool(fed)
+
     def bursting(seqs, tokens, *args, **kwargs):
-        chained = isinstance(tokens, torch.Tensor)
-        counts["chained" if chained else "burst"] += 1
-        counts["picked"] += chained and len(seqs) < len(tokens)
+        counts["burst"] += not count(seqs)
         return decode_steps(seqs, tokens, *args, **kwargs)
 
-    def forwarding(*args, **kwargs):
-        counts["forward"] += 1
-        return forward(*args, **kwargs)
+    def forwarding(spans, *args, **kwargs):
+        counts["forward"] += not count([c.seq for c in spans])
+        return forward(spans, *args, **kwargs)
 
     runner.decode_steps, runner.forward = bursting, forwarding
     return counts
@@ -210,14 +203,13 @@ def main() -> None:
     results = [(d, run(args, d)) for d in args.decoder]
     if len(results) > 1:
         base = next((r for d, r in results if d == "ar"), None)
-        print("\n| decoder | host us/step mean | median | vs ar | drafted | chained | ahead |")
+        print("\n| decoder | host us/step mean | median | vs ar | drafted | fed | in flight |")
         print("|---|---:|---:|---:|---:|---:|---:|")
         for d, r in results:
             ratio = f"{r['mean'] / base['mean']:.2f}x" if base else "-"
             print(
                 f"| {d} | {r['mean'] * 1e6:.0f} | {r['median'] * 1e6:.0f} | {ratio} "
-                f"| {r['drafted']} | {r['chained']} "
-                f"| {r['ahead'][True]}/{r['ahead'][True] + r['ahead'][False]} |"
+                f"| {r['drafted']} | {r['fed']} | {r['in_flight']} |"
             )
 
 

@@ -5,33 +5,44 @@ from __future__ import annotations
 import torch
 
 from stride.decoders import sampling
-from stride.decoders.base import Commit, Decoder, Proposal, StepContext
+from stride.decoders.base import (
+    UNLIMITED,
+    Commit,
+    Decoder,
+    Proposal,
+    Scored,
+    StepContext,
+    plain_commits,
+)
 from stride.decoders.catalog import AR
 from stride.engine.sequence import Sequence
 
-_NOTHING = Proposal()  # shared: nobody mutates a proposal, and a step makes one per sequence
+FOR_GOOD = Proposal(plain_steps=UNLIMITED)  # shared: nobody mutates a proposal
 
 
 class Autoregressive(Decoder):
     name = AR
 
     def propose(self, seqs: list[Sequence], ctx: StepContext) -> list[Proposal]:
-        return [_NOTHING] * len(seqs)
+        return [FOR_GOOD] * len(seqs)
 
     def commit(
         self,
         seqs: list[Sequence],
         proposals: list[Proposal],
-        logits: list[torch.Tensor],
+        scored: Scored,
         ctx: StepContext,
     ) -> list[Commit]:
-        return sample_one_each(seqs, logits, ctx)
+        return commit_plain(seqs, scored, ctx)
 
-    def plain_steps(self, seqs: list[Sequence]) -> int:
-        return 1 << 30  # plain decoding, for any number of steps
 
-    def may_launch_ahead(self) -> bool:
-        return True  # the next plan is the scheduler's alone
+def commit_plain(seqs: list[Sequence], scored: Scored, ctx: StepContext) -> list[Commit]:
+    """Plain steps' commits: the tokens sampled on the device, or one token per sequence
+    sampled here from its single logits row."""
+    if scored.tokens is not None:
+        return plain_commits(scored)
+    assert scored.logits is not None
+    return sample_one_each(seqs, scored.logits, ctx)
 
 
 def sample_one_each(

@@ -1,35 +1,28 @@
-"""The decoder protocol: propose tokens to score, then commit from their logits.
+"""The decoder protocol: propose tokens to score, then commit from what the target made of them.
 
 A step of the scheduler, for every running sequence whose uncached tail fits in the batch:
 
 1. `extra_tokens(seq, cap)` says how many tokens the decoder will add after the tail (0 for plain
    decoding, K for K drafts, W for a Jacobi window), so the scheduler can budget and reserve KV.
 2. `propose(seqs)` returns those tokens (with positions or a mask if not plainly causal), for
-   all of the decoder's sequences at once so that drafting can be batched.
-3. The engine scores tails and proposals of all sequences in one forward pass. Each sequence gets
-   logits for its last tail token and every proposed token (`1 + len(proposal.tokens)` rows).
-4. `commit(seqs, proposals, logits)` returns, per sequence, the tokens it accepts and how many
+   all of the decoder's sequences at once so that drafting can be batched. A proposal of no
+   tokens is a plain step (score the tail, sample one token, as `ar` does); its `plain_steps`
+   promises that many plain steps from this one on, so the executor may run them without asking
+   the decoder in between (several steps per launch on the device, the next launched before this
+   one is committed).
+3. The engine scores tails and proposals of all sequences in one forward pass (`Scored`): each
+   sequence gets logits for its last tail token and every proposed token, or, for plain steps
+   run on the device, the tokens those steps sampled.
+4. `commit(seqs, proposals, scored)` returns, per sequence, the tokens it accepts and how many
    proposed tokens keep their KV (`kv_keep`, a prefix, or the ones `kv_from` names, moved to
    the front: a draft tree keeps one path of its nodes); the rest is rolled back.
 
 `admit(seq)` runs once when a request is admitted, before its first pass (e.g. to ask the
 engine for the sequence's hidden states: `Sequence.features`). `release(seq)` drops what the
 decoder keeps for a sequence that finished or was preempted (it is rebuilt from the tokens).
-
-The fast paths (the core's executor, `stride.scheduler.executor`, decides which one a step takes;
-a decoder only answers these hooks, and the defaults opt out of all of them):
-
-- Greedy bursts: a small batch of greedy rows that propose nothing may run several decode steps
-  back to back on the device, each step's argmax fed to the next. `plain_steps(seqs)` (asked
-  after `propose`) says for how many steps, this one first, the decoder would run its sequences
-  exactly as plain decoding; for the steps a burst ran, the core calls `advance(seqs, steps)`
-  instead of `commit`.
-- Decoder bursts: a decoder that can run several passes of its own on the device with no host
-  round trip between them (EAGLE's greedy chains) offers them through `burst(seqs, passes)` when
-  the whole step is its sequences' decodes and nobody waits; the core then commits what the
-  returned `Burst` hands back instead of running a forward and calling `commit`.
-- Launch-ahead: on a GPU the next step's forward may be launched before this step's text is
-  decoded, if every decoder with sequences in flight says `may_launch_ahead()`.
+A decoder that runs passes of its own on the device with no host round trip between them (the
+speculation loop) offers them through `burst(seqs, passes)`; a decoder whose sequences run on a
+model of their own (diffusion) names it in `model_group`.
 
 Adding a strategy is one new module implementing `Decoder` plus one line in the registry.
 """
@@ -79,11 +72,33 @@ def parse_options(model: type[OptionsT], options: dict[str, Any], what: str) -> 
         raise DecoderError(f"{what}: option {key!r}: {error['msg']}") from None
 
 
+UNLIMITED = 1 << 30  # plain steps for good (`ar`)
+
+
 @dataclass
 class Proposal:
     tokens: list[int] = field(default_factory=list)
     positions: list[int] | None = None  # default: consecutive after the tail
     mask: torch.Tensor | None = None  # [n, n] over tail + tokens; default causal
+    # No tokens: plain steps promised from this one on (see the module docstring).
+    plain_steps: int = 1
+
+    @property
+    def plain(self) -> bool:
+        return not self.tokens and self.positions is None
+
+
+PLAIN = Proposal()  # one plain step (shared: nobody mutates a proposal)
+
+
+@dataclass
+class Scored:
+    """What the target made of a decoder's sequences in one launch: each sequence's logits rows
+    (its last tail token's, then one per proposed token), or, where the launch sampled plain
+    steps on the device, the tokens each sequence's steps made (`plain_commits`)."""
+
+    logits: list[torch.Tensor] | None = None
+    tokens: list[list[int]] | None = None
 
 
 @dataclass
@@ -99,10 +114,21 @@ class Commit:
 
 @dataclass
 class StepContext:
-    """What a decoder may need from the engine beyond its sequences' logits."""
+    """What a decoder may need from the engine beyond its sequences' logits. `timing`: the wall
+    time of the launch being committed (from its start, or from the result before it where
+    launches overlap), for the policies that price steps by measurement; None where the launch
+    is no measure of its decode steps (it held prefill rows)."""
 
     eos_ids: set[int]
     device: torch.device
+    timing: float | None = None
+
+
+def plain_commits(scored: Scored) -> list[Commit]:
+    """The commits of plain steps sampled on the device: each sequence's tokens, all but the
+    last with their KV kept (the last is the next step's tail)."""
+    assert scored.tokens is not None
+    return [Commit(t, [None] * len(t), len(t) - 1, forward_passes=len(t)) for t in scored.tokens]
 
 
 @dataclass
@@ -153,13 +179,13 @@ class Decoder:
         return 0
 
     def propose(self, seqs: list[Sequence], ctx: StepContext) -> list[Proposal]:
-        return [Proposal() for _ in seqs]
+        return [PLAIN] * len(seqs)
 
     def commit(
         self,
         seqs: list[Sequence],
         proposals: list[Proposal],
-        logits: list[torch.Tensor],
+        scored: Scored,
         ctx: StepContext,
     ) -> list[Commit]:
         raise NotImplementedError
@@ -168,35 +194,12 @@ class Decoder:
         """The sequence finished or was preempted: drop whatever state the decoder kept for it."""
         seq.decoder_state = None
 
-    # ---- fast paths (see the module docstring); the defaults opt out ----------------------
-
-    def plain_steps(self, seqs: list[Sequence]) -> int:
-        """For how many steps, this one first, `seqs` decode exactly as `ar` decodes them.
-
-        Asked after `propose`, when the core may run a greedy burst. An answer above 1 promises
-        that this step proposed nothing for `seqs` and that the next `answer - 1` steps would
-        propose nothing either and commit one sampled token each; the core may then run up to
-        that many steps back to back without asking the decoder in between. 0: not even this.
-        """
-        return 0
-
-    def advance(self, seqs: list[Sequence], steps: int) -> None:
-        """A greedy burst of `steps` steps (this one first) committed `seqs`' tokens without
-        `commit`: advance whatever the decoder counts per step as if it had run them one by one."""
-
     def burst(self, seqs: list[Sequence], passes: int, ctx: StepContext) -> Burst | None:
         """Run up to `passes` passes of `seqs` on the device, started now; None: not this step.
 
         Asked instead of `propose` when every scheduled sequence is one of this decoder's and
         decodes (its tail is its last token), and nobody waits."""
         return None
-
-    def may_launch_ahead(self) -> bool:
-        """May the next step's forward start before this step's text is decoded?
-
-        True promises that the decoder's next plan is fixed once this step has committed (its
-        timings aside: a decoder that times its steps answers False for the ones it times)."""
-        return False
 
     def model_group(self, seq: Sequence) -> ModelGroup | None:
         """The model group that runs `seq` instead of the target (a diffusion LM), if any."""

@@ -28,7 +28,15 @@ import torch
 from pydantic import Field
 
 from stride.decoders import sampling
-from stride.decoders.base import Commit, Decoder, Options, Proposal, StepContext, parse_options
+from stride.decoders.base import (
+    Commit,
+    Decoder,
+    Options,
+    Proposal,
+    Scored,
+    StepContext,
+    parse_options,
+)
 from stride.decoders.catalog import INTROSPECTIVE
 from stride.decoders.speculative.drafters import Draft
 from stride.decoders.speculative.tree import Tree
@@ -102,9 +110,11 @@ class Introspective(Decoder):
         self,
         seqs: list[Sequence],
         proposals: list[Proposal],
-        logits: list[torch.Tensor],
+        scored: Scored,
         ctx: StepContext,
     ) -> list[Commit]:
+        logits = scored.logits
+        assert logits is not None  # (it always proposes slots: never a plain step)
         states = [self.state(s) for s in seqs]
         drafts = [Draft(st.proposals[: st.drafts], _rows(st.q, st.drafts)) for st in states]
         real = torch.cat([lg[: st.drafts + 1] for lg, st in zip(logits, states, strict=True)])

@@ -24,8 +24,10 @@ from stride.decoders.base import (
     DecoderError,
     Options,
     Proposal,
+    Scored,
     StepContext,
     parse_options,
+    plain_commits,
 )
 from stride.decoders.catalog import JACOBI
 from stride.decoders.payoff import Payoff
@@ -144,13 +146,6 @@ class Jacobi(Decoder):
         """Does `seq` take a plain step (its method measured that refining does not pay)?"""
         return seq.decoder_options.get("adaptive", False) and not self.payoff.refining
 
-    def plain_steps(self, seqs: list[Sequence]) -> int:
-        """Adaptive sequences in a plain epoch decode as `ar` until the epoch ends."""
-        return self.payoff.steps_left() if all(map(self.plain, seqs)) else 0
-
-    def advance(self, seqs: list[Sequence], steps: int) -> None:
-        self.payoff.record(len(seqs), len(seqs) * steps, steps)
-
     def state(self, seq: Sequence) -> JacobiState:
         if seq.decoder_state is None:
             seq.decoder_state = JacobiState()
@@ -175,23 +170,36 @@ class Jacobi(Decoder):
         pad = guesses[-1] if guesses else seq.token_ids[-1]
         return guesses + [pad] * (st.size - len(guesses))
 
+    def plain_proposal(self) -> Proposal:
+        """An adaptive sequence in a plain epoch decodes as `ar` until the epoch ends."""
+        return Proposal(plain_steps=self.payoff.steps_left())
+
     def propose(self, seqs: list[Sequence], ctx: StepContext) -> list[Proposal]:
-        return [Proposal(self.window(s)) for s in seqs]
+        return [self.plain_proposal() if self.plain(s) else Proposal(self.window(s)) for s in seqs]
 
     def commit(
         self,
         seqs: list[Sequence],
         proposals: list[Proposal],
-        logits: list[torch.Tensor],
+        scored: Scored,
         ctx: StepContext,
     ) -> list[Commit]:
+        if scored.tokens is not None:
+            return self.commit_plain(scored)
         paths = [[list(range(len(p.tokens)))] for p in proposals]
-        verdicts, lps = verify(seqs, proposals, paths, logits, ctx)
+        verdicts, lps = verify(seqs, proposals, paths, scored.logits, ctx)
         commits = []
         for seq, prop, v, lp in zip(seqs, proposals, verdicts, lps, strict=True):
             self.refine(seq, prop, v)
             commits.append(Commit(v.tokens, lp, kv_keep=v.accepted))
         self.measure(seqs, commits)
+        return commits
+
+    def commit_plain(self, scored: Scored) -> list[Commit]:
+        """Plain steps of adaptive sequences, sampled on the device: counted for `payoff`."""
+        commits = plain_commits(scored)
+        steps = max(c.forward_passes for c in commits)
+        self.payoff.record(len(commits), sum(len(c.tokens) for c in commits), steps)
         return commits
 
     def measure(self, seqs: list[Sequence], commits: list[Commit]) -> None:

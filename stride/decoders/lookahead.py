@@ -21,7 +21,7 @@ import torch
 from pydantic import Field
 
 from stride.decoders import grammar
-from stride.decoders.base import Commit, Proposal, StepContext, parse_options
+from stride.decoders.base import Commit, Proposal, Scored, StepContext, parse_options
 from stride.decoders.catalog import LOOKAHEAD
 from stride.decoders.jacobi import (
     Jacobi,
@@ -119,7 +119,7 @@ class Lookahead(Jacobi):
         return size + sum(len(c) for c in st.candidates)
 
     def propose(self, seqs: list[Sequence], ctx: StepContext) -> list[Proposal]:
-        return [self._proposal(s) for s in seqs]
+        return [self.plain_proposal() if self.plain(s) else self._proposal(s) for s in seqs]
 
     def _proposal(self, seq: Sequence) -> Proposal:
         st = self.state(seq)
@@ -149,10 +149,13 @@ class Lookahead(Jacobi):
         self,
         seqs: list[Sequence],
         proposals: list[Proposal],
-        logits: list[torch.Tensor],
+        scored: Scored,
         ctx: StepContext,
     ) -> list[Commit]:
-        verdicts, lps = verify(seqs, proposals, [self._paths(s) for s in seqs], logits, ctx)
+        if scored.tokens is not None:
+            return self.commit_plain(scored)
+        paths = [self._paths(s) for s in seqs]
+        verdicts, lps = verify(seqs, proposals, paths, scored.logits, ctx)
         commits = []
         for seq, prop, v, lp in zip(seqs, proposals, verdicts, lps, strict=True):
             self._harvest(seq, prop, v)

@@ -12,8 +12,6 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any
 
-import torch
-
 from stride import adapters
 from stride.decoders.base import (
     Commit,
@@ -23,6 +21,7 @@ from stride.decoders.base import (
     ModelGroup,
     Options,
     Proposal,
+    Scored,
     StepContext,
     parse_options,
 )
@@ -130,25 +129,21 @@ class Refine(Decoder):
         self,
         seqs: list[Sequence],
         proposals: list[Proposal],
-        logits: list[torch.Tensor],
+        scored: Scored,
         ctx: StepContext,
     ) -> list[Commit]:
         out: list[Commit] = [Commit([], [])] * len(seqs)
         for method, idx in _by_method(seqs).items():
+            part = Scored(
+                None if scored.logits is None else [scored.logits[i] for i in idx],
+                None if scored.tokens is None else [scored.tokens[i] for i in idx],
+            )
             commits = self.causal[method].commit(
-                [seqs[i] for i in idx], [proposals[i] for i in idx], [logits[i] for i in idx], ctx
+                [seqs[i] for i in idx], [proposals[i] for i in idx], part, ctx
             )
             for i, commit in zip(idx, commits, strict=True):
                 out[i] = commit
         return out
-
-    def plain_steps(self, seqs: list[Sequence]) -> int:
-        groups = _by_method(seqs)
-        return min(self.causal[m].plain_steps([seqs[i] for i in idx]) for m, idx in groups.items())
-
-    def advance(self, seqs: list[Sequence], steps: int) -> None:
-        for method, idx in _by_method(seqs).items():
-            self.causal[method].advance([seqs[i] for i in idx], steps)
 
     def _of(self, seq: Sequence) -> Decoder:
         return self.causal[seq.decoder_options["method"]]

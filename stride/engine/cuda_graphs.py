@@ -119,12 +119,14 @@ class DecodeGraphs:
         lengths: list[int],
         tables: list[list[int]],
         aux: bool = False,
+        fed: tuple[list[tuple[int, int]], torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """One decode step for len(tokens) sequences; returns their [B, vocab] fp32 logits.
 
         `lengths` counts each sequence's context including the new token, whose K/V goes to the
         slot of position `lengths - 1` in its block table. `aux`: leave the rows' hidden states
-        of the `aux` layers in `self.aux` too.
+        of the `aux` layers in `self.aux` too. `fed`: (row, source) pairs and a device tensor:
+        those rows take their token from that row of the tensor, not from `tokens`.
         """
         n = len(tokens)
         bucket = self._bucket(n)
@@ -132,6 +134,10 @@ class DecodeGraphs:
         self._pack(self._host_np, tokens, positions, lengths, tables, bucket)
         self._inputs[:bucket].copy_(self._host[:bucket], non_blocking=True)
         self._copied.record()
+        if fed is not None:
+            pairs, source = fed
+            pairs_t = torch.tensor(pairs).to(source.device, non_blocking=True)
+            self._inputs[pairs_t[:, 0], TOKEN] = source[pairs_t[:, 1]].to(self._inputs.dtype)
         self._graphs[bucket, aux].replay()
         # A copy: the next replay overwrites the buffer while a caller may still hold these rows.
         return self._logits[:n].clone()
@@ -144,17 +150,14 @@ class DecodeGraphs:
         tables: list[list[int]],
         steps: int,
         sample: Callable[[torch.Tensor], torch.Tensor],
-        rows: list[int] | None = None,
     ) -> torch.Tensor:
         """`steps` decode steps in a row with no host sync: step s+1's input tokens are step s's
         `sample(logits)`, copied on the device. Returns the sampled tokens [steps, B] (device).
 
-        Step 0's tokens are host ints, or a device tensor (an earlier burst's last sample, still
-        on the device: copied like a later step's, so nothing waits for that burst), whose row
-        `rows[i]` (default: row i) is sequence i's token. Those indices travel in the token
-        column of the packed inputs, and the rows are picked on the device.
+        Step 0's tokens are host ints, or a device tensor (holding the last samples of a launch
+        still in flight: copied like a later step's, so nothing waits for that launch).
         Every sequence must have KV slots reserved for `steps` new tokens; step s writes the K/V
-        of position `lengths - 1 + s`.
+        of position `lengths - 1` + s.
         """
         n = len(lengths)
         fed = tokens if isinstance(tokens, torch.Tensor) else None  # fed on the device
@@ -167,8 +170,7 @@ class DecodeGraphs:
         packed = steps * bucket  # rows of a contiguous prefix: one asynchronous copy
         host = self._steps_host[:packed].numpy().reshape(steps, bucket, width)
         self._copied.synchronize()
-        column = tokens if fed is None else 0 if rows is None else rows
-        self._pack(host[0], column, positions, lengths, tables, bucket)
+        self._pack(host[0], tokens if fed is None else 0, positions, lengths, tables, bucket)
         for s in range(1, steps):
             host[s] = host[0]
             host[s, :n, POSITION] += s
@@ -178,8 +180,6 @@ class DecodeGraphs:
         inputs.copy_(self._steps_host[:packed], non_blocking=True)
         self._copied.record()
         inputs = inputs.view(steps, bucket, width)
-        if fed is not None and rows is not None:
-            fed = fed.index_select(0, inputs[0, :n, TOKEN])
         sampled = torch.empty(steps, n, dtype=torch.long, device=self._inputs.device)
         graph = self._graphs[bucket, False]
         for s in range(steps):
@@ -197,8 +197,7 @@ class DecodeGraphs:
     def _pack(self, h: np.ndarray, tokens, positions, lengths, tables, bucket: int) -> None:
         """Write one step's rows into the packed array `h` and pad it up to `bucket` rows.
 
-        `tokens`: a list, or one int for all rows (placeholders for tokens fed on the device);
-        for fed tokens, a list holds the rows to pick them from (see `run_steps`)."""
+        `tokens`: a list, or one int for all rows (placeholders for tokens fed on the device)."""
         n = len(lengths)
         h[:n, TOKEN] = tokens
         h[:n, POSITION] = positions

@@ -121,8 +121,11 @@ class KVCache:
             seq.block_table.append(block)
 
     def trim(self, seq: Sequence) -> None:
-        """Give back blocks beyond what `seq.num_cached` needs (after a rollback)."""
-        keep = -(-seq.num_cached // self.block_size)
+        """Give back blocks beyond what `seq.num_cached` needs (after a rollback), or, while
+        launches in flight sample its pending tokens, beyond the K/V they write (up to the
+        last pending token's predecessor)."""
+        used = seq.num_cached + seq.fed_offset if seq.pending else seq.num_cached
+        keep = -(-used // self.block_size)
         table = seq.block_table
         if len(table) > keep:
             for block in reversed(table[keep:]):

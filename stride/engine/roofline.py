@@ -123,9 +123,11 @@ class StepLoad:
             self.kv_tokens_read += context + n
             self.attention_pairs += n * context + n * (n + 1) // 2  # causal
 
-    def add_decode_steps(self, seqs: list[Sequence], steps: int, done: int = 0) -> None:
-        """`steps` fused decode steps of one row per sequence, after `done` steps not yet
-        committed (a chained burst: each context is that much longer)."""
+    def add_decode_steps(
+        self, seqs: list[Sequence], steps: int, offsets: list[int] | None = None
+    ) -> None:
+        """`steps` fused decode steps of one row per sequence, sequence i's after `offsets[i]`
+        pending tokens (a launch that continues one in flight: each context that much longer)."""
         rows = len(seqs)
         self.passes += steps
         self.passes_with_logits += steps
@@ -133,8 +135,8 @@ class StepLoad:
         self.logits_rows += rows * steps
         for seq in seqs:
             self._decoder(seq.decoder)
-        # Step s (0-based) of a sequence with `c` cached tokens reads c + done + s + 1 of them.
-        context = sum(seq.num_cached for seq in seqs) + rows * done
+        # Step s (0-based) of a sequence with `c` cached tokens reads c + offset + s + 1 of them.
+        context = sum(seq.num_cached for seq in seqs) + sum(offsets or ())
         read = steps * context + rows * steps * (steps + 1) // 2
         self.kv_tokens_read += read
         self.attention_pairs += read

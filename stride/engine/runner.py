@@ -57,13 +57,16 @@ class Span:
     # [n, w] bool: what the span's n tokens see of the last w (>= n) slots of their context,
     # which end with their own; the slots before those are seen whole. Default: causal.
     mask: torch.Tensor | None = None
-    offset: int = 0  # the tokens start this far past num_cached (a later step of decode_steps)
+    offset: int = 0  # the tokens start this far past num_cached (pending tokens before them)
+    # A fed span's one token is row `fed` of a tensor of tokens on the device (`forward`'s
+    # `fed`: the last samples of a launch still in flight); its `token_ids` hold a placeholder.
+    fed: int | None = None
 
 
 class SampledTokens:
-    """Tokens [steps, B] sampled on the device by `decode_steps`, their copy to the host queued
-    right behind them: reading them waits for their own burst only, not for a burst queued after
-    it (a chained burst, see `EngineCore._chain`), which a plain `.tolist()` would wait for."""
+    """Tokens [steps, B] sampled on the device by a launch, their copy to the host queued right
+    behind them: reading them waits for their own launch only, not for one queued after it (the
+    executor's next launch, fed from these on the device), which a plain `.tolist()` would."""
 
     def __init__(self, on_device: torch.Tensor) -> None:
         self.on_device = on_device
@@ -140,25 +143,39 @@ class ModelRunner:
         """From now on, MASK slots in spans run `adapter` (on their rows only)."""
         self.adapter = adapter.attach(self.model)
 
+    def can_feed(self, seq: Sequence, slots: int) -> bool:
+        """Can a decode row of `seq` whose context holds `slots` slots take its token from the
+        device (a fed row: where graphs run, it must be one of their rows)?"""
+        graphs = self.graphs
+        return graphs is None or -(-slots // self.cache.block_size) <= graphs.max_blocks
+
     @torch.inference_mode()
-    def forward(self, spans: list[Span], num_layers: int | None = None) -> list[torch.Tensor]:
-        """Score all spans in one pass; returns each span's [num_logits, vocab] fp32 logits."""
+    def forward(
+        self,
+        spans: list[Span],
+        num_layers: int | None = None,
+        fed: torch.Tensor | None = None,
+    ) -> list[torch.Tensor]:
+        """Score all spans in one pass; returns each span's [num_logits, vocab] fp32 logits.
+        `fed`: the device tokens that fed spans read (`Span.fed`); those replay as graph rows."""
         graphs = self.graphs
         if graphs is None or num_layers not in (None, self.model.num_layers):
-            return self._forward_eager(spans, num_layers)
+            return self._forward_eager(spans, num_layers, fed=fed)
         out: list[torch.Tensor | None] = [None] * len(spans)
         group: list[int] = []
         rows = 0
         for i, c in enumerate(spans):
             if not self._graphable(c):
+                if c.fed is not None:
+                    raise ValueError(f"a fed span of {c.seq.request_id} does not fit the graphs")
                 continue
             if rows + len(c.token_ids) > graphs.max_batch:
-                self._forward_graph(spans, group, out)
+                self._forward_graph(spans, group, out, fed)
                 group, rows = [], 0
             group.append(i)
             rows += len(c.token_ids)
         if group:
-            self._forward_graph(spans, group, out)
+            self._forward_graph(spans, group, out, fed)
         rest = [i for i, o in enumerate(out) if o is None]
         if rest:
             eager = self._forward_eager([spans[i] for i in rest], num_layers)
@@ -173,21 +190,19 @@ class ModelRunner:
         tokens: list[int] | torch.Tensor,
         steps: int,
         sample: Callable[[torch.Tensor], torch.Tensor],
-        offset: int = 0,
-        rows: list[int] | None = None,
+        offsets: list[int] | None = None,
     ) -> SampledTokens:
         """`steps` decode steps of one token per sequence, each step's input the last one's sample.
 
-        Step 0 feeds `tokens`: each sequence's tail as host ints, or a device tensor (the last
-        sample of an earlier burst not yet committed, which this one continues: then `offset`
-        is that burst's length, and positions start that far past `num_cached`). Sequence i's
-        token is the tensor's row `rows[i]` (default: row i), so that a continuation can leave
-        out sequences that finished meanwhile. `sample` maps [B, vocab] logits to [B] token ids
-        on the device. Every sequence needs KV slots for `offset + steps` new tokens. With CUDA
-        graphs the steps are queued with no host sync in between, so the host's per-step work
-        (commit, schedule, pack) is paid once per `steps` tokens; elsewhere each step is an
-        eager pass.
+        Step 0 feeds `tokens`: each sequence's first token as host ints, or as a device tensor
+        (where some are the last samples of a launch not yet committed, which this one
+        continues: sequence i's positions then start `offsets[i]` past its `num_cached`).
+        `sample` maps [B, vocab] logits to [B] token ids on the device. Every sequence needs KV
+        slots for `offsets[i] + steps` new tokens. With CUDA graphs the steps are queued with
+        no host sync in between, so the host's per-step work (commit, schedule, pack) is paid
+        once per `steps` tokens; elsewhere each step is an eager pass.
         """
+        offsets = offsets or [0] * len(seqs)
         graphs = self.graphs
         if (
             graphs is not None
@@ -195,19 +210,15 @@ class ModelRunner:
             and all(len(s.block_table) <= graphs.max_blocks for s in seqs)
         ):
             tables = [s.block_table for s in seqs]
-            starts = [s.num_cached + offset for s in seqs]
+            starts = [s.num_cached + o for s, o in zip(seqs, offsets, strict=True)]
             lengths = [s + 1 for s in starts]
-            return SampledTokens(
-                graphs.run_steps(tokens, starts, lengths, tables, steps, sample, rows)
-            )
+            return SampledTokens(graphs.run_steps(tokens, starts, lengths, tables, steps, sample))
         if not isinstance(tokens, torch.Tensor):
             tokens = torch.tensor(tokens, dtype=torch.long, device=self.device)
-        elif rows is not None:  # (a host-to-device copy: on a GPU it waits for the last burst)
-            tokens = tokens[torch.tensor(rows, device=tokens.device)]
         sampled = []
         for s in range(steps):
             # One placeholder token per span: the ids themselves come from `tokens`.
-            spans = [Span(seq, [0], 1, offset=offset + s) for seq in seqs]
+            spans = [Span(seq, [0], 1, offset=o + s) for seq, o in zip(seqs, offsets, strict=True)]
             tokens = sample(torch.cat(self._forward_eager(spans, None, tokens)))
             sampled.append(tokens)
         return SampledTokens(torch.stack(sampled))
@@ -225,11 +236,25 @@ class ModelRunner:
         )
 
     def _forward_eager(
-        self, spans: list[Span], num_layers: int | None, tokens: torch.Tensor | None = None
+        self,
+        spans: list[Span],
+        num_layers: int | None,
+        tokens: torch.Tensor | None = None,
+        fed: torch.Tensor | None = None,
     ) -> list[torch.Tensor]:
-        """`tokens`, if given, replaces the spans' token ids (already on the device)."""
+        """`tokens`, if given, replaces the spans' token ids (already on the device); `fed`:
+        the tokens that fed spans read (`Span.fed`)."""
         meta, packed, positions, rows = prepare(spans, self.cache.block_size, self.device)
         tokens = packed if tokens is None else tokens
+        if fed is not None:
+            feeds, row = [], 0  # (packed row, row of `fed`)
+            for c in spans:
+                if c.fed is not None:
+                    feeds.append((row, c.fed))
+                row += len(c.token_ids)
+            pairs = torch.tensor(feeds).to(self.device, non_blocking=True)
+            tokens = tokens.clone()
+            tokens[pairs[:, 0]] = fed[pairs[:, 1]]
         kv = (self.cache.k, self.cache.v)
         masked = _mask_rows(spans) if self.adapter is not None else []
         forward_fn, gate = self.forward_fn, contextlib.nullcontext()
@@ -250,7 +275,11 @@ class ModelRunner:
         return bool(self.aux_layers) and any(c.seq.features is not None for c in spans)
 
     def _forward_graph(
-        self, spans: list[Span], group: list[int], out: list[torch.Tensor | None]
+        self,
+        spans: list[Span],
+        group: list[int],
+        out: list[torch.Tensor | None],
+        fed: torch.Tensor | None,
     ) -> None:
         """Replay the decode graph with one row per token of the grouped spans.
 
@@ -262,15 +291,19 @@ class ModelRunner:
         positions: list[int] = []
         lengths: list[int] = []
         tables: list[list[int]] = []
+        feeds: list[tuple[int, int]] = []  # (graph row, row of `fed`)
         for i in group:
             c = spans[i]
             start, n = c.seq.num_cached + c.offset, len(c.token_ids)
+            if c.fed is not None:
+                feeds.append((len(tokens), c.fed))
             tokens += c.token_ids
             positions += c.positions or range(start, start + n)
             lengths += range(start + 1, start + n + 1)
             tables += [c.seq.block_table] * n
         features = self._wants_features([spans[i] for i in group])
-        logits = self.graphs.run(tokens, positions, lengths, tables, aux=features)
+        fed_rows = (feeds, fed) if feeds else None
+        logits = self.graphs.run(tokens, positions, lengths, tables, features, fed_rows)
         if features:
             _hand_out(spans, group, self.graphs.aux[: len(tokens)])
         offset = 0

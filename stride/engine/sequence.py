@@ -118,6 +118,10 @@ class Sequence:
 
     token_ids: list[int] = field(init=False)
     num_cached: int = 0
+    # Tokens that launches still in flight sample on the device (not in token_ids yet; their
+    # K/V slots are reserved), and the plain steps its decoder promised beyond them.
+    pending: int = 0
+    promised: int = 0
     block_table: list[int] = field(default_factory=list)
     num_sealed: int = 0  # leading blocks of block_table that are full, committed and immutable
     block_hashes: list[bytes] = field(default_factory=list)  # of token_ids' full blocks, memo
@@ -160,6 +164,12 @@ class Sequence:
     def wants_prompt_rows(self) -> bool:
         """Prompt logprobs asked for and not all scored: its prompt is computed, not cached."""
         return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_ids)
+
+    @property
+    def fed_offset(self) -> int:
+        """Where the next decode row sits past `num_cached`: at its last token, the last
+        pending one if any (its predecessors' K/V are written or being written)."""
+        return self.num_tokens - 1 + self.pending - self.num_cached
 
     @property
     def tail(self) -> list[int]:

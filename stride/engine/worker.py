@@ -16,7 +16,6 @@ import signal
 import sys
 import threading
 import time
-from collections import deque
 from multiprocessing.connection import Connection
 
 import torch
@@ -34,7 +33,7 @@ from stride.engine.parallel import (
     rank_device,
 )
 from stride.engine.runner import ModelRunner
-from stride.engine.workers import BURSTS_KEPT, shadow, span_of
+from stride.engine.workers import shadow, span_of
 
 log = logging.getLogger("stride.engine.worker")
 
@@ -53,24 +52,24 @@ class Rank:
         dtype = next(model.parameters()).dtype
         cache = make_cache(config, model, dtype, self.device, "", parallel=True)
         self.runner = ModelRunner(model, cache, self.device)
-        self.bursts: deque[tuple[int, torch.Tensor]] = deque(maxlen=BURSTS_KEPT)
 
-    def forward(self, spans: list[tuple], num_layers: int | None) -> None:
-        self.runner.forward([span_of(s) for s in spans], num_layers)
+    def forward(self, spans: list[tuple], num_layers: int | None, fed: int | None) -> None:
+        tokens = None if fed is None else self._receive(fed)
+        self.runner.forward([span_of(s) for s in spans], num_layers, tokens)
 
-    def decode(self, tables, fed, steps: int, offset: int, rows, burst: int) -> None:
+    def decode(self, tables, fed, steps: int, offsets: list[int] | None) -> None:
+        """A burst; `fed`: its first tokens, or how many rank 0 broadcasts (fed on the device)."""
         seqs = [shadow(num_cached, table) for num_cached, table in tables]
-        if isinstance(fed, tuple):  # a row an earlier burst sampled (rank 0 broadcast it)
-            earlier, step = fed
-            tokens = next(t for b, t in self.bursts if b == earlier)[step]
-        else:
-            tokens = fed
+        tokens = self._receive(fed) if isinstance(fed, int) else fed
 
         def receive(logits: torch.Tensor) -> torch.Tensor:
-            return broadcast_tokens(torch.empty(len(logits), dtype=torch.long, device=self.device))
+            return self._receive(len(logits))
 
-        out = self.runner.decode_steps(seqs, tokens, steps, receive, offset, rows)
-        self.bursts.append((burst, out.on_device))
+        self.runner.decode_steps(seqs, tokens, steps, receive, offsets)
+
+    def _receive(self, count: int) -> torch.Tensor:
+        """`count` tokens rank 0 broadcasts."""
+        return broadcast_tokens(torch.empty(count, dtype=torch.long, device=self.device))
 
     def copy(self, src: list[int], dst: list[int]) -> None:
         self.runner.cache.copy_slots(src, dst)

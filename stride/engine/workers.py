@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import itertools
 import logging
 import os
 import pickle
@@ -32,7 +31,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from multiprocessing.util import Finalize
@@ -57,7 +55,6 @@ from stride.engine.sequence import Sequence
 log = logging.getLogger(__name__)
 
 START_TIMEOUT_S = 120.0  # for a worker to start its interpreter and reach the rendezvous
-BURSTS_KEPT = 4  # recent bursts whose samples a chained burst may start from
 
 
 class WorkerDied(RuntimeError):
@@ -68,7 +65,7 @@ def plain_span(c: Span) -> tuple:
     """What a worker needs of a span (plain data: it crosses a pipe)."""
     mask = None if c.mask is None else c.mask.cpu()
     return (c.seq.num_cached, list(c.seq.block_table), list(c.token_ids), c.num_logits,
-            c.positions, mask, c.offset)  # fmt: skip
+            c.positions, mask, c.offset, c.fed)  # fmt: skip
 
 
 def shadow(num_cached: int, block_table: list[int]) -> Sequence:
@@ -79,8 +76,8 @@ def shadow(num_cached: int, block_table: list[int]) -> Sequence:
 
 
 def span_of(plain: tuple) -> Span:
-    num_cached, table, tokens, num_logits, positions, mask, offset = plain
-    return Span(shadow(num_cached, table), tokens, num_logits, positions, mask, offset)
+    num_cached, table, tokens, num_logits, positions, mask, offset, fed = plain
+    return Span(shadow(num_cached, table), tokens, num_logits, positions, mask, offset, fed)
 
 
 class Workers:
@@ -275,8 +272,6 @@ class MirroredRunner(ModelRunner):
     ) -> None:
         super().__init__(model, cache, device, **kwargs)
         self.workers = workers
-        self._bursts: deque[tuple[int, torch.Tensor]] = deque(maxlen=BURSTS_KEPT)
-        self._ids = itertools.count()
         workers.before_close(self.release_graphs)
 
     def capture_features(self, layers: tuple[int, ...]) -> None:
@@ -288,9 +283,17 @@ class MirroredRunner(ModelRunner):
         self.workers.send(("vocab", None))
         return self._here(gather_vocab, self.model)
 
-    def forward(self, spans: list[Span], num_layers: int | None = None) -> list[torch.Tensor]:
-        self.workers.send(("forward", ([plain_span(c) for c in spans], num_layers)))
-        return self._here(super().forward, spans, num_layers)
+    def forward(
+        self, spans: list[Span], num_layers: int | None = None, fed: torch.Tensor | None = None
+    ) -> list[torch.Tensor]:
+        count = None if fed is None else len(fed)
+        self.workers.send(("forward", ([plain_span(c) for c in spans], num_layers, count)))
+        return self._here(self._forward_fed, spans, num_layers, fed)
+
+    def _forward_fed(self, spans, num_layers, fed):
+        if fed is not None:
+            broadcast_tokens(fed)  # (the workers' fed rows read the same tokens)
+        return super().forward(spans, num_layers, fed)
 
     def decode_steps(
         self,
@@ -298,30 +301,22 @@ class MirroredRunner(ModelRunner):
         tokens: list[int] | torch.Tensor,
         steps: int,
         sample: Callable[[torch.Tensor], torch.Tensor],
-        offset: int = 0,
-        rows: list[int] | None = None,
+        offsets: list[int] | None = None,
     ) -> SampledTokens:
-        fed = self._burst_row(tokens) if isinstance(tokens, torch.Tensor) else list(tokens)
-        burst = next(self._ids)
+        fed = len(tokens) if isinstance(tokens, torch.Tensor) else list(tokens)
         tables = [(s.num_cached, list(s.block_table)) for s in seqs]
-        self.workers.send(("decode", (tables, fed, steps, offset, rows, burst)))
+        self.workers.send(("decode", (tables, fed, steps, offsets)))
 
         def sample_everywhere(logits: torch.Tensor) -> torch.Tensor:
             return broadcast_tokens(sample(logits))
 
-        out = self._here(
-            super().decode_steps, seqs, tokens, steps, sample_everywhere, offset, rows
-        )
-        self._bursts.append((burst, out.on_device))
-        return out
+        def here() -> SampledTokens:
+            first = broadcast_tokens(tokens) if isinstance(tokens, torch.Tensor) else tokens
+            return super(MirroredRunner, self).decode_steps(
+                seqs, first, steps, sample_everywhere, offsets
+            )
 
-    def _burst_row(self, tokens: torch.Tensor) -> tuple[int, int]:
-        """(burst, step) of a recent burst whose sampled row `tokens` is (what workers keep)."""
-        for burst, sampled in self._bursts:
-            for step in range(len(sampled)):
-                if sampled[step].data_ptr() == tokens.data_ptr():
-                    return burst, step
-        raise ValueError("decode_steps fed tokens that no recent burst sampled")
+        return self._here(here)
 
     def _here(self, run, *args):
         """Rank 0's share of a pass. If it fails, because a worker died (which fails the

@@ -1,255 +1,363 @@
-"""How a scheduled step runs on the device, and what its sequences commit from it.
+"""How a batch runs on the device, and what its sequences commit from it.
 
-The core decides *what* runs (scheduling, proposals, commits, fault isolation); the executor
-decides *how*, behind one interface: `launch` a scheduled batch, `follow` a launched step on the
-device before it is committed, and say whether the next step `may_launch_ahead`. A launched
-step (`InFlight`) hands each decoder's sequences their `Commit`s, whichever way it ran:
+The core decides *what* runs (scheduling, proposals, applying commits); the executor decides
+*how*, behind one call: `run(batch)` launches the batch and returns a `StepResult` for every
+launch that has finished. A batch runs one of three ways:
 
-- `Forward`: one ragged forward pass over every sequence's tail and proposal; each decoder
-  commits from its rows' logits. Any batch can run this way.
-- `GreedyBurst`: several decode steps back to back on the device, each step's argmax fed to the
-  next, so the host's per-step work (sync, commit, schedule, pack, launch) is paid once for
-  several tokens. Every row must decode plainly greedily (`sampling.greedy_on_device`) and
-  nobody may wait to join; a decoder other than `ar` joins for as many steps as it would decode
-  its rows as `ar` (`Decoder.plain_steps`), if above 1 (an answer of 1 may need this step's
-  `commit`, e.g. to time it). Several steps per burst only for batches up to `MAX_BURST_BATCH`,
-  where host work is a large share of a step: a request arriving meanwhile waits up to
-  `steps - 1` steps longer (a burst more if chained), and a sequence that stops early wastes the
-  rest of its steps. A larger batch, up to what the decode graphs take, runs 1-step bursts, and
-  only to chain them: chaining costs neither the wait nor the waste, and buys the overlap.
-  `burst_steps` of 1 turns bursts off at every batch size.
-- `DecoderBurst`: a decoder's own passes on the device (`Decoder.burst`, e.g. EAGLE's greedy
-  chains), when the whole step is its sequences' decodes and nobody waits.
+- a forward: one ragged pass over every sequence's tail and proposal; each decoder commits from
+  its rows' logits. Any batch can run this way.
+- a burst: several plain decode steps back to back on the device, each step's sample fed to the
+  next, so the host's per-step work (sync, commit, schedule, pack) is paid once for several
+  tokens. Every row must be a plain step sampled on the device (`sampling.greedy_on_device`)
+  whose decoder promised that many plain steps (`Proposal.plain_steps`), and nobody may wait.
+  Several steps only for batches up to `MAX_BURST_BATCH`, where host work is a large share of a
+  step: a request arriving meanwhile waits up to `steps - 1` steps longer, and a sequence that
+  stops early wastes the rest of its steps.
+- a decoder's own passes on the device (`Batch.burst`, e.g. EAGLE's chains).
 
-Two ways to overlap the host with the device, both on the GPU only (on the CPU everything is
-synchronous, and they would only make arrivals wait longer):
-
-- chaining (`follow`): the greedy burst that continues a launched one is queued before that one
-  is committed, its first tokens picked on the device from the last sample;
-- launch-ahead: the next step's forward is launched before this step's text is decoded, when
-  nobody waits and every decoder in flight agrees (`Decoder.may_launch_ahead`).
+Overlap (on the GPU only, where the decode graphs can take rows fed on the device): a launch
+whose every committing row is a plain step sampled on the device, with more plain steps
+promised after it, stays in flight. The next step is scheduled, proposed and launched before
+its result is committed: its rows continue from the last pending tokens on the device (fed
+rows, `Scheduled.fed`), and the host's commit, detokenizing and output of one step run while
+the device computes the next. A launch that anything else needs the commit of (drafts to verify,
+a sample drawn on the host) is waited for at once. On the CPU everything is synchronous.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections import defaultdict
-from collections.abc import Callable, Collection, Iterable
-from dataclasses import dataclass
 
 import torch
 
 from stride.decoders import sampling
-from stride.decoders.base import Burst, Commit, Decoder, Proposal, StepContext
+from stride.decoders.base import Burst, Proposal, Scored
 from stride.engine.engine import Engine
 from stride.engine.kv_cache import OutOfBlocks
 from stride.engine.roofline import StepLoad
 from stride.engine.runner import SampledTokens, Span
-from stride.engine.sequence import Sequence, Status
+from stride.engine.sequence import Status
 from stride.scheduler import prompt_logprobs
+from stride.scheduler.batch import Batch, Chunk, PromptRows, StepResult
+from stride.scheduler.decoder_set import DecoderSet
 from stride.scheduler.policy import Scheduled
 
 log = logging.getLogger(__name__)
 
-MAX_BURST_BATCH = 8  # greedy bursts of several steps only for batches up to this size
+MAX_BURST_BATCH = 8  # bursts of several steps only for batches up to this size
 
 
-@dataclass
-class Batch:
-    """A scheduled step: its plan, each item's proposal (None: its tail is not complete, or
-    nothing was proposed yet), and the plan indices that complete their tail, by decoder."""
+class Launch:
+    """A batch started on the device and not yet finished."""
 
-    plan: list[Scheduled]
-    proposals: list[Proposal | None]
-    by_decoder: dict[str, list[int]]
-
-    @classmethod
-    def of(cls, plan: list[Scheduled], proposals: list[Proposal | None] | None = None) -> Batch:
-        by_decoder: dict[str, list[int]] = defaultdict(list)
-        for i, item in enumerate(plan):
-            if item.completes_tail:
-                by_decoder[item.seq.decoder].append(i)
-        return cls(plan, proposals or [None] * len(plan), by_decoder)
-
-    def without(self, dropped: Collection[int]) -> Batch:
-        kept = [i for i in range(len(self.plan)) if i not in dropped]
-        return Batch.of([self.plan[i] for i in kept], [self.proposals[i] for i in kept])
-
-    @property
-    def seqs(self) -> list[Sequence]:
-        return [item.seq for item in self.plan]
-
-
-class InFlight:
-    """A step launched on the device and not yet committed."""
-
-    def __init__(self, batch: Batch, num_tokens: int) -> None:
+    def __init__(self, batch: Batch, passes: int, continuable: bool = False) -> None:
         self.batch = batch
-        self.num_tokens = num_tokens  # tokens the device scores for it
-        self.launched_at = time.monotonic()  # (a traced request's prefill chunks start there)
-        # Sequences whose forward failed alone, with what it raised (they are out of `batch`).
-        self.failed: list[tuple[Sequence, Exception]] = []
+        self.passes = passes
+        self.continuable = continuable  # may stay in flight (see the module docstring)
+        self.started = time.perf_counter()
+        self.result = StepResult(batch, passes=passes)
+        self.decode_only = all(item.completes_tail and item.num_tail == 1 for item in batch.plan)
+        # The last token each committing row samples, on the device (a continuable launch), and
+        # which row of it is whose: what the next launch's fed rows read.
+        self.sampled: torch.Tensor | None = None
+        self.rows: dict[str, int] = {}
 
-    def live(self) -> Iterable[tuple[str, list[int]]]:
-        """Each decoder's plan indices whose sequences are still running (aborts and expired
-        deadlines finish sequences between a launch and its commit)."""
-        plan = self.batch.plan
-        for name, idx in self.batch.by_decoder.items():
-            idx = [i for i in idx if plan[i].seq.status is not Status.FINISHED]
-            if idx:
-                yield name, idx
-
-    def advance(self, decoder: Decoder, seqs: list[Sequence]) -> None:
-        """Tell `decoder` about passes it did not commit itself (bursts)."""
-
-    def commits(
-        self, decoder: Decoder, idx: list[int], ctx: StepContext
-    ) -> list[Commit]:  # pragma: no cover - every kind overrides it
-        """What the sequences at plan indices `idx` (all `decoder`'s) commit (waits for them)."""
+    def scored(self, decoders: DecoderSet) -> dict[str, Scored]:  # pragma: no cover
+        """What the target made of each decoder's live sequences (waits for the device)."""
         raise NotImplementedError
 
 
-class Forward(InFlight):
-    """One forward pass: each decoder commits from its rows' logits. `prompt_logits`: the rows
-    that score prompt tokens (`prompt_logprobs`), as (sequence, first position, logits)."""
+class ForwardLaunch(Launch):
+    """One forward pass; `logits[i]` holds plan item i's rows, `tokens` (a continuable launch)
+    the samples of its committing rows, drawn on the device."""
 
-    def __init__(
-        self,
-        batch: Batch,
-        num_tokens: int,
-        logits: list[torch.Tensor],
-        prompt_logits: list[tuple[Sequence, int, torch.Tensor]] | None = None,
-    ) -> None:
-        super().__init__(batch, num_tokens)
+    def __init__(self, batch: Batch, logits: list[torch.Tensor], tokens: SampledTokens | None):
+        super().__init__(batch, 1, continuable=tokens is not None)
         self.logits = logits
-        self.prompt_logits = prompt_logits or []
-
-    def commits(self, decoder: Decoder, idx: list[int], ctx: StepContext) -> list[Commit]:
-        plan, proposals = self.batch.plan, self.batch.proposals
-        seqs = [plan[i].seq for i in idx]
-        props = [proposals[i] for i in idx]
-        return decoder.commit(seqs, props, [self.logits[i] for i in idx], ctx)  # type: ignore[arg-type]
-
-
-class GreedyBurst(InFlight):
-    """`tokens.steps` greedy decode steps: each sequence commits one token per step, all but
-    the last with their KV cached."""
-
-    def __init__(self, batch: Batch, tokens: SampledTokens) -> None:
-        super().__init__(batch, len(batch.plan) * tokens.steps)
         self.tokens = tokens
-        self._per_sequence: list[list[int]] | None = None
 
-    def advance(self, decoder: Decoder, seqs: list[Sequence]) -> None:
-        decoder.advance(seqs, self.tokens.steps)
+    def scored(self, decoders: DecoderSet) -> dict[str, Scored]:
+        out = {}
+        if self.tokens is not None:
+            made = self.tokens.per_sequence()
+            for name, idx in decoders.live(self.batch).items():
+                out[name] = Scored(tokens=[made[self.rows[self.batch.plan[i].seq.request_id]]
+                                           for i in idx])  # fmt: skip
+            return out
+        for name, idx in decoders.live(self.batch).items():
+            out[name] = Scored(logits=[self.logits[i] for i in idx])
+        return out
 
-    def commits(self, decoder: Decoder, idx: list[int], ctx: StepContext) -> list[Commit]:
-        if self._per_sequence is None:
-            self._per_sequence = self.tokens.per_sequence()
-        steps = self.tokens.steps
-        return [
-            Commit(self._per_sequence[i], [None] * steps, steps - 1, forward_passes=steps)
-            for i in idx
-        ]
+
+class BurstLaunch(Launch):
+    """`tokens.steps` plain decode steps: each sequence commits one token per step."""
+
+    def __init__(self, batch: Batch, tokens: SampledTokens, continuable: bool) -> None:
+        super().__init__(batch, tokens.steps, continuable)
+        self.tokens = tokens
+
+    def scored(self, decoders: DecoderSet) -> dict[str, Scored]:
+        made = self.tokens.per_sequence()
+        return {
+            name: Scored(tokens=[made[i] for i in idx])
+            for name, idx in decoders.live(self.batch).items()
+        }
 
 
-class DecoderBurst(InFlight):
+class LoopLaunch(Launch):
     """A decoder's own passes on the device (`Decoder.burst`); the plan is all its sequences."""
 
     def __init__(self, batch: Batch, burst: Burst) -> None:
-        super().__init__(batch, len(batch.plan))
+        super().__init__(batch, 1)
         self.burst = burst
-
-    def commits(self, decoder: Decoder, idx: list[int], ctx: StepContext) -> list[Commit]:
-        every = self.burst.commits()
-        return [every[i] for i in idx]
 
 
 class Executor:
-    """Picks how each step runs (see the module docstring) and launches it."""
+    """Runs each step's batch (see the module docstring) and keeps at most one in flight."""
 
-    def __init__(self, engine: Engine, decoders: dict[str, Decoder], burst_steps: int | None):
+    def __init__(self, engine: Engine, decoders: DecoderSet, burst_steps: int) -> None:
         self.engine = engine
         self.decoders = decoders
-        graphs = engine.runner.graphs
-        # On a GPU, the next step's forward is launched before this step's text is decoded.
-        self.launch_ahead = graphs is not None
-        self.burst_steps = burst_steps if burst_steps is not None else 8 if graphs else 1
-        self.chain = graphs is not None
-        self.max_chain_batch = graphs.max_batch if graphs is not None else 1 << 30
+        self.burst_steps = burst_steps
+        self.overlap = engine.runner.graphs is not None
         self.load = StepLoad()  # the current step's work on the device (roofline metrics)
+        self._in_flight: Launch | None = None
+        self._finished_at = time.perf_counter()  # when the last launch finished
 
-    # ---- launching a scheduled batch ------------------------------------------------------
+    # ---- running a batch ----------------------------------------------------------------------
 
-    def launch(
-        self,
-        batch: Batch,
-        propose: Callable[[Batch], Batch | None],
-        ctx: StepContext,
-        alone: bool,
-        isolating: bool,
-    ) -> InFlight | None:
-        """Start `batch` on the device (asynchronously on a GPU); None: nothing left to run.
+    def run(self, batch: Batch) -> list[StepResult]:
+        """Launch `batch`; return the results of the launches finished by now, oldest first:
+        the one in flight before, if any, then this one, unless it stays in flight."""
+        self.load = StepLoad()
+        launch = self._launch(batch) if batch.plan else None
+        done = []
+        if self._in_flight is not None:
+            done.append(self._finish(self._in_flight))
+            self._in_flight = None
+        if launch is not None:
+            if launch.continuable:
+                self._in_flight = launch
+            else:
+                done.append(self._finish(launch))
+        return done
 
-        `propose` lets the decoders propose (the core's, with its fault isolation); `alone`:
-        nobody waits and nothing runs beside the target; `isolating`: suspects run apart.
-        """
-        if alone:
-            burst = self._decoder_burst(batch, ctx)
-            if burst is not None:
-                return DecoderBurst(batch, burst)
-        proposed = propose(batch)
-        if proposed is None:
-            return None
-        batch = proposed
-        spans = [_span(item, prop) for item, prop in zip(batch.plan, batch.proposals, strict=True)]
-        steps = self._greedy_steps(batch) if alone and not isolating else 0
+    @property
+    def in_flight(self) -> bool:
+        return self._in_flight is not None
+
+    def _launch(self, batch: Batch) -> Launch | None:
+        if batch.burst is not None:
+            return LoopLaunch(batch, batch.burst)
+        steps = self._burst_length(batch)
         if steps:
-            tails = [span.token_ids[0] for span in spans]
             try:
-                tokens = self.engine.runner.decode_steps(
-                    batch.seqs, tails, steps, sampling.device_argmax
-                )
-                self.load.add_decode_steps(batch.seqs, steps)
-                return GreedyBurst(batch, tokens)
-            except Exception:  # the plain forward below tells whose fault it is
-                log.exception("a greedy burst failed; running a plain forward instead")
-        prompt_rows = _prompt_rows(batch.plan, spans)
-        num_tokens = sum(len(span.token_ids) for span in spans)
-        self.load.add_forward(spans, [item.num_tail for item in batch.plan])
-        logits, failed = self._forward(spans)
-        scored: list[tuple[Sequence, int, torch.Tensor]] = []
+                return self._launch_burst(batch, steps)
+            except Exception:  # the forward below tells whose fault it is
+                log.exception("a burst failed to launch; running a forward instead")
+        return self._launch_forward(batch)
+
+    def _launch_burst(self, batch: Batch, steps: int) -> BurstLaunch:
+        plan, seqs = batch.plan, batch.seqs
+        continuable = self._continuable(batch, steps)
+        offsets = [seq.fed_offset for seq in seqs]
+        tokens = self._first_tokens(plan)
+        made = self.engine.runner.decode_steps(
+            seqs, tokens, steps, sampling.device_argmax, offsets
+        )
+        self.load.add_decode_steps(seqs, steps, offsets)
+        launch = BurstLaunch(batch, made, continuable)
+        launch.sampled = made.on_device[-1]
+        launch.rows = {seq.request_id: i for i, seq in enumerate(seqs)}
+        self._started(launch, [steps] * len(plan))
+        return launch
+
+    def _launch_forward(self, batch: Batch) -> ForwardLaunch:
+        plan = batch.plan
+        spans = [_span(item, prop) for item, prop in zip(plan, batch.proposals, strict=True)]
+        prompt_rows = _prompt_rows(plan, spans)
+        fed = self._fed_tokens(plan)
+        self.load.add_forward(spans, [item.num_tail for item in plan])
+        logits, failed = self._forward(spans, fed)
+        rows = []
         for i, (first, count) in prompt_rows.items():  # split off the rows that score prompts
             if i not in failed:
-                scored.append((batch.plan[i].seq, first, logits[i][:count]))
+                rows.append(PromptRows(plan[i].seq, first, logits[i][:count]))
                 logits[i] = logits[i][count:]
-        if not failed:
-            return Forward(batch, num_tokens, logits, scored)
-        kept = batch.without(failed)
-        inflight = Forward(
-            kept, num_tokens, [x for i, x in enumerate(logits) if i not in failed], scored
-        )
-        inflight.failed = [(batch.plan[i].seq, error) for i, error in failed.items()]
-        return inflight
+        kept = batch
+        if failed:
+            kept = batch.without(failed)
+            logits = [x for i, x in enumerate(logits) if i not in failed]
+        tokens = None
+        if self._continuable(kept, 1):
+            committing = [i for i, item in enumerate(kept.plan) if item.completes_tail]
+            if committing:
+                tokens = SampledTokens(sampling.device_argmax(
+                    torch.cat([logits[i] for i in committing]))[None])  # fmt: skip
+        launch = ForwardLaunch(kept, logits, tokens)
+        launch.result.prompt_rows = rows
+        launch.result.failed = [(plan[i].seq, error, "scoring") for i, error in failed.items()]
+        if tokens is not None:
+            launch.sampled = tokens.on_device[-1]
+            launch.rows = {kept.plan[i].seq.request_id: j for j, i in enumerate(committing)}
+        self._started(launch, [1] * len(kept.plan))
+        return launch
 
-    def _decoder_burst(self, batch: Batch, ctx: StepContext) -> Burst | None:
-        """A decoder's own passes (`Decoder.burst`), when the whole step is its sequences'
-        decodes and bursts are on."""
-        if self.burst_steps <= 1 or len(batch.by_decoder) != 1:
-            return None
-        ((name, idx),) = batch.by_decoder.items()
-        if len(idx) != len(batch.plan) or any(item.num_tail != 1 for item in batch.plan):
-            return None
-        return self.decoders[name].burst(batch.seqs, self.burst_steps, ctx)
+    def _started(self, launch: Launch, steps: list[int]) -> None:
+        """What a launch changes at once: prefill chunks are cached (their next chunk may run
+        in the next step), committing rows sampled on the device are pending until committed,
+        with their decoder's promise what is left of it."""
+        cache = self.engine.cache
+        for item, prop, n in zip(launch.batch.plan, launch.batch.proposals, steps, strict=True):
+            seq = item.seq
+            if item.num_tail > 1:  # (traced requests' timelines note their prefill chunks)
+                launch.result.chunks.append(Chunk(seq, item.num_tail, seq.num_cached))
+            if not item.completes_tail:
+                seq.num_cached += item.num_tail
+                cache.seal(seq)
+            elif launch.sampled is not None and prop is not None:
+                seq.pending += n
+                seq.promised = prop.plain_steps - n
 
-    def _forward(self, spans: list[Span]) -> tuple[list[torch.Tensor], dict[int, Exception]]:
+    # ---- finishing a launch -------------------------------------------------------------------
+
+    def _finish(self, launch: Launch) -> StepResult:
+        """Wait for `launch` and let its sequences' decoders commit what it made."""
+        result, decoders = launch.result, self.decoders
+        try:
+            if isinstance(launch, LoopLaunch):
+                self._finish_loop(launch)
+                return result
+            scored = launch.scored(decoders)
+            now = time.perf_counter()
+            seconds = now - max(launch.started, self._finished_at)
+            self._finished_at = now
+            result.seconds = seconds
+            decoders.ctx.timing = seconds if launch.decode_only else None
+            result.commits = decoders.commit(launch.batch, scored)
+            return result
+        finally:
+            if launch.sampled is not None:
+                for item in launch.batch.plan:
+                    if item.completes_tail:
+                        item.seq.pending -= launch.passes
+
+    def _finish_loop(self, launch: LoopLaunch) -> None:
+        result, plan = launch.result, launch.batch.plan
+        seqs = [item.seq for item in plan]
+        before = [s.stats.draft_tokens for s in seqs]
+        commits = launch.burst.commits()
+        now = time.perf_counter()
+        result.seconds = now - max(launch.started, self._finished_at)
+        self._finished_at = now
+        live = [i for i, s in enumerate(seqs) if s.status is not Status.FINISHED]
+        result.commits = {i: commits[i] for i in live}
+        passes = [commits[i].forward_passes for i in live]
+        drafted = [seqs[i].stats.draft_tokens - before[i] for i in live]
+        self.load.add_burst([seqs[i] for i in live], passes, drafted)
+        result.passes = max(passes, default=1)
+
+    # ---- choosing how a batch runs ------------------------------------------------------------
+
+    def _burst_length(self, batch: Batch) -> int:
+        """How many steps a burst of `batch` runs (0: a forward), with the blocks for them
+        reserved (what is reserved goes back when the step commits: the core trims)."""
+        try:
+            steps = self._steps(batch)
+            if steps == 1 and not self._continuable(batch, 1):
+                return 0  # one step that stays no launch in flight: a forward does as well
+            for item in batch.plan if steps > 1 else ():
+                seq = item.seq
+                self.engine.cache.reserve(seq, seq.num_cached + seq.fed_offset + steps)
+            return steps
+        except OutOfBlocks:
+            return 0
+        except Exception:
+            log.exception("choosing a burst failed; running a forward")
+            return 0
+
+    def _steps(self, batch: Batch) -> int:
+        if self.burst_steps <= 1 and not self.overlap:
+            return 0
+        plan = batch.plan
+        steps = self.burst_steps
+        if len(plan) > MAX_BURST_BATCH or not batch.alone:
+            steps = 1  # only to keep it in flight
+        for item, prop in zip(plan, batch.proposals, strict=True):
+            seq = item.seq
+            if not (
+                item.completes_tail
+                and item.num_tail == 1
+                and prop is not None
+                and prop.plain
+                and sampling.greedy_on_device(seq)
+            ):
+                return 0
+            made = seq.num_tokens + seq.pending
+            left = seq.params.max_tokens - (made - len(seq.prompt_ids))
+            steps = min(steps, prop.plain_steps, left, self.engine.max_model_len - made)
+        return max(steps, 0)
+
+    def _continuable(self, batch: Batch, steps: int) -> bool:
+        """May a launch of `batch` running `steps` steps stay in flight? Every committing row
+        a plain step sampled on the device, its decoder promising more after these, and its
+        next row one the decode graphs can feed."""
+        if not self.overlap:
+            return False
+        runner = self.engine.runner
+        for item, prop in zip(batch.plan, batch.proposals, strict=True):
+            if not item.completes_tail:
+                continue
+            seq = item.seq
+            if prop is None or not prop.plain or prop.plain_steps <= steps:
+                return False
+            if not sampling.greedy_on_device(seq) or seq.wants_prompt_rows:
+                return False
+            if not runner.can_feed(seq, seq.num_tokens + seq.pending + steps):
+                return False
+        return True
+
+    # ---- feeding rows on the device -----------------------------------------------------------
+
+    def _fed_tokens(self, plan: list[Scheduled]) -> torch.Tensor | None:
+        """The in-flight launch's last samples, which the plan's fed rows read (or None)."""
+        if not any(item.fed for item in plan):
+            return None
+        assert self._in_flight is not None and self._in_flight.sampled is not None
+        return self._in_flight.sampled
+
+    def _first_tokens(self, plan: list[Scheduled]) -> list[int] | torch.Tensor:
+        """Each row's first token: its tail on the host, or, for fed rows, its last pending
+        token on the device (then all of them travel as one device tensor)."""
+        fed = self._fed_tokens(plan)
+        if fed is None:
+            return [item.seq.token_ids[-1] for item in plan]
+        rows = self._in_flight.rows  # type: ignore[union-attr]
+        first = torch.tensor(
+            [0 if item.fed else item.seq.token_ids[-1] for item in plan], dtype=torch.long
+        ).to(fed.device, non_blocking=True)
+        picked = [(i, rows[item.seq.request_id]) for i, item in enumerate(plan) if item.fed]
+        dst = torch.tensor([i for i, _ in picked]).to(fed.device, non_blocking=True)
+        src = torch.tensor([r for _, r in picked]).to(fed.device, non_blocking=True)
+        first[dst] = fed[src]
+        return first
+
+    def _forward(
+        self, spans: list[Span], fed: torch.Tensor | None
+    ) -> tuple[list[torch.Tensor], dict[int, Exception]]:
         """The step's forward pass: each span's logits, and what the spans that fail alone
         raised (none when the batch went through; their logits are placeholders). If the batch
         raises, each span runs again alone; if none succeeds, the fault is the engine's: raise.
         """
+        runner = self.engine.runner
+        if fed is not None:
+            rows = self._in_flight.rows  # type: ignore[union-attr]
+            for span in spans:
+                if span.fed is not None:
+                    span.fed = rows[span.seq.request_id]
         try:
-            return self.engine.runner.forward(spans), {}
+            return runner.forward(spans, fed=fed), {}
         except Exception as e:
             if len(spans) == 1:
                 raise
@@ -263,137 +371,13 @@ class Executor:
             failed: dict[int, Exception] = {}
             for i, span in enumerate(spans):
                 try:
-                    logits += self.engine.runner.forward([span])
+                    logits += runner.forward([span], fed=fed)
                 except Exception as alone:
                     failed[i] = alone
                     logits.append(torch.empty(0))
             if len(failed) == len(spans):
                 raise
             return logits, failed
-
-    def _greedy_steps(self, batch: Batch) -> int:
-        """How many steps a greedy burst of `batch` runs (0: a plain forward), with the blocks
-        for them reserved (what is reserved goes back when the step commits: the core trims)."""
-        try:
-            steps = self._burst_length(batch)
-            if steps == 1:  # the scheduler reserved this step's slot
-                return 1 if self.chain else 0  # unchained, a 1-step burst buys nothing
-            for item in batch.plan if steps else ():
-                self.engine.cache.reserve(item.seq, item.seq.num_cached + steps)
-            return steps
-        except OutOfBlocks:
-            return 0
-        except Exception:
-            log.exception("choosing a greedy burst failed; running a plain forward")
-            return 0
-
-    def _burst_length(self, batch: Batch) -> int:
-        steps = self.burst_steps
-        if steps <= 1:
-            return 0
-        plan = batch.plan
-        if len(plan) > MAX_BURST_BATCH:
-            if not self.chain or len(plan) > self.max_chain_batch:
-                return 0
-            steps = 1  # only to chain them
-        for item in plan:
-            seq = item.seq
-            if not (
-                item.completes_tail and item.num_tail == 1 and sampling.greedy_on_device(seq)
-            ):
-                return 0
-            left = seq.params.max_tokens - seq.num_output_tokens
-            steps = min(steps, left, self.engine.max_model_len - len(seq.token_ids))
-        for name, idx in batch.by_decoder.items():
-            plain = self.decoders[name].plain_steps([plan[i].seq for i in idx])
-            if plain <= 1:
-                return 0
-            steps = min(steps, plain)
-        return steps
-
-    # ---- overlapping the host with the device ---------------------------------------------
-
-    def follow(self, inflight: InFlight, alone: bool, num_running: int) -> InFlight | None:
-        """Launch the greedy burst that continues `inflight`'s, before `inflight` is committed.
-
-        Committing a burst waits for its tokens; with the next burst already queued, the GPU
-        runs it meanwhile instead of idling through the host's sync, commit, schedule and pack.
-        Its plan is `inflight`'s minus the sequences finished since (aborted, expired, or
-        stopped by the commit before) and those that `inflight` takes to max_tokens; its first
-        tokens are their rows of `inflight`'s last sample, picked on the device; its steps are
-        what `launch` would allow once `inflight` has committed. A sequence that stops
-        otherwise in that commit still has a row, skipped when this burst commits. Nothing new
-        joins: the chain ends when someone waits (a request arriving meanwhile waits at most one
-        more burst, and no prefill starves) or when something else runs (`num_running` is more
-        than the burst's). Another decoder's rows join for as long as its `plain_steps`, asked
-        before `inflight` commits (for `inflight`'s first step), allows.
-        """
-        if not isinstance(inflight, GreedyBurst) or not self.chain or not alone:
-            return None
-        try:
-            return self._follow(inflight, num_running)
-        except Exception:  # nothing launched: the next step launches from scratch
-            log.exception("chaining greedy bursts failed")
-            return None
-
-    def _follow(self, inflight: GreedyBurst, num_running: int) -> GreedyBurst | None:
-        done = inflight.tokens.steps
-        old, alive = inflight.batch.plan, 0
-        kept: list[int] = []  # indices into `old`
-        lefts: list[int] = []
-        for i, item in enumerate(old):
-            seq = item.seq
-            if seq.status is Status.FINISHED:
-                continue
-            alive += 1
-            left = seq.params.max_tokens - seq.num_output_tokens - done  # once committed
-            if left > 0:  # else `inflight` ends it (length)
-                kept.append(i)
-                lefts.append(left)
-        if not kept or alive != num_running:
-            return None
-        batch = inflight.batch
-        if len(kept) < len(old):
-            batch = Batch.of([old[i] for i in kept], [batch.proposals[i] for i in kept])
-        plan = batch.plan
-        steps = self.burst_steps if len(plan) <= MAX_BURST_BATCH else 1
-        steps = min(steps, min(lefts))  # (admission keeps max_tokens within max_model_len)
-        for name, idx in batch.by_decoder.items():
-            plain = self.decoders[name].plain_steps([plan[j].seq for j in idx])
-            steps = min(steps, plain - done)
-        if steps < 1:
-            return None
-        try:
-            for item in plan:  # the burst's first step writes the K/V of `inflight`'s last token
-                self.engine.cache.reserve(item.seq, item.seq.num_cached + done + steps)
-        except OutOfBlocks:
-            return None  # what was reserved goes back when `inflight` commits (the core trims)
-        first = inflight.tokens.on_device[-1]  # picked by `rows` if some sequences left
-        rows = None if plan is old else kept
-        tokens = self.engine.runner.decode_steps(
-            batch.seqs, first, steps, sampling.device_argmax, done, rows
-        )
-        self.load.add_decode_steps(batch.seqs, steps, done)
-        return GreedyBurst(batch, tokens)
-
-    def may_launch_ahead(self, alone: bool, in_flight: Iterable[str]) -> bool:
-        """Launch the next step's forward now, before this step's text is decoded?
-
-        Only on the GPU path, when nobody waits (`alone`, and no suspects run apart), and when
-        every decoder with sequences `in_flight` agrees (`Decoder.may_launch_ahead`): then the
-        next step's plan is the one it would pick itself, unless a request arrives (it joins a
-        step later) or leaves (its row is dropped) in between.
-        """
-        if not self.launch_ahead or not alone:
-            return False
-        for name in in_flight:
-            try:
-                if not self.decoders[name].may_launch_ahead():
-                    return False
-            except Exception:
-                log.exception("decoder %s: may_launch_ahead failed", name)
-                return False
-        return True
 
 
 def _prompt_rows(plan: list[Scheduled], spans: list[Span]) -> dict[int, tuple[int, int]]:
@@ -409,8 +393,11 @@ def _prompt_rows(plan: list[Scheduled], spans: list[Span]) -> dict[int, tuple[in
 
 
 def _span(item: Scheduled, prop: Proposal | None) -> Span:
-    """A plan item's share of the forward: its scheduled tail, then what its decoder proposed."""
+    """A plan item's share of the forward: its scheduled tail, then what its decoder proposed.
+    A fed row's one token is its last pending one, fed on the device (`Span.fed`)."""
     seq = item.seq
+    if item.fed:
+        return Span(seq, [0], 1, offset=seq.fed_offset, fed=-1)  # (its row is set at launch)
     start = seq.num_cached
     tail = seq.token_ids[start : start + item.num_tail]
     if prop is None:
@@ -421,3 +408,4 @@ def _span(item: Scheduled, prop: Proposal | None) -> Span:
     if prop.positions is not None:
         positions = list(range(start, start + len(tail))) + prop.positions
     return Span(seq, tail + prop.tokens, 1 + len(prop.tokens), positions, prop.mask)
+

@@ -16,8 +16,8 @@ system prompt, compute the shared blocks once. It waits only while that prefill 
 from __future__ import annotations
 
 import bisect
-from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 from stride.engine.kv_cache import KVCache, OutOfBlocks
 from stride.engine.sequence import Sequence, Status
@@ -33,12 +33,29 @@ class SchedulerConfig:
     fused_decode_steps: int | None = None
 
 
+@dataclass
+class Plan:
+    """A step's work, and the sequences scheduling it preempted (back in the waiting queue)."""
+
+    items: list[Scheduled]
+    preempted: list[Sequence]
+
+
 @dataclass(slots=True)
 class Scheduled:
     seq: Sequence
     num_tail: int  # how many tail tokens are scored this step
     extra: int  # tokens the decoder adds after the tail (only when the whole tail fits)
     completes_tail: bool  # the whole uncached tail is scored this step
+    fed: bool = False  # its tail is its last pending token, fed on the device
+
+
+class Decoders(Protocol):
+    """What scheduling asks of the decoders (`decoder_set.DecoderSet`)."""
+
+    def extra_tokens(self, seq: Sequence, cap: int) -> int: ...
+
+    def preempted(self, seq: Sequence) -> None: ...
 
 
 def _order(seq: Sequence) -> tuple[int, float]:
@@ -77,29 +94,38 @@ class Scheduler:
         self.cache.free(seq)
         seq.status = Status.FINISHED
 
-    def schedule(
-        self,
-        extra_tokens: Callable[[Sequence, int], int],
-        on_preempt: Callable[[Sequence], None],
-    ) -> list[Scheduled]:
-        """Pick this step's work. `extra_tokens(seq, cap)` asks the sequence's decoder."""
+    def schedule(self, decoders: Decoders) -> Plan:
+        """Pick this step's work; `decoders` says what each sequence's decoder adds.
+
+        A sequence with pending tokens (a launch still in flight samples them) runs as a fed
+        row: one plain step from its last pending token, as its decoder promised. It is never
+        preempted (the launch in flight writes its blocks); where its row does not fit, it
+        sits this step out."""
         budget = self.config.max_num_batched_tokens
         max_seqs = self.config.max_num_seqs
         plan: list[Scheduled] = []
+        preempted: list[Sequence] = []
 
-        queue = list(self.running)  # preemption takes victims from its end
+        queue = [s for s in self.running if not s.pending]  # victims come from its end
+        for seq in self.running:
+            if seq.pending and budget > 0 and len(plan) < max_seqs:
+                item = self._fit_fed(seq)
+                if item is not None:
+                    plan.append(item)
+                    budget -= 1
         i, end = 0, len(queue)
         while i < end and budget > 0 and len(plan) < max_seqs:
             seq = queue[i]
             i += 1
-            item: Scheduled | None = self._fit(seq, budget, extra_tokens)
+            item: Scheduled | None = self._fit(seq, budget, decoders)
             while not self._try_reserve(item):
                 if end > i:
                     end -= 1
                     victim = queue[end]
                 else:
                     victim = seq
-                self._preempt(victim, on_preempt)
+                self._preempt(victim, decoders)
+                preempted.append(victim)
                 if victim is seq:
                     item = None
                     break
@@ -122,7 +148,7 @@ class Scheduler:
                         i += 1
                         continue
                 self.cache.take_prefix(seq, cached)
-            item = self._fit(seq, budget, extra_tokens)
+            item = self._fit(seq, budget, decoders)
             if not self._try_reserve(item):
                 self.cache.free(seq)  # the cached prefix it took stays cached
                 break
@@ -137,9 +163,18 @@ class Scheduler:
                 seq.cached_prompt_tokens = seq.num_cached
                 self.prefix_cache_queries += seq.num_prompt_tokens
                 self.prefix_cache_hits += seq.num_cached
-        return plan
+        return Plan(plan, preempted)
 
-    def _fit(self, seq: Sequence, budget: int, extra_tokens) -> Scheduled:
+    def _fit_fed(self, seq: Sequence) -> Scheduled | None:
+        """The fed row of a sequence with pending tokens, unless those tokens end it (its
+        max_tokens or the context) or its next K/V slot cannot be had."""
+        made = seq.num_tokens + seq.pending
+        if made - len(seq.prompt_ids) >= seq.params.max_tokens or made >= self.max_model_len:
+            return None
+        item = Scheduled(seq, 1, 0, True, fed=True)
+        return item if self._try_reserve(item) else None
+
+    def _fit(self, seq: Sequence, budget: int, decoders: Decoders) -> Scheduled:
         num_tokens = len(seq.token_ids)
         tail = num_tokens - seq.num_cached
         if tail > budget:
@@ -150,22 +185,23 @@ class Scheduler:
             self.max_model_len - num_tokens - 1,
         )
         cap = max(cap, 0)
-        return Scheduled(seq, tail, min(cap, extra_tokens(seq, cap)), True)
+        return Scheduled(seq, tail, min(cap, decoders.extra_tokens(seq, cap)), True)
 
     def _try_reserve(self, item: Scheduled) -> bool:
         seq = item.seq
+        start = seq.num_cached + (seq.fed_offset if item.fed else 0)
         try:
-            self.cache.reserve(seq, seq.num_cached + item.num_tail + item.extra)
+            self.cache.reserve(seq, start + item.num_tail + item.extra)
         except OutOfBlocks:
             return False
         return True
 
-    def _preempt(self, seq: Sequence, on_preempt: Callable[[Sequence], None]) -> None:
+    def _preempt(self, seq: Sequence, decoders: Decoders) -> None:
         _remove(self.running, seq)
         self.cache.free(seq)
         seq.num_preemptions += 1
         self.num_preemptions += 1
-        on_preempt(seq)
+        decoders.preempted(seq)
         self.enqueue(seq)
 
     def _next_block(self, seq: Sequence, num_cached_blocks: int) -> bytes | None:

@@ -100,7 +100,7 @@ def text(core: EngineCore, ids: list[int]) -> str:
 def masked_greedy(core: EngineCore, hf, prompt: list[int], constraint: Constraint, n: int):
     """The reference: transformers' fp32 logits, the grammar's mask from a fresh matcher,
     argmax, one token at a time, until the grammar ends."""
-    matcher = core.grammars.matcher(constraint)
+    matcher = core.intake.grammars.matcher(constraint)
     ids, out = list(prompt), []
     with torch.no_grad():
         for _ in range(n):
@@ -223,12 +223,12 @@ def test_drafts_the_grammar_forbids_are_cut_and_the_state_rolls_back(
         core.step()
         for seq, proposal in spy.scored:
             output = dict((id(s), o) for s, o in before)[id(seq)]
-            fresh = core.grammars.matcher(JSON)
+            fresh = core.intake.grammars.matcher(JSON)
             for t in output:
                 fresh.advance(t)
             assert fresh.valid_prefix(proposal) == len(proposal), (output, proposal)
         for seq in core.seqs.values():  # the matcher is at the committed output's end
-            fresh = core.grammars.matcher(JSON)
+            fresh = core.intake.grammars.matcher(JSON)
             for t in seq.output_ids:
                 fresh.advance(t)
             vocab = core.engine.hf_config.vocab_size
@@ -287,7 +287,7 @@ def _masked_joint(core: EngineCore, hf, prompt: list[int], p: SamplingParams) ->
 
     def dist(ids: list[int], pending: list[int]) -> torch.Tensor:
         seq = Sequence("x", prompt, p)
-        seq.grammar = core.grammars.matcher(DIGITS)
+        seq.grammar = core.intake.grammars.matcher(DIGITS)
         logits = hf(torch.tensor([ids])).logits[0, -1:].float()
         row = sampling.Row(seq, pending)
         return sampling.probabilities(sampling.adjust(logits, [row], set()), [row])[0]

@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from stride.decoders.base import DecoderError, StepContext
+from stride.decoders.base import DecoderError, Scored, StepContext
 from stride.decoders.introspective import Introspective, IntrospectiveState
 from stride.decoders.refine import Refine
 from stride.engine.adapter import MASK_TOKEN
@@ -130,7 +130,8 @@ def test_commit_keeps_the_accepted_prefix_and_proposes_from_the_set_after_it(tin
     for a in range(4):  # slot set a proposes 20 + a, 30 + a
         start = 4 + a * k
         logits[start, 20 + a] = logits[start + 1, 30 + a] = 1.0
-    (commit,) = decoder.commit([seq], [prop], [logits], StepContext(set(), torch.device("cpu")))
+    ctx = StepContext(set(), torch.device("cpu"))
+    (commit,) = decoder.commit([seq], [prop], Scored(logits=[logits]), ctx)
     assert commit.tokens == [10, 11, 40] and commit.kv_keep == 2
     assert seq.decoder_state.proposals == [22, 32]
 

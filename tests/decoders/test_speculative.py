@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from stride.decoders.autoregressive import Autoregressive
-from stride.decoders.base import Proposal, StepContext
+from stride.decoders.base import Proposal, Scored, StepContext
 from stride.decoders.registry import DecodersConfig, build_decoders
 from stride.decoders.speculative import Speculative
 from stride.decoders.speculative.costs import StepCosts, Timings, bucket, choose_k
@@ -452,8 +452,8 @@ def test_a_quiet_step_proposes_nothing_and_commits_like_ar(tiny_dir):
     proposals = dec.propose(seqs, ctx)
     assert all(not p.tokens and p.positions is None and p.mask is None for p in proposals)
     logits = [torch.randn(1, engine.hf_config.vocab_size) for _ in seqs]
-    ours = dec.commit(seqs, proposals, logits, ctx)
-    theirs = Autoregressive().commit(twins, [Proposal()] * 8, logits, ctx)
+    ours = dec.commit(seqs, proposals, Scored(logits=logits), ctx)
+    theirs = Autoregressive().commit(twins, [Proposal()] * 8, Scored(logits=logits), ctx)
     assert [(c.tokens, c.logprobs, c.kv_keep) for c in ours] == [
         (c.tokens, c.logprobs, c.kv_keep) for c in theirs
     ]
@@ -463,38 +463,46 @@ def test_a_quiet_step_proposes_nothing_and_commits_like_ar(tiny_dir):
     assert dec.policy.quiet and dec.extra_tokens(fixed, cap=K) == K
 
 
-def test_fused_steps_cover_quiet_steps_up_to_the_next_plan(tiny_dir):
-    """`plain_steps` lets the core fuse a quiet period up to its end, never a drafting step,
-    steps that time plain decoding, or a fixed-K request's next step; `fused` counts them."""
+def test_plain_proposals_promise_quiet_steps_up_to_the_next_plan(tiny_dir):
+    """A quiet step's proposal promises plain steps up to the end of the quiet period (so the
+    executor may run them as bursts), never past a drafting step, steps that time plain
+    decoding, or a fixed-K request's next step; committing plain steps counts them."""
     engine = Engine(EngineConfig(model=str(tiny_dir), device="cpu", kv_cache_memory=8 << 20))
     dec = Speculative(engine, saturation_tokens=256)
     ctx = StepContext(eos_ids=set(), device=torch.device("cpu"))
 
-    def request(**options) -> Sequence:
-        seq = Sequence("s", [5, 6, 7, 8] * 4, greedy(64), "speculative")
+    def request(prompt=(5, 6, 7, 8) * 4, **options) -> Sequence:
+        seq = Sequence("s", list(prompt), greedy(64), "speculative")
         seq.decoder_options = dec.validate(seq.params, {"draft": "ngram", **options})
         return seq
 
+    def proposals(*seqs: Sequence) -> list[Proposal]:
+        for s in seqs:
+            dec.extra_tokens(s, cap=K)
+        return dec.propose(list(seqs), ctx)
+
+    def plain_steps(*seqs: Sequence) -> int:
+        props = proposals(*seqs)
+        assert all(p.plain for p in props)
+        return props[0].plain_steps
+
+    def run_plain(seq: Sequence, steps: int) -> None:
+        dec.commit([seq], [Proposal()], Scored(tokens=[[9] * steps]), ctx)
+
     seq = request()
-    dec.extra_tokens(seq, cap=K)
-    assert not dec.propose([seq], ctx)[0].tokens
-    assert dec.plain_steps([seq]) == 1  # plain decoding is being timed: one step at a time
+    assert plain_steps(seq) == 1  # plain decoding is being timed: one step at a time
     warm = dec.policy.PLAIN_WARMUP
     dec.policy.timings[bucket(1)] = Timings(plain_s=1.0, spec=1.0, plain_steps=warm)
     dec.policy.hold = (bucket(1), dec.policy.steps + 10)
-    assert dec.plain_steps([seq]) == 10 and dec.plain_steps([seq, request()]) == 1
-    dec.advance([seq], 4)
-    assert dec.policy.steps == 4 and dec.policy.quiet and dec.plain_steps([seq]) == 6
-    dec.advance([seq], 6)
+    assert plain_steps(seq) == 10 and plain_steps(seq, request()) == 1
+    run_plain(seq, 4)
+    assert dec.policy.steps == 4 and dec.policy.quiet and plain_steps(seq) == 6
+    run_plain(seq, 6)
     assert not dec.policy.quiet  # the re-check is due: the next step plans
-    assert dec.plain_steps([seq, request(num_speculative_tokens=0)]) == 1
-    assert dec.plain_steps([request(num_speculative_tokens=0)]) > 8  # never drafts
-    assert dec.plain_steps([request(adaptive=False)]) == 1  # its next step drafts
-    dec.policy.hold = (bucket(1), dec.policy.steps + 10)
-    dec.policy.timing = (0.0, 1, False, dec.policy.timings_at(1))
-    assert dec.plain_steps([seq]) == 1  # a step timed as a plain one runs alone
-    dec.policy.drafted = True
-    assert dec.plain_steps([seq]) == 0
+    assert any(p.tokens for p in proposals(seq))
+    assert plain_steps(request(num_speculative_tokens=0)) > 8  # never drafts
+    nothing_to_look_up = (5, 6, 7, 8, 9, 10)
+    assert plain_steps(request(nothing_to_look_up, adaptive=False)) == 1  # its next may draft
 
 
 def test_adaptive_backs_off_when_drafts_fail(tiny_dir, reference):

@@ -87,7 +87,7 @@ def check(
         assert seq_outs[-1].error is None and seq_outs[-1].finish_reason == "length"
         tokens = [t for o in seq_outs for t in o.token_ids]
         assert tokens == reference[rid.replace(decoder, "ar", 1)], rid
-    assert not core.seqs and not core._suspects
+    assert not core.seqs and not core.decoders.suspects
     assert core.engine.cache.num_free_blocks == core.engine.cache.num_usable_blocks
 
 
@@ -166,7 +166,7 @@ def test_an_error_of_ours_at_admission_rejects_only_that_request(tiny_dir):
         def validate(self, params, options):
             raise TypeError("injected validation bug")
 
-    core.decoders["fragile"] = Fragile()
+    core.decoders.decoders["fragile"] = Fragile()
     with pytest.raises(RequestRejected) as e:
         core.add(GenerateRequest("f", [5, 6], greedy(4), "fragile"))
     assert e.value.code == "internal_error"

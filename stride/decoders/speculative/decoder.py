@@ -28,8 +28,10 @@ from pydantic import Field
 
 from stride import drafts
 from stride.decoders import grammar, sampling
-from stride.decoders.autoregressive import sample_one_each
+from stride.decoders.autoregressive import commit_plain
 from stride.decoders.base import (
+    PLAIN,
+    UNLIMITED,
     Burst,
     Commit,
     Decoder,
@@ -37,6 +39,7 @@ from stride.decoders.base import (
     DecodersConfig,
     Options,
     Proposal,
+    Scored,
     StepContext,
     parse_options,
 )
@@ -61,7 +64,6 @@ from stride.engine.sequence import SamplingParams, Sequence, Status
 MAX_NGRAM = 8
 MAX_TREE_NODES = 128
 MAX_TREE_TOPK = 16
-_NOTHING = Proposal()  # shared by all sequences of a plain step: nobody mutates a proposal
 
 
 class SpeculativeOptions(Options):
@@ -205,8 +207,8 @@ class Speculative(Decoder):
     def propose(self, seqs: list[Sequence], ctx: StepContext) -> list[Proposal]:
         policy = self.policy
         if not policy.begin_step(len(seqs)):  # nothing to draft: a plain step, as `ar` makes it
-            policy.start_timing(seqs, len(seqs), drafted=False)
-            return [_NOTHING] * len(seqs)
+            policy.drafted = False
+            return [self._plain(seqs)] * len(seqs)
         states = [self.state(s) for s in seqs]
         ks = policy.plan_step(seqs, states)
         by_drafter: dict[int, list[int]] = {}
@@ -228,9 +230,25 @@ class Speculative(Decoder):
             if seq.grammar is not None and made[i].tokens:
                 made[i] = _within_grammar(seq, st, made[i])
             st.draft = made[i]
-        drafted = any(d.tokens for d in made)
-        policy.start_timing(seqs, len(seqs) + sum(len(d.tokens) for d in made), drafted)
+        policy.drafted = any(d.tokens for d in made)
+        if not policy.drafted:
+            return [self._plain(seqs)] * len(seqs)
         return [_proposal(s, st, d) for s, st, d in zip(seqs, states, made, strict=True)]
+
+    def _plain(self, seqs: list[Sequence]) -> Proposal:
+        """A step of `seqs` that drafts nothing, with the plain steps that follow it for sure:
+        any number at a fixed K = 0, else those of the quiet period (the next plan may probe),
+        none if some sequence drafts a fixed K > 0 (its next step may draft)."""
+        adaptive = False
+        for seq in seqs:
+            options = seq.decoder_options
+            if options["num_speculative_tokens"]:
+                if not options["adaptive"]:
+                    return PLAIN
+                adaptive = True
+        if not adaptive:
+            return Proposal(plain_steps=UNLIMITED)
+        return Proposal(plain_steps=self.policy.quiet_steps(len(seqs)))
 
     def _draft(
         self,
@@ -269,16 +287,19 @@ class Speculative(Decoder):
         self,
         seqs: list[Sequence],
         proposals: list[Proposal],
-        logits: list[torch.Tensor],
+        scored: Scored,
         ctx: StepContext,
     ) -> list[Commit]:
         policy = self.policy
-        policy.steps += 1
-        if not policy.drafted:  # nothing to verify: exactly what plain decoding does
-            commits = sample_one_each(seqs, logits, ctx)
-            policy.time_step()
-            policy.end_step()
+        if all(p.plain for p in proposals):  # nothing to verify: what plain decoding does
+            commits = commit_plain(seqs, scored, ctx)
+            passes = max(c.forward_passes for c in commits)
+            policy.measured(len(seqs), len(seqs), False, ctx, passes)
+            policy.advance(passes)
             return commits
+        logits = scored.logits
+        assert logits is not None
+        policy.steps += 1
         states = [self.state(s) for s in seqs]
         drafted = [st.draft or Draft([]) for st in states]
         trees = [st.tree or Tree.chain(d.tokens) for st, d in zip(states, drafted, strict=True)]
@@ -311,7 +332,7 @@ class Speculative(Decoder):
             st.drafter.accepted(seq, n_acc, None if chain else path)
             st.draft, st.tree = None, None
             commits.append(Commit(tokens, lps, kv_keep=n_acc, kv_from=None if chain else path))
-        policy.time_step()  # a drafting step's per-row commit is part of its cost
+        policy.measured(len(seqs), sum(1 + len(p.tokens) for p in proposals), True, ctx)
         policy.end_step()
         return commits
 
@@ -364,32 +385,6 @@ class Speculative(Decoder):
             return None  # what was reserved goes back at commit (the core trims)
         self.policy.burst_started()
         return _EagleBurst(self, seqs, states, k, eagle.burst(seqs, k, cycles))
-
-    def plain_steps(self, seqs: list[Sequence]) -> int:
-        """For how many steps, this one first, `seqs` decode exactly as `ar` (see
-        `Decoder.plain_steps`): none if this step drafted; only this one if it is timed (a
-        burst's wall time is no plain step's cost) or a sequence drafts a fixed K > 0 (its
-        next step may draft); else any number for sequences at a fixed K = 0, and for adaptive
-        ones until their quiet period ends (the next plan may probe)."""
-        policy = self.policy
-        if policy.drafted:
-            return 0
-        if policy.timing is not None:
-            return 1
-        adaptive = False
-        for seq in seqs:
-            options = seq.decoder_options
-            if options["num_speculative_tokens"]:
-                if not options["adaptive"]:
-                    return 1
-                adaptive = True
-        return policy.quiet_steps(len(seqs)) if adaptive else 1 << 30
-
-    def advance(self, seqs: list[Sequence], steps: int) -> None:
-        self.policy.advance(steps)
-
-    def may_launch_ahead(self) -> bool:
-        return self.policy.may_launch_ahead()
 
 
 class _EagleBurst(Burst):
@@ -445,7 +440,7 @@ def _within_grammar(seq: Sequence, state: SeqState, draft: Draft) -> Draft:
 def _proposal(seq: Sequence, state: SeqState, draft: Draft) -> Proposal:
     """What the target scores: a chain's drafts, or a tree's nodes at their depths under a mask."""
     if not draft.tokens:
-        return _NOTHING
+        return PLAIN
     tree = state.tree
     if tree is None:
         return Proposal(list(draft.tokens))

@@ -48,8 +48,7 @@ there happens in the step it would have happened in anyway).
 
 from __future__ import annotations
 
-import time
-
+from stride.decoders.base import StepContext
 from stride.decoders.speculative.costs import (
     MIN_GAIN,
     Rates,
@@ -76,7 +75,6 @@ class AdaptivePolicy:
     PRIOR_ALPHA = 0.6  # a drafter's acceptance per position before any draft of it was scored
     PROBE_ALPHA = 0.9  # the acceptance a probe is priced at: it asks "would good drafts pay?"
     REMEASURE_EVERY = 256
-    SYNC_EVERY = 32  # with launch-ahead, one step in this many runs unoverlapped to be timed
     BACKOFF_BATCH = 8  # from this batch size on, holds double while their checks fail
 
     def __init__(self, saturation: float, measure_costs: bool = True) -> None:
@@ -95,9 +93,7 @@ class AdaptivePolicy:
         self.planned = False  # this step: some adaptive sequence's plan had K > 0
         self.next_probe: int | None = None  # this step's plans: the earliest step to probe in
         self.reserved = False  # this step: some sequence reserved drafts
-        self.timing: tuple[float, int, bool, Timings] | None = None  # this step's, if timed
         self.choices: dict[tuple, int] = {}  # choose_k's answers under the current costs
-        self.launched_ahead = False  # the core launches the next step before this one ends
 
     # ---- costs ------------------------------------------------------------------------------
 
@@ -255,22 +251,16 @@ class AdaptivePolicy:
 
     # ---- measuring --------------------------------------------------------------------------
 
-    def start_timing(self, seqs: list[Sequence], tokens: int, drafted: bool) -> None:
-        """Time the verification forward of decode-only steps (a prefill would skew it), unless
-        it was launched ahead (see may_launch_ahead)."""
-        self.drafted = drafted
-        self.timing = None
-        ahead, self.launched_ahead = self.launched_ahead, False
-        if self.measure_costs and not ahead and all(s.num_tokens - s.num_cached == 1 for s in seqs):
-            self.timing = (time.perf_counter(), tokens, drafted, self.timings_at(len(seqs)))
-
-    def time_step(self) -> None:
-        """Fold this step's wall time (verification has synchronised by now) into the costs."""
-        if self.timing is None:
+    def measured(
+        self, batch: int, tokens: int, drafted: bool, ctx: StepContext, passes: int = 1
+    ) -> None:
+        """A launch of `passes` passes over `batch` speculative rows, `tokens` scored per pass,
+        took `ctx.timing` seconds (None: it is not to be priced, e.g. it held a prefill): fold
+        its cost per pass into the step costs of its batch size."""
+        if not self.measure_costs or ctx.timing is None:
             return
-        start, tokens, drafted, timings = self.timing
-        self.timing = None
-        seconds = (time.perf_counter() - start) / (1 + tokens / self.saturation)
+        timings = self.timings_at(batch)
+        seconds = ctx.timing / passes / (1 + tokens / self.saturation)
         if not drafted:
             # The first steps at a batch size can be slow once (allocation, kernel selection):
             # the fastest of them is the baseline, so that drafting is not judged cheap by it.
@@ -278,8 +268,8 @@ class AdaptivePolicy:
                 timings.plain_s = min(timings.plain_s or seconds, seconds)
             else:
                 timings.plain_s = ema(timings.plain_s, seconds)
-            timings.plain_steps += 1
-            timings.plain_since_spec += 1
+            timings.plain_steps += passes
+            timings.plain_since_spec += passes
         elif timings.plain_s:
             timings.spec = ema(timings.spec, seconds / timings.plain_s)
             timings.plain_since_spec = 0
@@ -307,34 +297,4 @@ class AdaptivePolicy:
     def burst_started(self) -> None:
         """A burst of drafting passes runs on the device this step: nothing of it is timed."""
         self.reserved = self.planned = False  # (what `begin_step` would have reset)
-        self.next_probe, self.drafted, self.timing = None, True, None
-
-    def may_launch_ahead(self) -> bool:
-        """May the core launch the next step's forward before this step's text is decoded?
-
-        Outputs do not depend on it (the next plan is fixed once this step has committed), but
-        the policy's timings do: a step launched ahead overlaps host work of the step before, so
-        its wall time is not its cost. Steps run unoverlapped until plain decoding has been
-        timed, and then one in SYNC_EVERY, so the measurements stay fresh; the others are not
-        timed. Quiet steps all launch ahead: nothing is priced against them. At a batch size
-        whose drafting cost is not measured (or stale), a step that may draft there runs
-        unoverlapped, so that the first drafting step is timed (an untimed one would have to be
-        repeated).
-        """
-        timings = self.timings_at(self.last_batch)
-        if not self.measure_costs:
-            ahead = True
-        elif timings.plain_steps < self.PLAIN_WARMUP:
-            ahead = False
-        elif self.quiet:
-            ahead = True  # K = 0 for a while: nothing is priced against this step's time
-        else:
-            # Where drafting is not measured (or stale), time the next step if it may draft: the
-            # first plan at this batch size, or the next one after a drafting step. A re-check
-            # after a hold or an idle period is launched ahead: it most likely drafts nothing.
-            key = bucket(self.last_batch)
-            recheck = any(u is not None and u[0] == key for u in (self.hold, self.idle))
-            explore = self.stale(timings) and (self.drafted or not recheck)
-            ahead = self.steps % self.SYNC_EVERY != 0 and not explore
-        self.launched_ahead = ahead
-        return ahead
+        self.next_probe, self.drafted = None, True

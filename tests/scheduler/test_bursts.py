@@ -1,6 +1,6 @@
-"""Fused decode steps (several greedy decode steps in one engine step, each step's token fed to the
-next on the device) change no output: the same tokens, text, stops and finish reasons as one step
-at a time, and the KV cache ends empty. On the CPU each fused step is an eager pass; on a GPU they
+"""Bursts (several plain decode steps in one launch, each step's token fed to the next on the
+device) change no output: the same tokens, text, stops and finish reasons as one step at a time,
+and the KV cache ends empty. On the CPU each step of a burst is an eager pass; on a GPU they
 replay the decode graph back to back with no host sync in between."""
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ def _requests() -> list[GenerateRequest]:
             stop_token_ids=[7, 11] if i == 4 else [],
         )
         reqs.append(GenerateRequest(f"r{i}", [5 + i, 9, 12 + i, 7][: 1 + i % 4], params))
-    # Sampled: while it runs, steps are not fused (its draw needs the host between tokens).
+    # Sampled: while it runs, there are no bursts (its draw needs the host between tokens).
     sampled = SamplingParams(max_tokens=5, temperature=0.8, seed=3, ignore_eos=True)
     reqs.append(GenerateRequest("sampled", [6, 7, 8], sampled))
     return reqs
@@ -40,8 +40,6 @@ def _core(tiny_dir, device: str, steps: int) -> EngineCore:
     config = EngineConfig(model=str(tiny_dir), device=device, dtype="float32",
                           kv_cache_memory=16 << 20)  # fmt: skip
     return EngineCore(Engine(config), SchedulerConfig(max_num_seqs=8, fused_decode_steps=steps))
-
-
 
 
 def _run(core: EngineCore) -> tuple[dict[str, tuple], int]:
@@ -67,11 +65,11 @@ def _run(core: EngineCore) -> tuple[dict[str, tuple], int]:
         step += 1
     cache = core.engine.cache
     assert cache.num_free_blocks == cache.num_usable_blocks
-    return results, len(calls)
+    return results, sum(steps > 1 for steps in calls)  # (1-step launches: see `executor`)
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
-def test_fused_decode_steps_change_no_output(tiny_dir, device):
+def test_bursts_change_no_output(tiny_dir, device):
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("no GPU")
     single, unfused_calls = _run(_core(tiny_dir, device, steps=1))
@@ -83,12 +81,13 @@ def test_fused_decode_steps_change_no_output(tiny_dir, device):
 
 
 def _speculative_run(
-    tiny_dir, steps: int, decoder: str, chain: bool = False
+    tiny_dir, steps: int, decoder: str, overlap: bool = False
 ) -> tuple[list[int], list, list, int]:
     """Greedy decoding of a prompt that holds every token id (a probe's n-gram lookup always
-    finds a draft): its tokens, the speculative decoder's step count at each fused call and at
-    each probe's plan, and how many tokens were drafted. `chain`: fused bursts are chained
-    (`EngineCore._chain`); a chained call is counted at the step its burst starts at."""
+    finds a draft): its tokens, the speculative decoder's step count at each burst and at each
+    probe's plan, and how many tokens were drafted. `overlap`: bursts stay in flight (see
+    `executor`); a burst launched before the one before it committed is counted at the step
+    it starts at."""
     config = EngineConfig(model=str(tiny_dir), device="cpu", dtype="float32",
                           kv_cache_memory=16 << 20)  # fmt: skip
     engine = Engine(config)
@@ -98,13 +97,13 @@ def _speculative_run(
     spec = decoders["speculative"] = Speculative(engine, saturation_tokens=0.5,
                                                  measure_costs=False)  # fmt: skip
     core = EngineCore(engine, SchedulerConfig(fused_decode_steps=steps), decoders)
-    core.executor.chain = chain
+    core.executor.overlap = overlap
     fused_at, probes_at = [], []
     decode_steps, plan = engine.runner.decode_steps, spec.policy.plan
 
-    def counting(seqs, tokens, n, sample, offset=0, rows=None):
-        fused_at.append(spec.policy.steps + offset)  # a chained burst's predecessor is uncommitted
-        return decode_steps(seqs, tokens, n, sample, offset, rows)
+    def counting(seqs, tokens, n, sample, offsets=None):
+        fused_at.append(spec.policy.steps + seqs[0].pending)  # (launches not committed yet)
+        return decode_steps(seqs, tokens, n, sample, offsets)
 
     def planned(seq, state, batch):
         k = plan(seq, state, batch)
@@ -124,15 +123,15 @@ def _speculative_run(
     return tokens, fused_at, probes_at, drafted
 
 
-@pytest.mark.parametrize("chain", [False, True])
-def test_quiet_speculative_steps_are_fused_and_probes_stay_on_schedule(tiny_dir, chain):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_quiet_speculative_steps_run_as_bursts_and_probes_stay_on_schedule(tiny_dir, overlap):
     """A speculative request whose drafts do not pay (adaptive K = 0 between probes) runs its
-    quiet steps fused, as `ar` does, with `ar`'s tokens; its probes draft in the same steps,
-    also when fused bursts are chained (a chain ends before a probe is due)."""
+    quiet steps as bursts, as `ar` does, with `ar`'s tokens; its probes draft in the same steps,
+    also when bursts stay in flight (the last one before a probe is waited for)."""
     ar = _speculative_run(tiny_dir, 1, "ar")[0]
     single, unfused, probes, drafted = _speculative_run(tiny_dir, 1, "speculative")
     fused, fused_at, fused_probes, fused_drafted = _speculative_run(
-        tiny_dir, 4, "speculative", chain
+        tiny_dir, 4, "speculative", overlap
     )
     assert single == fused == ar
     assert not unfused and len(fused_at) >= 8  # 40 tokens: 4 at a time, a probe every 16 steps
