@@ -258,6 +258,8 @@ def bench_stride(core: EngineCore, vocab: int, shape: str, bytes_read: int, bw: 
         return
     for b in (1, 8, 64, 256):
         record(f"{shape}/stride/graph_replay_ms_batch{b}", round(replay_ms(runner, b), 3))
+    if ARGS.no_ablations:
+        return
     # Ablations on the same engine and cache: module-by-module layers (still CUDA graphs), and
     # fused kernels without CUDA graphs.
     engine = core.engine
@@ -576,6 +578,9 @@ if __name__ == "__main__":
     parser.add_argument("--device", default="cuda", help="cpu: a smoke test of the script")
     parser.add_argument("--concurrency", default="1,8,32,64,128,256")
     parser.add_argument("--skip-hf", action="store_true", help="Stride only")
+    parser.add_argument(
+        "--no-ablations", action="store_true", help="no unfused / ungraphed / no-PDL variants"
+    )
     parser.add_argument("--model-dir", help="the default model as a Hugging Face directory")
     parser.add_argument("--greedy-check", help="reference JSON from --write-reference")
     parser.add_argument(

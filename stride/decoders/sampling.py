@@ -155,7 +155,12 @@ def greedy_on_device(seq: Sequence) -> bool:
     """May this sequence's next tokens be picked on the device (`device_argmax`), several
     passes in a row with no host in between? Greedy, with nothing that needs the host between
     two tokens: no logit bias, penalties, pending min_tokens, logprobs or grammar."""
-    return seq.params.logprobs is None and plain_greedy(Row(seq))
+    p = seq.params
+    return (
+        p.plain_greedy
+        and seq.grammar is None
+        and (not p.min_tokens or len(seq.token_ids) - len(seq.prompt_ids) >= p.min_tokens)
+    )
 
 
 def device_argmax(logits: torch.Tensor) -> torch.Tensor:

@@ -124,7 +124,7 @@ class KVCache:
         """Give back blocks beyond what `seq.num_cached` needs (after a rollback), or, while
         launches in flight sample its pending tokens, beyond the K/V they write (up to the
         last pending token's predecessor)."""
-        used = seq.num_cached + seq.fed_offset if seq.pending else seq.num_cached
+        used = len(seq.token_ids) - 1 + seq.pending if seq.pending else seq.num_cached
         keep = -(-used // self.block_size)
         table = seq.block_table
         if len(table) > keep:

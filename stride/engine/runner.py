@@ -143,9 +143,9 @@ class ModelRunner:
         """From now on, MASK slots in spans run `adapter` (on their rows only)."""
         self.adapter = adapter.attach(self.model)
 
-    def can_feed(self, seq: Sequence, slots: int) -> bool:
-        """Can a decode row of `seq` whose context holds `slots` slots take its token from the
-        device (a fed row: where graphs run, it must be one of their rows)?"""
+    def can_feed(self, slots: int) -> bool:
+        """Can a decode row whose context holds `slots` slots take its token from the device
+        (a fed row: where graphs run, it must be one of their rows)?"""
         graphs = self.graphs
         return graphs is None or -(-slots // self.cache.block_size) <= graphs.max_blocks
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -56,6 +57,15 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature <= 1e-5
+
+    @cached_property
+    def plain_greedy(self) -> bool:
+        """Greedy, with nothing to change the argmax or report about it: no logprobs, logit
+        bias or penalties (a sequence adds its grammar and min_tokens: `greedy_on_device`).
+        Read for every row of every launch, so cached: the engine never changes params."""
+        return (
+            self.greedy and self.logprobs is None and not self.logit_bias and not self.has_penalties
+        )
 
     @property
     def has_penalties(self) -> bool:

@@ -11,6 +11,7 @@ import time
 from collections import defaultdict
 from collections.abc import Collection
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 
@@ -36,6 +37,7 @@ class Batch:
     def seqs(self) -> list[Sequence]:
         return [item.seq for item in self.plan]
 
+    @cached_property
     def by_decoder(self) -> dict[str, list[int]]:
         """The plan indices that complete their tail, by decoder."""
         out: dict[str, list[int]] = defaultdict(list)

@@ -212,8 +212,9 @@ class EngineCore:
             self._apply_result(result, out)
         cache = self.engine.cache
         for result in results:  # once all are in: an earlier result's trim would drop the slots
-            for item in result.batch.plan:  # of a later one's tokens
-                if item.seq.status is Status.RUNNING:
+            loop = result.batch.burst is not None  # of a later one's tokens
+            for item in result.batch.plan:  # (the slots of rejected drafts go back)
+                if (item.extra or loop) and item.seq.status is Status.RUNNING:
                     cache.trim(item.seq)
         for seq, error, what in self.decoders.take_failed():
             self._fail(seq, error, what)

@@ -102,11 +102,16 @@ class DecoderSet(Mapping[str, Decoder]):
             batch.burst = burst
             return batch
         dropped: set[int] = set()
-        for name, idx in batch.by_decoder().items():
+        promises: dict[int, Proposal] = {}  # (most fed rows share their promise)
+        for name, idx in batch.by_decoder.items():
             asked = [i for i in idx if not plan[i].fed]
             for i in idx:
                 if plan[i].fed:
-                    batch.proposals[i] = Proposal(plain_steps=plan[i].seq.promised)
+                    left = plan[i].seq.promised
+                    prop = promises.get(left)
+                    if prop is None:
+                        prop = promises[left] = Proposal(plain_steps=left)
+                    batch.proposals[i] = prop
             if not asked:
                 continue
             seqs = [plan[i].seq for i in asked]
@@ -129,7 +134,7 @@ class DecoderSet(Mapping[str, Decoder]):
     def _burst(self, batch: Batch):
         """A decoder's own passes on the device, when the whole step is its sequences' decodes,
         nobody waits and bursts are on."""
-        groups = batch.by_decoder()
+        groups = batch.by_decoder
         if self.burst_steps <= 1 or not batch.alone or len(groups) != 1:
             return None
         ((name, idx),) = groups.items()
@@ -164,7 +169,7 @@ class DecoderSet(Mapping[str, Decoder]):
         (aborts and expired deadlines finish sequences between a launch and its commit)."""
         plan = batch.plan
         out = {}
-        for name, idx in batch.by_decoder().items():
+        for name, idx in batch.by_decoder.items():
             idx = [i for i in idx if plan[i].seq.status is not Status.FINISHED]
             if idx:
                 out[name] = idx

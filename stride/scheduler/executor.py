@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import time
+from functools import cached_property
 
 import torch
 
@@ -37,7 +38,7 @@ from stride.engine.engine import Engine
 from stride.engine.kv_cache import OutOfBlocks
 from stride.engine.roofline import StepLoad
 from stride.engine.runner import SampledTokens, Span
-from stride.engine.sequence import Status
+from stride.engine.sequence import Sequence, Status
 from stride.scheduler import prompt_logprobs
 from stride.scheduler.batch import Batch, Chunk, PromptRows, StepResult
 from stride.scheduler.decoder_set import DecoderSet
@@ -57,11 +58,17 @@ class Launch:
         self.continuable = continuable  # may stay in flight (see the module docstring)
         self.started = time.perf_counter()
         self.result = StepResult(batch, passes=passes)
-        self.decode_only = all(item.completes_tail and item.num_tail == 1 for item in batch.plan)
         # The last token each committing row samples, on the device (a continuable launch), and
-        # which row of it is whose: what the next launch's fed rows read.
+        # whose each of them is (in `sampled`'s order): what the next launch's fed rows read.
         self.sampled: torch.Tensor | None = None
-        self.rows: dict[str, int] = {}
+        self.sampling: list[Sequence] = []
+
+    @cached_property
+    def rows(self) -> dict[str, int]:
+        """Each sampling sequence's row of `sampled`, by request id."""
+        return {seq.request_id: i for i, seq in enumerate(self.sampling)}
+
+    decode_only = False  # only decode rows: its time is a measure of decode steps
 
     def scored(self, decoders: DecoderSet) -> dict[str, Scored]:  # pragma: no cover
         """What the target made of each decoder's live sequences (waits for the device)."""
@@ -76,6 +83,7 @@ class ForwardLaunch(Launch):
         super().__init__(batch, 1, continuable=tokens is not None)
         self.logits = logits
         self.tokens = tokens
+        self.decode_only = all(item.completes_tail and item.num_tail == 1 for item in batch.plan)
 
     def scored(self, decoders: DecoderSet) -> dict[str, Scored]:
         out = {}
@@ -96,6 +104,7 @@ class BurstLaunch(Launch):
     def __init__(self, batch: Batch, tokens: SampledTokens, continuable: bool) -> None:
         super().__init__(batch, tokens.steps, continuable)
         self.tokens = tokens
+        self.decode_only = True
 
     def scored(self, decoders: DecoderSet) -> dict[str, Scored]:
         made = self.tokens.per_sequence()
@@ -150,30 +159,28 @@ class Executor:
     def _launch(self, batch: Batch) -> Launch | None:
         if batch.burst is not None:
             return LoopLaunch(batch, batch.burst)
-        steps = self._burst_length(batch)
+        steps, continuable = self._shape(batch)
         if steps:
             try:
-                return self._launch_burst(batch, steps)
+                return self._launch_burst(batch, steps, continuable)
             except Exception:  # the forward below tells whose fault it is
                 log.exception("a burst failed to launch; running a forward instead")
-        return self._launch_forward(batch)
+        return self._launch_forward(batch, continuable and not steps)
 
-    def _launch_burst(self, batch: Batch, steps: int) -> BurstLaunch:
+    def _launch_burst(self, batch: Batch, steps: int, continuable: bool) -> BurstLaunch:
         plan, seqs = batch.plan, batch.seqs
-        continuable = self._continuable(batch, steps)
-        offsets = [seq.fed_offset for seq in seqs]
+        offsets = [len(s.token_ids) - 1 + s.pending - s.num_cached for s in seqs]  # fed_offset
         tokens = self._first_tokens(plan)
         made = self.engine.runner.decode_steps(
             seqs, tokens, steps, sampling.device_argmax, offsets
         )
         self.load.add_decode_steps(seqs, steps, offsets)
         launch = BurstLaunch(batch, made, continuable)
-        launch.sampled = made.on_device[-1]
-        launch.rows = {seq.request_id: i for i, seq in enumerate(seqs)}
+        launch.sampled, launch.sampling = made.on_device[-1], seqs
         self._started(launch, [steps] * len(plan))
         return launch
 
-    def _launch_forward(self, batch: Batch) -> ForwardLaunch:
+    def _launch_forward(self, batch: Batch, continuable: bool) -> ForwardLaunch:
         plan = batch.plan
         spans = [_span(item, prop) for item, prop in zip(plan, batch.proposals, strict=True)]
         prompt_rows = _prompt_rows(plan, spans)
@@ -190,7 +197,7 @@ class Executor:
             kept = batch.without(failed)
             logits = [x for i, x in enumerate(logits) if i not in failed]
         tokens = None
-        if self._continuable(kept, 1):
+        if continuable:
             committing = [i for i, item in enumerate(kept.plan) if item.completes_tail]
             if committing:
                 tokens = SampledTokens(sampling.device_argmax(
@@ -200,7 +207,7 @@ class Executor:
         launch.result.failed = [(plan[i].seq, error, "scoring") for i, error in failed.items()]
         if tokens is not None:
             launch.sampled = tokens.on_device[-1]
-            launch.rows = {kept.plan[i].seq.request_id: j for j, i in enumerate(committing)}
+            launch.sampling = [kept.plan[i].seq for i in committing]
         self._started(launch, [1] * len(kept.plan))
         return launch
 
@@ -260,63 +267,53 @@ class Executor:
 
     # ---- choosing how a batch runs ------------------------------------------------------------
 
-    def _burst_length(self, batch: Batch) -> int:
-        """How many steps a burst of `batch` runs (0: a forward), with the blocks for them
-        reserved (what is reserved goes back when the step commits: the core trims)."""
-        try:
-            steps = self._steps(batch)
-            if steps == 1 and not self._continuable(batch, 1):
-                return 0  # one step that stays no launch in flight: a forward does as well
-            for item in batch.plan if steps > 1 else ():
-                seq = item.seq
-                self.engine.cache.reserve(seq, seq.num_cached + seq.fed_offset + steps)
-            return steps
-        except OutOfBlocks:
-            return 0
-        except Exception:
-            log.exception("choosing a burst failed; running a forward")
-            return 0
-
-    def _steps(self, batch: Batch) -> int:
-        if self.burst_steps <= 1 and not self.overlap:
-            return 0
+    def _shape(self, batch: Batch) -> tuple[int, bool]:
+        """How `batch` launches: the steps of a burst (0: a forward), with the blocks for them
+        reserved (what is reserved goes back when the step commits: the core trims), and
+        whether the launch may stay in flight: every committing row a plain step sampled on the
+        device (`sampling.greedy_on_device`), its decoder promising more plain steps after this
+        launch, and its next row one the decode graphs can feed. A burst needs every row to be
+        such a decode row; several steps only for batches up to `MAX_BURST_BATCH` where nobody
+        waits."""
         plan = batch.plan
-        steps = self.burst_steps
-        if len(plan) > MAX_BURST_BATCH or not batch.alone:
-            steps = 1  # only to keep it in flight
-        for item, prop in zip(plan, batch.proposals, strict=True):
-            seq = item.seq
-            if not (
-                item.completes_tail
-                and item.num_tail == 1
-                and prop is not None
-                and prop.plain
-                and sampling.greedy_on_device(seq)
-            ):
-                return 0
-            made = seq.num_tokens + seq.pending
-            left = seq.params.max_tokens - (made - len(seq.prompt_ids))
-            steps = min(steps, prop.plain_steps, left, self.engine.max_model_len - made)
-        return max(steps, 0)
-
-    def _continuable(self, batch: Batch, steps: int) -> bool:
-        """May a launch of `batch` running `steps` steps stay in flight? Every committing row
-        a plain step sampled on the device, its decoder promising more after these, and its
-        next row one the decode graphs can feed."""
-        if not self.overlap:
-            return False
-        runner = self.engine.runner
-        for item, prop in zip(batch.plan, batch.proposals, strict=True):
+        decodes = plain = True  # every row a plain decode row / every committing row plain
+        promised = left = 1 << 30  # plain steps promised, tokens left, the least of any row
+        made = 0  # the most tokens of any committing row (pending ones included)
+        for item, prop in zip(plan, batch.proposals, strict=True):  # (every row, every step)
             if not item.completes_tail:
+                decodes = False
                 continue
             seq = item.seq
-            if prop is None or not prop.plain or prop.plain_steps <= steps:
-                return False
-            if not sampling.greedy_on_device(seq) or seq.wants_prompt_rows:
-                return False
-            if not runner.can_feed(seq, seq.num_tokens + seq.pending + steps):
-                return False
-        return True
+            if prop is None or prop.tokens or prop.positions is not None:
+                return 0, False
+            if not item.fed and not sampling.greedy_on_device(seq):  # (fed: checked at launch)
+                return 0, False
+            decodes = decodes and item.num_tail == 1
+            count = len(seq.token_ids) + seq.pending
+            made = max(made, count)
+            promised = min(promised, prop.plain_steps)
+            left = min(left, seq.params.max_tokens - (count - len(seq.prompt_ids)))
+            plain = plain and seq.prompt_logprobs is None
+        runner = self.engine.runner
+
+        def continuable(n: int) -> bool:  # after a launch of n steps
+            return self.overlap and plain and promised > n and runner.can_feed(made + n)
+
+        steps = 0
+        if decodes and (self.burst_steps > 1 or self.overlap):
+            burst = self.burst_steps if len(plan) <= MAX_BURST_BATCH and batch.alone else 1
+            steps = max(0, min(burst, promised, left, self.engine.max_model_len - made))
+        if steps <= 1:  # (one step that stays no launch in flight: a forward does as well)
+            return (1, True) if steps and continuable(1) else (0, continuable(1))
+        try:
+            for item in plan:
+                self.engine.cache.reserve(item.seq, item.seq.num_cached + item.seq.fed_offset
+                                          + steps)  # fmt: skip
+        except OutOfBlocks:
+            for item in plan:  # (what it did reserve goes back)
+                self.engine.cache.trim(item.seq)
+            return 0, continuable(1)
+        return steps, continuable(steps)
 
     # ---- feeding rows on the device -----------------------------------------------------------
 
@@ -333,6 +330,11 @@ class Executor:
         fed = self._fed_tokens(plan)
         if fed is None:
             return [item.seq.token_ids[-1] for item in plan]
+        sampling = self._in_flight.sampling  # type: ignore[union-attr]
+        if len(plan) == len(sampling) and all(
+            item.fed and item.seq is seq for item, seq in zip(plan, sampling, strict=True)
+        ):
+            return fed  # the same rows in the same order (most steps): nothing to pick
         rows = self._in_flight.rows  # type: ignore[union-attr]
         first = torch.tensor(
             [0 if item.fed else item.seq.token_ids[-1] for item in plan], dtype=torch.long

@@ -78,6 +78,7 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.waiting: list[Sequence] = []  # sorted by (priority, arrival)
         self.running: list[Sequence] = []  # sorted by (priority, arrival)
+        self._fed: dict[str, Scheduled] = {}  # each pending sequence's fed row
         self.num_preemptions = 0  # since start
         # First admissions since start: prompt tokens looked up, and found, in the prefix cache.
         self.prefix_cache_queries = 0
@@ -89,6 +90,7 @@ class Scheduler:
 
     def remove(self, seq: Sequence) -> None:
         """Take a finished or cancelled sequence out and free its KV at once."""
+        self._fed.pop(seq.request_id, None)
         if not _remove(self.running, seq):
             _remove(self.waiting, seq)
         self.cache.free(seq)
@@ -103,16 +105,26 @@ class Scheduler:
         sits this step out."""
         budget = self.config.max_num_batched_tokens
         max_seqs = self.config.max_num_seqs
+        block_size = self.cache.block_size
         plan: list[Scheduled] = []
         preempted: list[Sequence] = []
 
         queue = [s for s in self.running if not s.pending]  # victims come from its end
-        for seq in self.running:
-            if seq.pending and budget > 0 and len(plan) < max_seqs:
-                item = self._fit_fed(seq)
-                if item is not None:
-                    plan.append(item)
-                    budget -= 1
+        for seq in self.running if len(queue) < len(self.running) else ():
+            if not seq.pending or budget <= 0 or len(plan) >= max_seqs:
+                continue
+            # Its fed row, unless its pending tokens end it (max_tokens, the context) or the
+            # row's K/V slot (the last of those tokens') cannot be had.
+            made = len(seq.token_ids) + seq.pending
+            if made - len(seq.prompt_ids) >= seq.params.max_tokens or made >= self.max_model_len:
+                continue
+            if made > len(seq.block_table) * block_size and not self._reserve(seq, made):
+                continue
+            item = self._fed.get(seq.request_id)  # (the same item, step after step)
+            if item is None or item.seq is not seq:
+                item = self._fed[seq.request_id] = Scheduled(seq, 1, 0, True, fed=True)
+            plan.append(item)
+            budget -= 1
         i, end = 0, len(queue)
         while i < end and budget > 0 and len(plan) < max_seqs:
             seq = queue[i]
@@ -165,14 +177,12 @@ class Scheduler:
                 self.prefix_cache_hits += seq.num_cached
         return Plan(plan, preempted)
 
-    def _fit_fed(self, seq: Sequence) -> Scheduled | None:
-        """The fed row of a sequence with pending tokens, unless those tokens end it (its
-        max_tokens or the context) or its next K/V slot cannot be had."""
-        made = seq.num_tokens + seq.pending
-        if made - len(seq.prompt_ids) >= seq.params.max_tokens or made >= self.max_model_len:
-            return None
-        item = Scheduled(seq, 1, 0, True, fed=True)
-        return item if self._try_reserve(item) else None
+    def _reserve(self, seq: Sequence, slots: int) -> bool:
+        try:
+            self.cache.reserve(seq, slots)
+        except OutOfBlocks:
+            return False
+        return True
 
     def _fit(self, seq: Sequence, budget: int, decoders: Decoders) -> Scheduled:
         num_tokens = len(seq.token_ids)
@@ -188,13 +198,7 @@ class Scheduler:
         return Scheduled(seq, tail, min(cap, decoders.extra_tokens(seq, cap)), True)
 
     def _try_reserve(self, item: Scheduled) -> bool:
-        seq = item.seq
-        start = seq.num_cached + (seq.fed_offset if item.fed else 0)
-        try:
-            self.cache.reserve(seq, start + item.num_tail + item.extra)
-        except OutOfBlocks:
-            return False
-        return True
+        return self._reserve(item.seq, item.seq.num_cached + item.num_tail + item.extra)
 
     def _preempt(self, seq: Sequence, decoders: Decoders) -> None:
         _remove(self.running, seq)

@@ -241,15 +241,15 @@ def test_fed_rows_sit_out_under_kv_pressure(tiny_dir, monkeypatch):
         core = _core(tiny_dir, "cpu", steps, overlap, max_num_seqs=16, kv=12 * 8192)
         assert core.engine.cache.num_usable_blocks == 11  # 8 KiB blocks; 8 x 3 needed
         short: list[str] = []
-        reserve = Scheduler._try_reserve
+        reserve = Scheduler._reserve
 
-        def reserving(self, item, _short=short, _reserve=reserve):
-            ok = _reserve(self, item)
-            if item.fed and not ok:
-                _short.append(item.seq.request_id)
+        def reserving(self, seq, slots, _short=short, _reserve=reserve):
+            ok = _reserve(self, seq, slots)
+            if not ok and seq.pending:
+                _short.append(seq.request_id)
             return ok
 
-        monkeypatch.setattr(Scheduler, "_try_reserve", reserving)
+        monkeypatch.setattr(Scheduler, "_reserve", reserving)
         results, launches, _ = _run(core, reqs, len(reqs), 30, 0)
         runs.append((results, launches, core.scheduler.num_preemptions, short))
     (single, _, single_preempted, _), (overlapped, launches, preempted, short) = runs
