@@ -31,8 +31,10 @@ from multiprocessing.process import BaseProcess
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
-from stride.scheduler.client import BaseClient, EngineDead, ModelInfo, admit, settle
+from stride.scheduler.admission import admit
+from stride.scheduler.client import BaseClient, EngineDead, settle
 from stride.scheduler.core import CoreConfig, EngineCore
+from stride.scheduler.model_info import ModelInfo
 from stride.scheduler.outputs import (
     GenerateRequest,
     QueueFull,
@@ -163,7 +165,7 @@ class ProcessEngineClient(BaseClient):
                 key = next(self._keys)
                 self._pending[key] = (loop, fut)
         if dead is not None:
-            settle(fut, EngineDead(dead))
+            settle(fut, EngineDead(dead, self.retry_after))
             return
         self._writer.put(("add", (key, requests)))
 
@@ -212,7 +214,7 @@ class ProcessEngineClient(BaseClient):
         self._writer.close()
         self._fail_rest(failed)
         for loop, fut in pending:
-            loop.call_soon_threadsafe(settle, fut, EngineDead(message))
+            loop.call_soon_threadsafe(settle, fut, EngineDead(message, self.retry_after))
         if self._process is not None:  # after "dead" it exits by itself; reap it
             self._process.join(10)
             if self._process.is_alive():
@@ -234,6 +236,7 @@ class ProcessEngineClient(BaseClient):
                     self._give_up(self._budget)
                     return False
                 log.warning("restarting the engine process in %.1f s", delay)
+                self.back_at = time.monotonic() + delay
                 if self._closing.wait(delay):
                     return False
                 try:
