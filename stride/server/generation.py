@@ -23,7 +23,7 @@ from stride.metrics import Metrics
 from stride.scheduler.client import BaseClient, child
 from stride.scheduler.outputs import EngineError, GenerateRequest, RequestOutput
 from stride.scheduler.submission import Submission, coalesce
-from stride.server.errors import APIError
+from stride.server.errors import APIError, from_engine_error
 from stride.tracing import RequestTrace
 
 DEADLINE = EngineError("deadline_exceeded", "the request's deadline passed")
@@ -147,6 +147,14 @@ class Generation:
                 if out.finished:
                     self._trace.finished(out)
         return outs
+
+    def failure(self, out: RequestOutput) -> APIError:
+        """The API error a failed output ends its request with (an engine that died says when
+        to retry)."""
+        error = from_engine_error(out.error)
+        if error.code == "engine_dead":
+            error.headers["Retry-After"] = str(self._client.retry_after)
+        return error
 
     def cut_off(self) -> None:
         """The drain deadline passed: end with `server_draining` now, admitted or not."""

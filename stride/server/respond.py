@@ -21,7 +21,7 @@ from stride.scheduler.outputs import RequestOutput
 from stride.server import response_schemas as rs
 from stride.server import sse
 from stride.server.disconnect import unless_disconnected
-from stride.server.errors import APIError, from_engine_error
+from stride.server.errors import APIError
 from stride.server.generation import Generation
 from stride.server.views import View
 
@@ -37,7 +37,7 @@ async def _gathered(view: View, gen: Generation) -> rs.Response:
     try:
         async for index, out in gen:
             if out.error is not None:
-                raise from_engine_error(out.error)
+                raise gen.failure(out)
             view.add(index, out)
     finally:
         gen.close()
@@ -54,7 +54,7 @@ async def _events(view: View, gen: Generation) -> AsyncIterator[str]:
         for chunk in view.opening():
             yield view.chunk(chunk)
         async for batch in gen.batches():
-            events, failure = _batch_events(view, batch)
+            events, failure = _batch_events(view, gen, batch)
             if events:
                 yield events
             if failure is not None:
@@ -72,13 +72,13 @@ async def _events(view: View, gen: Generation) -> AsyncIterator[str]:
 
 
 def _batch_events(
-    view: View, batch: list[tuple[int, RequestOutput]]
+    view: View, gen: Generation, batch: list[tuple[int, RequestOutput]]
 ) -> tuple[str, APIError | None]:
     """The events of a batch of outputs, up to the first that failed (and its error)."""
     events = []
     for index, out in batch:
         if out.error is not None and out.finish_reason != "deadline":
-            return "".join(events), from_engine_error(out.error)
+            return "".join(events), gen.failure(out)
         event = view.event(index, view.add(index, out))
         if event is not None:
             events.append(event)

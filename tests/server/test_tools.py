@@ -73,6 +73,24 @@ def test_answers_split_into_content_and_calls(text, content, calls):
         assert [(c.name, json.loads(c.arguments)) for p in pieces for c in p.calls] == calls
 
 
+@pytest.mark.parametrize(
+    "text,whole",
+    [
+        (f"<tool_call>{CALL}</tool_call>", True),
+        (f"<tool_call>{CALL}</tool_call>\n", True),
+        (f"Let me look. <tool_call>{CALL}</tool_call>", True),
+        (f"<tool_call>{CALL}</tool_call><tool_call>{CALL[:20]}", False),  # a second one, cut
+        (f"<tool_call>{CALL}</tool_call> and then", False),
+        (CALL, True),
+        (CALL[:-1], False),
+        ("no call at all", False),
+    ],
+)
+def test_an_answer_of_whole_calls_says_so(text, whole):
+    """What decides `tool_calls` over `length` for an answer that reached max_tokens."""
+    assert tools.split_answer(text, auto(WEATHER))[2] is whole
+
+
 def test_one_call_when_parallel_calls_are_off():
     text = f"<tool_call>{CALL}</tool_call><tool_call>{CALL}</tool_call>"
     _, calls, _ = tools.split_answer(text, auto(WEATHER, parallel=False))
