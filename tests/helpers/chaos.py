@@ -105,7 +105,7 @@ HOSTILE_DECODERS = [
     {"type": "refine", "method": "lookahead", "window": 0},
     {"type": "speculative", "draft": "nope"},
     {"type": "speculative", "num_speculative_tokens": 17},
-    {"type": "speculative", "draft": "early_exit", "exit_layer": 3},
+    {"type": "speculative", "draft": "early_exit", "exit_layer": 1000},
     {"type": "nope"},
     "nope",
     5,
@@ -289,6 +289,7 @@ class Chaos:
                         self.keep(record)
                         continue
                     record.status = r.status_code
+                    record.retry_after = r.headers.get("Retry-After")
                     try:
                         record.error_code = r.json()["error"]["code"]
                     except (ValueError, KeyError, TypeError):
