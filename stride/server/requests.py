@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 from stride.decoders.base import DecoderError
 from stride.decoders.registry import parse_spec
 from stride.engine.sequence import Constraint, SamplingParams
-from stride.scheduler.client import ModelInfo
+from stride.scheduler.model_info import ModelInfo
 from stride.scheduler.outputs import GenerateRequest
 from stride.server import request_schemas as rq
 from stride.server import response_schemas as rs
