@@ -28,6 +28,9 @@ log = logging.getLogger(__name__)
 
 GGUF_LINK = "model.gguf"
 INDEX = "gguf_tensors.json"
+# The tokenizer class the cache names: transformers 5 saves `TokenizersBackend`, which only it
+# knows; this name every transformers since 4.0 loads (in 5 it is the same class).
+TOKENIZER_CLASS = "PreTrainedTokenizerFast"
 
 
 def is_gguf_dir(path: Path) -> bool:
@@ -57,6 +60,9 @@ def convert(gguf: Path, out: Path) -> None:
     config.save_pretrained(tmp)
     GenerationConfig.from_model_config(config).save_pretrained(tmp)
     AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(tmp)
+    settings = json.loads((tmp / "tokenizer_config.json").read_text())
+    settings["tokenizer_class"] = TOKENIZER_CLASS
+    (tmp / "tokenizer_config.json").write_text(json.dumps(settings, indent=2))
     log.info("tokenizer converted (%.1f s); indexing the weights", time.perf_counter() - start)
     reader = GGUFReader(gguf)
     arch = str(reader.fields["general.architecture"].contents())

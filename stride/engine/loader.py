@@ -50,7 +50,9 @@ def default_gguf() -> Path:
 
 def gguf_to_hf_dir(gguf: Path) -> Path:
     """The cached directory of `gguf` (config, tokenizer, a link to the file), made on first use."""
-    digest = hashlib.sha256(f"{gguf.resolve()}:{gguf.stat().st_size}".encode()).hexdigest()[:12]
+    # (the class in the key: a cache that named another tokenizer class is made anew)
+    key = f"{gguf.resolve()}:{gguf.stat().st_size}:{gguf_file.TOKENIZER_CLASS}"
+    digest = hashlib.sha256(key.encode()).hexdigest()[:12]
     out = cache_dir() / f"{gguf.stem}-{digest}"
     if not gguf_file.is_gguf_dir(out):
         gguf_file.convert(gguf, out)

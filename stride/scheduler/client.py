@@ -1,9 +1,10 @@
 """The engine client: the step loop on its own thread, met by asyncio callers through queues.
 
-Callers submit plain `GenerateRequest`s and read plain `RequestOutput`s; the loop never awaits
-HTTP, and HTTP never waits on a step. If the loop dies, every request in flight gets
-`engine_dead` at once, and the engine is restarted (see `supervision`); a watchdog thread tells
-when it has not stepped for a while with requests in flight (`stuck`).
+Callers submit plain `GenerateRequest`s (`admission` decides whether they may wait in the queue)
+and read plain `RequestOutput`s (`submission`); the loop never awaits HTTP, and HTTP never waits
+on a step. If the loop dies, every request in flight gets `engine_dead` at once, and the engine
+is restarted (see `supervision`); a watchdog thread tells when it has not stepped for a while
+with requests in flight (`stuck`). `process` runs the same loop in a process of its own.
 """
 
 from __future__ import annotations
@@ -12,14 +13,17 @@ import asyncio
 import dataclasses
 import gc
 import logging
+import math
 import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
+from stride.scheduler.admission import Admission, admit, check_group
 from stride.scheduler.core import EngineCore
+from stride.scheduler.model_info import ModelInfo
 from stride.scheduler.outputs import (
     EngineError,
     GenerateRequest,
@@ -28,6 +32,7 @@ from stride.scheduler.outputs import (
     RequestRejected,
     StepStats,
 )
+from stride.scheduler.submission import Submission
 from stride.scheduler.supervision import RestartBudget, SupervisionConfig
 
 log = logging.getLogger(__name__)
@@ -37,161 +42,30 @@ _ADD = "add"
 
 
 class EngineDead(RuntimeError):
-    """The step loop has stopped; the server answers 503."""
+    """The step loop has stopped; the server answers 503 with `retry_after` seconds."""
 
-
-@dataclass
-class ModelInfo:
-    """What the HTTP edge needs to know about the loaded model (plain data: crosses processes)."""
-
-    name: str
-    tokenizer: Any
-    max_model_len: int
-    capacity: int  # tokens one sequence can hold: the context length, or less if the KV is small
-    vocab_size: int
-    max_waiting: int
-    device: str  # e.g. "cpu", "cuda:0", "2 x cuda" (split over ranks); for the ready line
-    dtype: str  # e.g. "float32"
-    kv_tokens: int  # tokens the whole KV cache holds
-    peak_bandwidth: float  # the device's roof (bytes/s, FLOP/s): measured at start, or given
-    peak_flops: float
-
-    @classmethod
-    def of(cls, core: EngineCore) -> ModelInfo:
-        engine, cache = core.engine, core.engine.cache
-        return cls(
-            name=engine.name,
-            tokenizer=engine.tokenizer,
-            max_model_len=engine.max_model_len,
-            capacity=min(engine.max_model_len, cache.num_usable_blocks * cache.block_size),
-            vocab_size=engine.hf_config.vocab_size,
-            max_waiting=core.config.max_waiting,
-            device=str(engine.device)
-            if engine.workers is None
-            else f"{engine.config.tensor_parallel_size} x {engine.device.type}",
-            dtype=str(engine.dtype).removeprefix("torch."),
-            kv_tokens=cache.num_usable_blocks * cache.block_size,
-            peak_bandwidth=engine.peaks.bandwidth,
-            peak_flops=engine.peaks.flops,
-        )
-
-
-class Submission:
-    """The outputs of requests submitted together, as they arrive on the caller's event loop.
-
-    The step loop appends each step's outputs here (one thread-safe call per step and event loop,
-    not one per output); `next()` takes everything queued since the consumer last looked, merged
-    per request. A consumer that falls behind thus gets fewer, larger outputs instead of a backlog.
-    """
-
-    def __init__(self, client: BaseClient, request_ids: list[str]) -> None:
-        self._client = client
-        self.request_ids = request_ids
-        self.unfinished = set(request_ids)
-        self._pending: list[RequestOutput] = []
-        self._waiter: asyncio.Future | None = None
-        self._closed = False
-
-    @property
-    def done(self) -> bool:
-        return not self.unfinished
-
-    def push(self, out: RequestOutput) -> None:
-        """On the event loop: queue one output and wake the consumer."""
-        self._pending.append(out)
-        if self._waiter is not None and not self._waiter.done():
-            self._waiter.set_result(None)
-
-    async def next(self, timeout: float | None = None) -> list[RequestOutput]:
-        """Everything that arrived since the last call (waits for at least one output).
-
-        Raises asyncio.TimeoutError if nothing arrived within `timeout` seconds.
-        """
-        while not self._pending:
-            self._waiter = asyncio.get_running_loop().create_future()
-            try:
-                if timeout is None:
-                    await self._waiter
-                else:
-                    await asyncio.wait_for(self._waiter, max(timeout, 0.0))
-            finally:
-                self._waiter = None
-        outs, self._pending = coalesce(self._pending), []
-        for out in outs:
-            if out.finished:
-                self.unfinished.discard(out.request_id)
-        return outs
-
-    def expire(self) -> list[RequestOutput]:
-        """The deadline passed: end every unfinished request with `deadline` now, whatever the
-        engine does (a hung engine included); the engine is told to abort them."""
-        error = EngineError("deadline_exceeded", "the request's deadline passed")
-        outs = [RequestOutput(r, finish_reason="deadline", error=error) for r in self.unfinished]
-        for rid in self.unfinished:
-            self._client.abort(rid)
-        self.unfinished.clear()
-        return outs
-
-    def close(self) -> None:
-        """Abort whatever still runs and stop receiving outputs (idempotent, synchronous)."""
-        if self._closed:
-            return
-        self._closed = True
-        for rid in self.unfinished:
-            self._client.abort(rid)
-        self._client._forget(self.request_ids)
-
-
-def coalesce(outs: list[RequestOutput]) -> list[RequestOutput]:
-    """Merge consecutive outputs of each request into one (text, tokens, logprobs; end carried).
-
-    Outputs with an error stay apart, so the tokens before an error still reach the client.
-    """
-    if len(outs) < 2:
-        return outs
-    result: list[RequestOutput] = []
-    last: dict[str, int] = {}  # request id -> position of its latest output in `result`
-    for out in outs:
-        i = last.get(out.request_id)
-        if i is None or result[i].finished or out.error is not None:
-            last[out.request_id] = len(result)
-            result.append(out)
-        else:
-            result[i] = _joined(result[i], out)
-    return result
-
-
-def _joined(a: RequestOutput, b: RequestOutput) -> RequestOutput:
-    return RequestOutput(
-        b.request_id,
-        token_ids=a.token_ids + b.token_ids,
-        text=a.text + b.text,
-        logprobs=a.logprobs + b.logprobs,
-        finish_reason=b.finish_reason,
-        stop_reason=b.stop_reason,
-        num_prompt_tokens=b.num_prompt_tokens or a.num_prompt_tokens,
-        num_output_tokens=b.num_output_tokens or a.num_output_tokens,
-        num_cached_tokens=b.num_cached_tokens or a.num_cached_tokens,
-        decoder_stats=b.decoder_stats or a.decoder_stats,
-        prompt_logprobs=a.prompt_logprobs if a.prompt_logprobs is not None else b.prompt_logprobs,
-        timings=b.timings or a.timings,
-        timeline=b.timeline or a.timeline,
-    )
+    def __init__(self, message: str, retry_after: int = 1) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
 
 
 class BaseClient:
     """Submission, streams and delivery, common to the thread and the process step loops.
 
     Also what supervision needs on this side: `dead` (why the engine is down now: it died, or
-    is being restarted), the hooks `on_restart` (a restarted engine serves again) and
-    `on_give_up` (the restart budget is spent: the server should exit), and the watchdog.
+    is being restarted) and `back_at` (when a restarted one should serve, if known), the hooks
+    `on_restart` (a restarted engine serves again) and `on_give_up` (the restart budget is
+    spent: the server should exit), and the watchdog.
     """
 
     def __init__(self, supervision: SupervisionConfig | None = None) -> None:
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, Submission]] = {}
         self._live: set[str] = set()  # submitted, and not known to have ended in the engine
+        self._answered: set[str] = set()  # live, but answered here already (deadline, drain)
+        self._queued: set[str] = set()  # submitted, and no output yet: waiting in the queue
         self._lock = threading.Lock()
         self.dead: str | None = None  # why the engine is down, while it is
+        self.back_at: float | None = None  # (time.monotonic) when a restarted engine may serve
         self.on_step: Callable[[StepStats, float, list[RequestOutput]], None] | None = None
         self.on_restart: Callable[[], None] | None = None
         self.on_give_up: Callable[[str], None] | None = None
@@ -204,15 +78,30 @@ class BaseClient:
     def model(self) -> ModelInfo:
         raise NotImplementedError
 
+    @cached_property
+    def admission(self) -> Admission:
+        return Admission(self.model.max_waiting)
+
     @property
     def stuck(self) -> str | None:
-        """Why the engine looks hung (requests in flight, no step for `watchdog_timeout` s)."""
+        """Why the engine looks hung (work in the engine, no step for `watchdog_timeout` s).
+
+        Requests answered already (a passed deadline) or left by their clients are in flight
+        no more, but a hung engine has not let go of them: they count apart."""
         with self._lock:
-            live = len(self._live)
+            live, answered = len(self._live), len(self._live & self._answered)
         quiet = time.monotonic() - self.last_progress
         if not live or self.dead or quiet < self.supervision.watchdog_timeout:
             return None
-        return f"no engine step for {quiet:.0f} s with {live} requests in flight"
+        held = f" (and {answered} answered or left already, not let go)" if answered else ""
+        return f"no engine step for {quiet:.0f} s with {live - answered} requests in flight{held}"
+
+    @property
+    def retry_after(self) -> int:
+        """Seconds until the dead engine's successor should serve (at least 1)."""
+        back_at = self.back_at
+        wait = 1.0 if back_at is None else back_at - time.monotonic()
+        return max(1, math.ceil(wait))
 
     def _watchdog(self) -> None:
         """Log when the engine gets stuck and when it moves again (`/health` reads `stuck`)."""
@@ -232,19 +121,19 @@ class BaseClient:
         `close()` the submission, which aborts every request that has not finished.
         """
         if self.dead:
-            raise EngineDead(self.dead)
+            raise EngineDead(self.dead, self.retry_after)
         check_group(requests, self.model.max_waiting)
-        if self._num_waiting() >= self.model.max_waiting:
-            raise QueueFull("the waiting queue is full")
         loop = asyncio.get_running_loop()
         sub = Submission(self, [r.request_id for r in requests])
         admitted: asyncio.Future = loop.create_future()
         with self._lock:
+            self.admission.check(len(requests), self._num_waiting())
             if not self._live:  # the watchdog's clock starts with the work
                 self.last_progress = time.monotonic()
             for rid in sub.request_ids:
                 self._streams[rid] = (loop, sub)
                 self._live.add(rid)
+                self._queued.add(rid)
         self._add(requests, loop, admitted)
         try:
             await admitted  # raises what admission raised
@@ -253,7 +142,12 @@ class BaseClient:
                 sub.unfinished.clear()  # nothing was added
                 with self._lock:
                     self._live.difference_update(sub.request_ids)
+                    self._queued.difference_update(sub.request_ids)
+                    if isinstance(e, QueueFull):  # (the engine's count was ahead of ours)
+                        e = self.admission.refuse(len(requests), self._num_waiting())
             sub.close()  # cancelled while being admitted: the add may still land; abort it
+            if isinstance(e, QueueFull):
+                raise e from None
             raise
         return sub
 
@@ -289,21 +183,36 @@ class BaseClient:
     ) -> None:
         raise NotImplementedError
 
-    def _forget(self, ids: list[str]) -> None:
+    def forget(self, ids: list[str]) -> None:
+        """Their submission is closed: outputs still to come for `ids` go nowhere."""
         with self._lock:
             for rid in ids:
                 self._streams.pop(rid, None)
+
+    def answered(self, ids: list[str]) -> None:
+        """Nobody waits for `ids` any more, whatever the engine does with them: answered without
+        it (a deadline, the drain deadline), or left by their client."""
+        with self._lock:
+            self._answered.update(r for r in ids if r in self._live)
 
     def _deliver(self, outs: list[RequestOutput]) -> None:
         """Hand a step's outputs to their event loops: one thread-safe call per loop."""
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Submission, RequestOutput]]] = {}
         with self._lock:
+            left = 0  # sequences that left the waiting queue: their first output
             for out in outs:
+                rid = out.request_id
+                if rid in self._queued:
+                    self._queued.discard(rid)
+                    left += 1
                 if out.finished:
-                    self._live.discard(out.request_id)
+                    self._live.discard(rid)
+                    self._answered.discard(rid)
                 target = self._streams.get(out.request_id)
                 if target is not None:
                     by_loop.setdefault(target[0], []).append((target[1], out))
+            if left:
+                self.admission.departed(left)
         for loop, items in by_loop.items():
             loop.call_soon_threadsafe(_dispatch, items)
 
@@ -313,6 +222,8 @@ class BaseClient:
         with self._lock:
             unanswered = [r for r in self._streams if r not in answered]
             self._live.clear()
+            self._answered.clear()
+            self._queued.clear()
         error = EngineError("engine_dead", self.dead or "engine loop died")
         for rid in unanswered:  # e.g. requests admitted but not yet in the core
             failed.append(RequestOutput(rid, finish_reason="error", error=error))
@@ -321,7 +232,7 @@ class BaseClient:
     def _revived(self) -> None:
         """A restarted engine serves: take requests again."""
         with self._lock:
-            self.dead = None
+            self.dead = self.back_at = None
             self.last_progress = time.monotonic()
         log.warning("the engine serves again")
         if self.on_restart is not None:
@@ -352,6 +263,7 @@ class EngineClient(BaseClient):
         self.core = core
         self._rebuild = rebuild
         self._budget = RestartBudget(self.supervision)
+        self._load_s = 0.0  # how long the last restart took to load the model
         self._model = ModelInfo.of(core)
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="stride-engine", daemon=True)
@@ -422,7 +334,8 @@ class EngineClient(BaseClient):
                 return
             if kind == _ADD:
                 _, loop, fut = payload
-                loop.call_soon_threadsafe(settle, fut, EngineDead(self.dead or "engine died"))
+                dead = EngineDead(self.dead or "engine died", self.retry_after)
+                loop.call_soon_threadsafe(settle, fut, dead)
 
     def _restart(self) -> bool:
         """A fresh core after the backoff; False at shutdown or once the budget is spent."""
@@ -432,11 +345,14 @@ class EngineClient(BaseClient):
                 self._give_up(self._budget)
                 return False
             log.warning("restarting the engine in %.1f s", delay)
+            self.back_at = time.monotonic() + delay + self._load_s
             if self._closing.wait(delay):
                 return False
             gc.unfreeze()  # the dead core froze its heap; let it be collected
             try:
+                started = time.monotonic()
                 core = self._rebuild()
+                self._load_s = time.monotonic() - started
             except Exception:
                 log.exception("restarting the engine failed")
                 continue
@@ -469,31 +385,6 @@ class EngineClient(BaseClient):
             return
         requests, loop, fut = payload
         loop.call_soon_threadsafe(settle, fut, admit(self.core, requests))
-
-
-def check_group(requests: list[GenerateRequest], max_waiting: int) -> None:
-    """Requests admitted together that can never be: more than the waiting queue holds."""
-    if len(requests) > max_waiting:
-        raise RequestRejected(
-            f"{len(requests)} sequences (prompts x n) can never be admitted together: the "
-            f"waiting queue holds {max_waiting} (--max-waiting)",
-            param="n",
-        )
-
-
-def admit(core: EngineCore, requests: list[GenerateRequest]) -> Exception | None:
-    """Add every request to the core, or none of them: the admission error, if any."""
-    added: list[str] = []
-    try:
-        check_group(requests, core.config.max_waiting)
-        for req in requests:
-            core.add(req)
-            added.append(req.request_id)
-    except (QueueFull, RequestRejected) as e:
-        for rid in added:
-            core.abort(rid)
-        return e
-    return None
 
 
 def _dispatch(items: list[tuple[Submission, RequestOutput]]) -> None:

@@ -76,7 +76,11 @@ class StepStats:
 
 
 class QueueFull(RuntimeError):
-    """The waiting queue is at capacity; the server answers 429."""
+    """The waiting queue is at capacity; the server answers 429 with `retry_after` seconds."""
+
+    def __init__(self, message: str, retry_after: int = 1) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
 
 
 class RequestRejected(ValueError):

@@ -22,7 +22,6 @@ import itertools
 import logging
 import multiprocessing as mp
 import os
-import queue
 import signal
 import threading
 import time
@@ -31,8 +30,10 @@ from multiprocessing.process import BaseProcess
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
-from stride.scheduler.client import BaseClient, EngineDead, ModelInfo, admit, settle
+from stride.scheduler.admission import admit
+from stride.scheduler.client import BaseClient, EngineDead, settle
 from stride.scheduler.core import CoreConfig, EngineCore
+from stride.scheduler.model_info import ModelInfo
 from stride.scheduler.outputs import (
     GenerateRequest,
     QueueFull,
@@ -40,6 +41,7 @@ from stride.scheduler.outputs import (
     RequestRejected,
     StepStats,
 )
+from stride.scheduler.pipe_writer import PipeWriter
 from stride.scheduler.supervision import RestartBudget, SupervisionConfig
 
 log = logging.getLogger(__name__)
@@ -100,7 +102,7 @@ class ProcessEngineClient(BaseClient):
         self._stopping = False
         self._model: ModelInfo = self._handshake(conn)
         self._conn = conn
-        self._writer = _Writer(conn)
+        self._writer = PipeWriter(conn)
         self.stats = StepStats(0, 0, 0.0, 0, 0, 0)
         self._reader = threading.Thread(target=self._read, name="stride-engine-io", daemon=True)
         self._reader.start()
@@ -163,7 +165,7 @@ class ProcessEngineClient(BaseClient):
                 key = next(self._keys)
                 self._pending[key] = (loop, fut)
         if dead is not None:
-            settle(fut, EngineDead(dead))
+            settle(fut, EngineDead(dead, self.retry_after))
             return
         self._writer.put(("add", (key, requests)))
 
@@ -212,7 +214,7 @@ class ProcessEngineClient(BaseClient):
         self._writer.close()
         self._fail_rest(failed)
         for loop, fut in pending:
-            loop.call_soon_threadsafe(settle, fut, EngineDead(message))
+            loop.call_soon_threadsafe(settle, fut, EngineDead(message, self.retry_after))
         if self._process is not None:  # after "dead" it exits by itself; reap it
             self._process.join(10)
             if self._process.is_alive():
@@ -234,6 +236,7 @@ class ProcessEngineClient(BaseClient):
                     self._give_up(self._budget)
                     return False
                 log.warning("restarting the engine process in %.1f s", delay)
+                self.back_at = time.monotonic() + delay
                 if self._closing.wait(delay):
                     return False
                 try:
@@ -251,39 +254,11 @@ class ProcessEngineClient(BaseClient):
             if self._stopping:
                 conn.close()
                 return False
-            self._conn, self._writer = conn, _Writer(conn)
+            self._conn, self._writer = conn, PipeWriter(conn)
             self.stats = StepStats(0, 0, 0.0, 0, 0, 0)
             self._revived()
             return True
         return False
-
-
-class _Writer:
-    """Sends messages down a pipe from a thread of its own: a full pipe (an engine that stopped
-    reading: hung, or stopped by SIGSTOP) blocks this thread, never the event loop."""
-
-    def __init__(self, conn: Connection) -> None:
-        self._queue: queue.SimpleQueue[tuple[str, Any] | None] = queue.SimpleQueue()
-        self._thread = threading.Thread(
-            target=self._run, args=(conn,), name="stride-engine-send", daemon=True
-        )
-        self._thread.start()
-
-    def put(self, message: tuple[str, Any]) -> None:
-        self._queue.put(message)
-
-    def close(self, timeout: float | None = None) -> None:
-        """Stop after what was put so far (waiting up to `timeout` s for it to be sent)."""
-        self._queue.put(None)
-        if timeout:
-            self._thread.join(timeout)
-
-    def _run(self, conn: Connection) -> None:
-        while (message := self._queue.get()) is not None:
-            try:
-                conn.send(message)
-            except (OSError, ValueError):  # the engine is gone; the reader says why
-                return
 
 
 def _rejection(error: tuple[str, str, str, str | None] | None) -> Exception | None:

@@ -43,16 +43,21 @@ from stride.scheduler.core import CoreConfig
 from stride.scheduler.process import run_setup, start_engine_process
 from stride.scheduler.supervision import RestartBudget, SupervisionConfig
 from stride.server.app import ServerConfig
-from stride.server.http_server import run_server, setup_logging
+from stride.server.http_server import listen, run_server, setup_logging
 
 log = logging.getLogger("stride")
 
 
-def serve_many(args: argparse.Namespace, config: ServerConfig, n: int) -> int:
-    """Run N API processes and the engine process until they are done; 0 if all exited 0."""
-    first = listen(args.host, args.port)
-    port = first.getsockname()[1]  # the one chosen, if --port was 0
-    sockets = [first] + [listen(args.host, port) for _ in range(n - 1)]
+def serve_many(
+    args: argparse.Namespace, config: ServerConfig, n: int, claimed: socket.socket
+) -> int:
+    """Run N API processes and the engine process until they are done; 0 if all exited 0.
+
+    `claimed`: the port, bound by this process alone (so that a port in use is an error even
+    where its holder shares it too); given up for N sockets that share it."""
+    port = claimed.getsockname()[1]  # the one chosen, if --port was 0
+    claimed.close()
+    sockets = [listen(args.host, port, shared=True) for _ in range(n)]
     with tempfile.TemporaryDirectory(prefix="stride-metrics-") as metrics_dir:
         os.environ[MULTIPROC_ENV] = metrics_dir  # before any child imports prometheus_client
         engine_config = config.core
@@ -91,18 +96,6 @@ def serve_many(args: argparse.Namespace, config: ServerConfig, n: int) -> int:
             engine.kill()
             engine.join(5)
     return 0 if all(c == 0 for c in codes) and not supervisor.gave_up else 1
-
-
-def listen(host: str, port: int) -> socket.socket:
-    """A listening TCP socket on host:port that others may bind too (SO_REUSEPORT)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-    sock.bind((host, port))
-    sock.listen(2048)  # uvicorn's default backlog
-    sock.set_inheritable(True)
-    return sock
 
 
 class _Supervisor:
@@ -201,7 +194,7 @@ def _api_server(args: argparse.Namespace, config: ServerConfig, sock: socket.soc
     run_setup(os.environ.get("STRIDE_ENGINE_SETUP"))  # e.g. decoders registered outside Stride
     setup_logging(args)
     _drain_when_orphaned()
-    sys.exit(run_server(args, config, sockets=[sock]))
+    sys.exit(run_server(args, config, sock, only_sigterm=True))
 
 
 def _drain_when_orphaned() -> None:

@@ -1,24 +1,21 @@
-"""The FastAPI app: routes, the model loading in the background, and the drain on shutdown.
+"""The FastAPI app: its configuration, routes, and the model loading in the background.
 
 `create_app(config)` returns an app that answers at once: `/health` says 503 while the model
 loads on a worker thread, and generation routes say `model_loading`. Once loaded, the engine
 client sits on `app.state.client` (hooks such as metrics attach there) and `app.state.serving`.
-`app.state.lifecycle.begin_drain()` (the CLI calls it on SIGTERM) turns new requests away with
-503 while the ones in flight finish. `/health` is 503 too while the engine is dead (being
-restarted), stuck (the watchdog), or given up on (then the CLI exits non-zero).
-Every request's body is bounded (`max_request_body`: 413 before the rest is read), and its
-arrival time is noted: deadlines run from it.
+`app.state.lifecycle` says where the server stands and drains it (`lifecycle`): the CLI calls
+`begin_drain()` on SIGTERM and `cut_off()` at the drain deadline. `/health` is 503 too while the
+engine is dead (being restarted), stuck (the watchdog), or given up on (then the CLI exits
+non-zero). Every request's body is bounded (`max_request_body`: 413 before the rest is read),
+and its arrival time is noted: deadlines run from it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import enum
 import logging
 import threading
-import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Annotated, Any
@@ -26,14 +23,11 @@ from typing import Annotated, Any
 import torch
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from starlette.exceptions import HTTPException
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from stride import adapters, drafts
 from stride.decoders.base import DecodersConfig
 from stride.engine.config import EngineConfig
 from stride.engine.loader import served_name
-from stride.metrics.access import PROBES
 from stride.metrics.middleware import MetricsMiddleware
 from stride.metrics.registry import Metrics
 from stride.scheduler.client import BaseClient, EngineClient
@@ -42,13 +36,13 @@ from stride.scheduler.policy import SchedulerConfig
 from stride.scheduler.process import ProcessEngineClient
 from stride.scheduler.supervision import SupervisionConfig
 from stride.server import errors
-from stride.server import schemas as s
+from stride.server import request_schemas as rq
+from stride.server import response_schemas as rs
 from stride.server.auth import APIKeyMiddleware
-from stride.server.errors import APIError
-from stride.server.requests import off_loop
+from stride.server.body_limit import BodyLimit
+from stride.server.disconnect import ClientGone, client_gone
+from stride.server.lifecycle import Gate, Lifecycle, Phase
 from stride.server.serving import Serving
-from stride.server.streaming import ClientGone
-from stride.server.tools import Tools
 from stride.tracing import Tracing, disabled
 
 log = logging.getLogger(__name__)
@@ -78,110 +72,6 @@ class ServerConfig:
     @property
     def core(self) -> CoreConfig:
         return CoreConfig(self.engine, self.scheduler, self.decoders)
-
-
-class Phase(enum.Enum):
-    LOADING = "loading"
-    READY = "ready"
-    DRAINING = "draining"
-    FAILED = "failed"
-
-
-class Lifecycle:
-    """Where the server stands, and how many requests are in flight."""
-
-    def __init__(self) -> None:
-        self.phase = Phase.LOADING
-        self.client: BaseClient | None = None
-        self.error: str | None = None
-        self.in_flight = 0
-        self.on_failure: Callable[[str], None] | None = None  # e.g. the CLI exits
-        self.on_ready: Callable[[], None] | None = None  # e.g. the CLI's ready line
-
-    def begin_drain(self) -> None:
-        if self.phase is not Phase.FAILED:
-            self.phase = Phase.DRAINING
-
-    @property
-    def idle(self) -> bool:
-        return self.in_flight == 0
-
-    def health(self) -> tuple[str, str | None]:
-        if self.phase is Phase.FAILED:
-            return "failed", self.error
-        if self.client is not None and self.client.dead:
-            return "dead", self.client.dead
-        stuck = None if self.client is None else self.client.stuck
-        if stuck is not None:
-            return "stuck", stuck
-        if self.phase is Phase.READY:
-            return "ok", None
-        return self.phase.value, None
-
-    def unavailable(self) -> APIError | None:
-        """Why a generation route cannot run now, if it cannot."""
-        if self.phase is Phase.LOADING:
-            return APIError("model_loading", "the model is still loading; retry shortly")
-        if self.phase is Phase.FAILED:
-            return APIError("model_load_failed", f"the model failed to load: {self.error}")
-        if self.client is not None and self.client.dead:
-            return APIError("engine_dead", self.client.dead)
-        return None
-
-
-class _Gate:
-    """Counts requests in flight; once draining, answers new ones with 503 (probes stay open)."""
-
-    def __init__(self, app: ASGIApp, lifecycle: Lifecycle) -> None:
-        self.app = app
-        self.lifecycle = lifecycle
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in PROBES:
-            return await self.app(scope, receive, send)
-        scope.setdefault("state", {})["arrival"] = time.monotonic()  # deadlines run from here
-        if self.lifecycle.phase is Phase.DRAINING:
-            error = APIError("server_draining", "the server is shutting down")
-            return await error.response()(scope, receive, send)
-        self.lifecycle.in_flight += 1
-        try:
-            await self.app(scope, receive, send)
-        finally:
-            self.lifecycle.in_flight -= 1
-
-
-class _BodyLimit:
-    """413 for a body over `limit` bytes, without reading the rest of it: at once if its
-    Content-Length says so, else as soon as what was read passes the limit."""
-
-    def __init__(self, app: ASGIApp, limit: int) -> None:
-        self.app = app
-        self.limit = limit
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        declared = dict(scope["headers"]).get(b"content-length", b"")
-        if declared.isdigit() and int(declared) > self.limit:
-            return await self._too_large().response()(scope, receive, send)
-        seen = 0
-
-        async def bounded() -> Message:
-            nonlocal seen
-            message = await receive()
-            if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > self.limit:  # (FastAPI passes an HTTPException on as it is)
-                    raise HTTPException(413, self._too_large().message)
-            return message
-
-        await self.app(scope, bounded, send)
-
-    def _too_large(self) -> APIError:
-        return APIError(
-            "request_too_large",
-            f"the request body is larger than {self.limit} bytes (--max-request-body)",
-        )
 
 
 def build_client(config: ServerConfig) -> BaseClient:
@@ -232,7 +122,9 @@ def create_app(config: ServerConfig | None = None) -> FastAPI:
                 client.on_restart = metrics.engine_restarted
                 metrics.set_peaks(client.model.peak_bandwidth, client.model.peak_flops)
             client.on_give_up = lambda why: loop.call_soon_threadsafe(_failed, why)
-            app.state.serving = Serving(client, config.decoders.default, metrics, tracing)
+            app.state.serving = Serving(
+                client, config.decoders.default, lifecycle.running, metrics, tracing
+            )
             if lifecycle.phase is Phase.LOADING:
                 lifecycle.phase = Phase.READY
             if lifecycle.on_ready is not None:  # before the loop serves anything more
@@ -285,9 +177,9 @@ def create_app(config: ServerConfig | None = None) -> FastAPI:
         log.info("tracing requests to %s", tracing.endpoint)
     app.state.tracing = tracing
     errors.install(app)
-    app.add_exception_handler(ClientGone, _client_gone)
-    app.add_middleware(_BodyLimit, limit=config.max_request_body)
-    app.add_middleware(_Gate, lifecycle=lifecycle)
+    app.add_exception_handler(ClientGone, client_gone)
+    app.add_middleware(BodyLimit, limit=config.max_request_body)
+    app.add_middleware(Gate, lifecycle=lifecycle)
     if config.api_key:
         app.add_middleware(
             APIKeyMiddleware, api_key=config.api_key, protect_metrics=config.protect_metrics
@@ -295,10 +187,6 @@ def create_app(config: ServerConfig | None = None) -> FastAPI:
     app.add_middleware(MetricsMiddleware, get_metrics=lambda: app.state.metrics)  # outermost
     _routes(app)
     return app
-
-
-async def _client_gone(_: Request, __: Exception) -> Response:
-    return Response(status_code=499)  # nobody is listening; nginx's code for it
 
 
 def serving(request: Request) -> Serving:
@@ -313,7 +201,7 @@ def serving(request: Request) -> Serving:
 Model = Annotated[Serving, Depends(serving)]
 
 ERRORS: dict[int | str, dict[str, Any]] = {
-    status: {"model": s.ErrorResponse, "description": description}
+    status: {"model": rs.ErrorResponse, "description": description}
     for status, description in [
         (400, "invalid request, context length exceeded, unknown decoder"),
         (401, "missing or wrong API key"),
@@ -345,10 +233,10 @@ def _streaming(model: type) -> dict[int | str, dict[str, Any]]:
 
 
 def _routes(app: FastAPI) -> None:
-    @app.get("/health", response_model=s.Health, responses={503: {"model": s.Health}})
+    @app.get("/health", response_model=rs.Health, responses={503: {"model": rs.Health}})
     async def health(request: Request):
         status, detail = request.app.state.lifecycle.health()
-        body = s.Health(status=status, detail=detail)
+        body = rs.Health(status=status, detail=detail)
         return JSONResponse(body.model_dump(), status_code=200 if status == "ok" else 503)
 
     @app.get("/metrics", include_in_schema=False)
@@ -358,61 +246,44 @@ def _routes(app: FastAPI) -> None:
         body, content_type = m.render(accept) if m is not None else (b"", "text/plain")
         return Response(body, media_type=content_type)
 
-    @app.get("/v1/models", response_model=s.ModelList, responses=ERRORS)
+    @app.get("/v1/models", response_model=rs.ModelList, responses=ERRORS)
     async def models(srv: Model):
-        card = s.ModelCard(id=srv.model_name, max_model_len=srv.max_model_len)
-        return s.ModelList(data=[card])
+        card = rs.ModelCard(id=srv.model_name, max_model_len=srv.max_model_len)
+        return rs.ModelList(data=[card])
 
-    @app.get("/v1/models/{model:path}", response_model=s.ModelCard, responses=ERRORS)
+    @app.get("/v1/models/{model:path}", response_model=rs.ModelCard, responses=ERRORS)
     async def model(model: str, srv: Model):
         """One model's card (the SDK's `models.retrieve`); names may hold slashes."""
         srv.inputs.check_model(model)
-        return s.ModelCard(id=srv.model_name, max_model_len=srv.max_model_len)
+        return rs.ModelCard(id=srv.model_name, max_model_len=srv.max_model_len)
 
-    @app.get("/tokenizer_info", response_model=s.TokenizerInfo, responses=ERRORS)
+    @app.get("/tokenizer_info", response_model=rs.TokenizerInfo, responses=ERRORS)
     async def tokenizer_info(srv: Model):
         """The tokenizer's settings, as vLLM's route says them (lm-eval's remote tokenizer)."""
         return srv.inputs.tokenizer_info()
 
     @app.post(
         "/v1/completions",
-        response_model=s.CompletionResponse,
-        responses=_streaming(s.CompletionResponse),
+        response_model=rs.CompletionResponse,
+        responses=_streaming(rs.CompletionResponse),
     )
-    async def completions(body: s.CompletionRequest, request: Request, srv: Model):
+    async def completions(body: rq.CompletionRequest, request: Request, srv: Model):
         return await srv.completions(request, body)
 
     @app.post(
         "/v1/chat/completions",
-        response_model=s.ChatCompletionResponse,
-        responses=_streaming(s.ChatCompletionResponse),
+        response_model=rs.ChatCompletionResponse,
+        responses=_streaming(rs.ChatCompletionResponse),
     )
-    async def chat_completions(body: s.ChatCompletionRequest, request: Request, srv: Model):
+    async def chat_completions(body: rq.ChatCompletionRequest, request: Request, srv: Model):
         return await srv.chat(request, body)
 
-    @app.post("/tokenize", response_model=s.TokenizeResponse, responses=ERRORS)
-    async def tokenize(body: s.TokenizeRequest, srv: Model):
-        inputs = srv.inputs
-        inputs.check_model(body.model)
-        if (body.prompt is None) == (body.messages is None):
-            raise APIError("invalid_request", "give exactly one of 'prompt' and 'messages'")
-        if body.prompt is not None:
-            prompt = body.prompt
-            ids = await off_loop(
-                lambda: inputs.encode(prompt, special=body.add_special_tokens), len(prompt)
-            )
-        else:
-            messages = body.messages
-            size = sum(len(str(m.content or "")) for m in messages)
-            tools = None
-            if body.tools:  # as a chat request with these tools would show them
-                tools = Tools([t.function for t in body.tools], "auto")
-            text = await off_loop(lambda: inputs.render_chat(messages, tools), size)
-            ids = await off_loop(lambda: inputs.encode(text, special=False), len(text))
-        return s.TokenizeResponse(tokens=ids, count=len(ids), max_model_len=srv.max_model_len)
+    @app.post("/tokenize", response_model=rs.TokenizeResponse, responses=ERRORS)
+    async def tokenize(body: rq.TokenizeRequest, srv: Model):
+        return await srv.tokenize(body)
 
-    @app.post("/detokenize", response_model=s.DetokenizeResponse, responses=ERRORS)
-    async def detokenize(body: s.DetokenizeRequest, srv: Model):
+    @app.post("/detokenize", response_model=rs.DetokenizeResponse, responses=ERRORS)
+    async def detokenize(body: rq.DetokenizeRequest, srv: Model):
         srv.inputs.check_model(body.model)
         srv.inputs.check_ids(body.tokens, "tokens")
-        return s.DetokenizeResponse(prompt=srv.inputs.decode(body.tokens))
+        return rs.DetokenizeResponse(prompt=srv.inputs.decode(body.tokens))

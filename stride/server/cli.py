@@ -8,7 +8,8 @@ With `--api-servers N` > 1 this process supervises N API processes that do all o
 
 Building the parser imports nothing heavy (torch, transformers and the app load only once a
 server starts), so `--help` and `--version` answer at once. A bad flag, environment value or
-model path is one line on stderr and exit status 2, before anything loads.
+model path, or an address that cannot be listened on (a port in use), is one line on stderr
+and exit status 2, before anything loads: the socket is bound first.
 """
 
 from __future__ import annotations
@@ -20,15 +21,15 @@ import json
 import logging
 import os
 import re
+import socket
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
 from stride.decoders import catalog
-from stride.server.http_server import run_server, setup_logging
+from stride.server.http_server import PortUnavailable, listen, run_server, setup_logging
 
 if TYPE_CHECKING:
-
     from stride.server.app import ServerConfig
 
 log = logging.getLogger("stride")
@@ -83,6 +84,17 @@ def parse_speculative_config(text: str) -> dict:
             raise argparse.ArgumentTypeError("num_speculative_tokens must be in [0, 16]")
         out["num_speculative_tokens"] = k
     return out
+
+
+def port_number(text: str) -> int:
+    """A TCP port: 0 (any free one) to 65535."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"{value}: a port is 0 to 65535")
+    return value
 
 
 def positive_float(text: str) -> float:
@@ -281,7 +293,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     h = p.add_argument_group("http")
     _flag(h, "host", "address to listen on", "127.0.0.1")
-    _flag(h, "port", "port to listen on", 8000, int)
+    _flag(h, "port", "port to listen on", 8000, port_number)
     _flag(h, "api-key", "require 'Authorization: Bearer KEY' (not on /health)", shown="none")
     _flag(h, "protect-metrics", "require the API key on /metrics too", False, action="store_true")
     _flag(h, "metrics-users", "users with their own metrics label, e.g. a,b (others: other)",
@@ -382,7 +394,8 @@ def check(args: argparse.Namespace) -> str | None:
     return None
 
 
-def serve(args: argparse.Namespace) -> int:
+def serve(args: argparse.Namespace, sock: socket.socket) -> int:
+    """Serve on `sock` (bound to --host:--port) until SIGTERM; the exit status."""
     setup_logging(args)
     model = args.model or "SmolLM2-135M-Instruct (embedded)"
     log.info(
@@ -394,8 +407,8 @@ def serve(args: argparse.Namespace) -> int:
     if n > 1:
         from stride.server.api_servers import serve_many
 
-        return serve_many(args, config, n)
-    return run_server(args, config)
+        return serve_many(args, config, n, sock)
+    return run_server(args, config, sock)
 
 
 def default_api_servers(config: ServerConfig) -> int:
@@ -414,10 +427,16 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "serve":
         problem = check(args)
-        if problem is not None:
+        sock = None
+        if problem is None:
+            try:
+                sock = listen(args.host, args.port)
+            except PortUnavailable as e:
+                problem = str(e)
+        if sock is None:
             print(f"stride serve: error: {problem} (see stride serve --help)", file=sys.stderr)
             return 2
-        return serve(args)
+        return serve(args, sock)
     if args.command == "draft":
         from stride.train.cli import main as train_main
 

@@ -22,8 +22,6 @@ from stride.scheduler.outputs import EngineError, QueueFull, RequestRejected
 
 log = logging.getLogger(__name__)
 
-RETRY_AFTER_S = 1
-
 # code -> (HTTP status, OpenAI error type)
 CODES: dict[str, tuple[int, str]] = {
     "invalid_request": (400, "invalid_request_error"),
@@ -77,14 +75,14 @@ def from_exception(e: BaseException) -> APIError:
     if isinstance(e, APIError):
         return e
     if isinstance(e, QueueFull):
-        return APIError("queue_full", str(e), headers={"Retry-After": str(RETRY_AFTER_S)})
+        return APIError("queue_full", str(e), headers={"Retry-After": str(e.retry_after)})
     if isinstance(e, RequestRejected):  # a 400, or a failure of Stride's own while admitting
         ok = e.code in CODES and CODES[e.code][0] in (400, 500)
         return APIError(e.code if ok else "invalid_request", str(e), e.param)
     if isinstance(e, DecoderError):
         return APIError("invalid_decoder", str(e), "decoder")
     if isinstance(e, EngineDead):
-        return APIError("engine_dead", str(e))
+        return APIError("engine_dead", str(e), headers={"Retry-After": str(e.retry_after)})
     log.exception("unexpected error", exc_info=e)
     return APIError("internal_error", f"internal error: {type(e).__name__}")
 

@@ -1,5 +1,13 @@
-"""uvicorn as Stride runs it: one log format, a ready line once the model serves, and a first
-signal that drains requests in flight instead of cutting them off."""
+"""uvicorn as Stride runs it: a socket bound before anything loads, one log format, a ready line
+once the model serves, and a first signal that drains requests in flight instead of cutting
+them off.
+
+The drain: new requests get 503 while those in flight go on, for at most `--shutdown-timeout`
+seconds. Then whatever still runs is answered at once (`Lifecycle.cut_off`: a plain request 503
+`server_draining`, a stream an error event and `[DONE]`), and the server exits once those
+answers are out: well before uvicorn's own grace period (`GRACE_S`), which would cancel a
+request mid-answer (a plain-text 500, a stream cut short, a traceback in the log).
+"""
 
 from __future__ import annotations
 
@@ -21,6 +29,33 @@ if TYPE_CHECKING:
 log = logging.getLogger("stride")
 STARTED = time.monotonic()  # the ready line says how long the start took
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+GRACE_S = 2  # uvicorn's wait for connections once it stops; then it cancels their requests
+CUT_OFF_S = 1.0  # after the drain deadline: how long the last answers may take to go out
+BACKLOG = 2048  # uvicorn's default
+
+
+class PortUnavailable(Exception):
+    """The address to listen on cannot be had (in use, not an address here, out of range)."""
+
+
+def listen(host: str, port: int, shared: bool = False) -> socket.socket:
+    """A listening TCP socket on host:port; `shared`: one that other processes may bind too
+    (SO_REUSEPORT: the kernel spreads connections over them). PortUnavailable if it cannot be
+    had, saying why in a line."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if shared:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind((host, port))
+        sock.listen(BACKLOG)
+    except OSError as e:
+        sock.close()
+        why = e.strerror or str(e)
+        raise PortUnavailable(f"cannot listen on {host}:{port}: {why}") from None
+    sock.set_inheritable(True)
+    return sock
 
 
 class DrainingServer(uvicorn.Server):
@@ -44,7 +79,8 @@ class DrainingServer(uvicorn.Server):
         self.lifecycle: Lifecycle = app.state.lifecycle
         self.timeout = timeout
         self.only_sigterm = only_sigterm
-        self.deadline: float | None = None
+        self.deadline: float | None = None  # of the drain
+        self.cut_at: float | None = None  # when what still ran at the deadline was answered
         self.failed = False
         self.announced = not app.state.config.step_metrics  # one API process of several says it
 
@@ -72,12 +108,21 @@ class DrainingServer(uvicorn.Server):
             log.info("%s", ready_line(self.app, self.url()))
 
     async def on_tick(self, counter: int) -> bool:
+        """Every 0.1 s: while draining, exit once idle; at the deadline answer what still runs,
+        and exit once those answers are out (or `CUT_OFF_S` later: uvicorn's grace follows)."""
         self.announce()
         if self.deadline is not None and not self.should_exit:
+            now = time.monotonic()
             if self.lifecycle.idle:
                 self.should_exit = True
-            elif time.monotonic() >= self.deadline:
-                log.warning("shutdown timeout: %d requests cut off", self.lifecycle.in_flight)
+            elif self.cut_at is None and now >= self.deadline:
+                ended = self.lifecycle.cut_off()
+                log.warning(
+                    "shutdown timeout: %d requests in flight; %d generations still running "
+                    "answered 503 server_draining", self.lifecycle.in_flight, ended
+                )  # fmt: skip
+                self.cut_at = now
+            elif self.cut_at is not None and now >= self.cut_at + CUT_OFF_S:
                 self.should_exit = True
         return await super().on_tick(counter)
 
@@ -114,9 +159,11 @@ def setup_logging(args: argparse.Namespace) -> None:
 def run_server(
     args: argparse.Namespace,
     server_config: ServerConfig,
-    sockets: list[socket.socket] | None = None,
+    sock: socket.socket,
+    only_sigterm: bool = False,
 ) -> int:
-    """Serve on `args.host:args.port`, or on `sockets` (one API process of several)."""
+    """Serve on `sock` (bound to `args.host:args.port`); `only_sigterm`: one API process of
+    several (see `DrainingServer`)."""
     from stride.server.app import create_app
 
     app = create_app(server_config)
@@ -126,10 +173,9 @@ def run_server(
         port=args.port,
         log_level=args.log_level.lower(),
         log_config=None,  # uvicorn's loggers reach the root handler: Stride's format
-        timeout_graceful_shutdown=2,
+        timeout_graceful_shutdown=GRACE_S,
         access_log=False,  # Stride's access line has the decoder and tokens too
     )
-    only_sigterm = sockets is not None
     server = DrainingServer(config, app, args.shutdown_timeout, only_sigterm)
 
     def failed(message: str) -> None:
@@ -138,7 +184,7 @@ def run_server(
 
     app.state.lifecycle.on_failure = failed
     app.state.lifecycle.on_ready = server.announce
-    server.run(sockets=sockets)
+    server.run(sockets=[sock])
     return 1 if server.failed else 0
 
 

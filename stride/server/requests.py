@@ -17,9 +17,10 @@ from typing import Any, TypeVar
 from stride.decoders.base import DecoderError
 from stride.decoders.registry import parse_spec
 from stride.engine.sequence import Constraint, SamplingParams
-from stride.scheduler.client import ModelInfo
+from stride.scheduler.model_info import ModelInfo
 from stride.scheduler.outputs import GenerateRequest
-from stride.server import schemas as s
+from stride.server import request_schemas as rq
+from stride.server import response_schemas as rs
 from stride.server.errors import APIError, from_exception
 from stride.server.tools import Tools, template_messages
 
@@ -110,14 +111,15 @@ class Inputs:
                 "max_tokens",
             )
 
-    def check_sequences(self, count: int) -> None:
-        """prompts x n sequences are admitted together: more than the queue holds, never."""
+    def check_sequences(self, count: int, param: str) -> None:
+        """prompts x n sequences (or best_of's samples) are admitted together: more than the
+        queue holds, never; `param` names the field that asked for them."""
         if count > self.max_waiting:
             raise APIError(
                 "invalid_request",
-                f"this request asks for {count} sequences (prompts x n), and at most "
+                f"this request asks for {count} sequences (prompts x {param}), and at most "
                 f"{self.max_waiting} can ever be admitted together (the server's --max-waiting)",
-                "n",
+                param,
             )
 
     def decode(self, ids: list[int]) -> str:
@@ -129,7 +131,7 @@ class Inputs:
                 "invalid_request", f"token ids must lie in [0, {self.vocab_size})", param
             )
 
-    def render_chat(self, messages: list[s.ChatMessage], tools: Tools | None = None) -> str:
+    def render_chat(self, messages: list[rq.ChatMessage], tools: Tools | None = None) -> str:
         """The chat template applied to `messages`, with the tools on offer (special tokens
         are part of the text)."""
         template = self.tokenizer.chat_template
@@ -143,7 +145,7 @@ class Inputs:
         except Exception as e:
             raise APIError("invalid_request", f"chat template failed: {e}", "messages") from e
 
-    def chat_prompt(self, messages: list[s.ChatMessage], tools: Tools | None = None) -> list[int]:
+    def chat_prompt(self, messages: list[rq.ChatMessage], tools: Tools | None = None) -> list[int]:
         """The token ids of a chat's prompt, refusing one too long for the context early."""
         size = sum(len(content(m.content)) for m in messages)
         if size > self._max_text:
@@ -151,11 +153,11 @@ class Inputs:
         text = self.render_chat(messages, tools)
         return self.encode_prompt(text, special=False, param="messages")
 
-    def tokenizer_info(self) -> s.TokenizerInfo:
+    def tokenizer_info(self) -> rs.TokenizerInfo:
         """The tokenizer's settings, as vLLM's /tokenizer_info says them."""
         tok = self.tokenizer
         template = tok.chat_template
-        return s.TokenizerInfo(
+        return rs.TokenizerInfo(
             tokenizer_class=type(tok).__name__,
             model_max_length=self.max_model_len,
             vocab_size=self.vocab_size,
@@ -168,7 +170,7 @@ class Inputs:
 
     def sampling(
         self,
-        body: s.SamplingFields,
+        body: rq.SamplingFields,
         max_tokens: int,
         logprobs: int | None,
         constraint: Constraint | None = None,
@@ -217,7 +219,7 @@ class Inputs:
 
     def requests(
         self,
-        body: s.SamplingFields,
+        body: rq.SamplingFields,
         prompts: list[list[int]],
         params: SamplingParams,
         rid: str,
@@ -281,7 +283,7 @@ def content(content: str | list | None) -> str:
     return "".join(getattr(part, "text", "") for part in content)
 
 
-def best_of(body: s.CompletionRequest) -> int:
+def best_of(body: rq.CompletionRequest) -> int:
     """Samples drawn per prompt: best_of (at least n), of which the n best return."""
     if body.best_of is None or body.best_of == body.n:
         return body.n
@@ -298,7 +300,7 @@ def most_prompt_logprobs(*asked: int | None) -> int | None:
     return max(given) if given else None
 
 
-def check_modalities(body: s.ChatCompletionRequest) -> None:
+def check_modalities(body: rq.ChatCompletionRequest) -> None:
     """Text in, text out: audio output or web search is a clear 400, not silently dropped."""
     if body.modalities is not None and body.modalities != ["text"]:
         raise APIError("invalid_request", 'modalities: only ["text"] is supported', "modalities")

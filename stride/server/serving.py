@@ -1,11 +1,12 @@
-"""The two generation endpoints: OpenAI requests in, engine requests out; engine outputs in,
-OpenAI responses (or SSE) out.
+"""The generation endpoints (and /tokenize): OpenAI requests in, engine requests out; engine
+outputs in, OpenAI responses (or SSE) out.
 
-`Serving` joins the pieces: `requests.Inputs` checks and tokenizes what a request asks for and
-builds its engine requests, `streaming.Generation` submits them to the engine client and hands
-back their outputs, and a `views` view shapes those as a response or a stream. It never touches
-engine internals: requests cross to the step loop as plain `GenerateRequest`s and come back as
-plain `RequestOutput`s.
+One request reads top to bottom: `requests.Inputs` checks and tokenizes what it asks for and
+builds its engine requests; `generation.Generation` submits them to the engine client; a view
+(`completion_view`, `chat_view`) is made for its answer; `respond` writes the answer from the
+generation's outputs, as one response or as a stream. Nothing here touches engine internals:
+requests cross to the step loop as plain `GenerateRequest`s and come back as plain
+`RequestOutput`s.
 """
 
 from __future__ import annotations
@@ -19,9 +20,15 @@ from starlette.requests import Request
 from stride.metrics.registry import Metrics
 from stride.scheduler.client import BaseClient
 from stride.scheduler.outputs import GenerateRequest
-from stride.server import schemas as s
-from stride.server import structured
+from stride.server import request_schemas as rq
+from stride.server import respond, structured
+from stride.server import response_schemas as rs
+from stride.server.chat_view import ChatView
+from stride.server.completion_view import CompletionView
+from stride.server.disconnect import ClientGone, unless_disconnected
 from stride.server.errors import APIError, from_exception
+from stride.server.generation import Generation, Running
+from stride.server.logprobs import Pieces
 from stride.server.requests import (
     Inputs,
     best_of,
@@ -32,9 +39,9 @@ from stride.server.requests import (
     off_loop,
     size,
 )
-from stride.server.streaming import ClientGone, Generation, unless_disconnected
+from stride.server.tools import Tools
 from stride.server.tools import resolve as resolve_tools
-from stride.server.views import ChatView, CompletionView, Pieces, View, sse_response
+from stride.server.views import View
 from stride.tracing import RequestTrace, Tracing, request_attributes
 
 
@@ -43,10 +50,12 @@ class Serving:
         self,
         client: BaseClient,
         default_decoder: str | dict[str, Any],
+        running: Running,
         metrics: Metrics | None = None,
         tracing: Tracing | None = None,
     ) -> None:
         self.client = client
+        self.running = running
         self.metrics = metrics
         self.tracing = tracing
         self.inputs = Inputs(client.model, default_decoder)
@@ -57,14 +66,16 @@ class Serving:
 
     # ---- /v1/completions ------------------------------------------------------------------------
 
-    async def completions(self, request: Request, body: s.CompletionRequest):
+    async def completions(self, request: Request, body: rq.CompletionRequest):
         inputs = self.inputs
         inputs.check_model(body.model)
         if body.suffix is not None:
             why = "suffix (fill-in-the-middle) is not supported"
             raise APIError("invalid_request", why, "suffix")
         samples = best_of(body)
-        inputs.check_sequences(num_prompts(body.prompt) * samples)
+        inputs.check_sequences(
+            num_prompts(body.prompt) * samples, "n" if samples == body.n else "best_of"
+        )
         constraint = structured.constraint_of(body)
         prompts, texts = await off_loop(lambda: inputs.prompts(body.prompt), size(body.prompt))
         # max_tokens 0 (lm-eval's and HELM's way to score a prompt with echo): the engine
@@ -86,11 +97,11 @@ class Serving:
 
     # ---- /v1/chat/completions -------------------------------------------------------------------
 
-    async def chat(self, request: Request, body: s.ChatCompletionRequest):
+    async def chat(self, request: Request, body: rq.ChatCompletionRequest):
         inputs = self.inputs
         inputs.check_model(body.model)
         check_modalities(body)
-        inputs.check_sequences(body.n)
+        inputs.check_sequences(body.n, "n")
         tools = resolve_tools(body)
         constraint = structured.constraint_of(body)
         if tools is not None and tools.constraint() is not None:
@@ -116,7 +127,7 @@ class Serving:
     async def _start(
         self,
         request: Request,
-        body: s.SamplingFields,
+        body: rq.SamplingFields,
         requests: list[GenerateRequest],
         operation: str,
         samples: int | None = None,
@@ -131,7 +142,9 @@ class Serving:
         for r in requests:
             r.trace = trace is not None
         deadline = None if body.timeout is None else arrival + body.timeout
-        gen = Generation(self.client, requests, samples, self.metrics, deadline, trace)
+        gen = Generation(
+            self.client, requests, samples, self.running, self.metrics, deadline, trace
+        )
         try:
             await unless_disconnected(request, gen.start())
         except ClientGone:
@@ -152,8 +165,30 @@ class Serving:
         return self.tracing.start(operation, self.model_name, request.headers, arrival, attrs)
 
     async def _respond(
-        self, request: Request, body: s.SamplingFields, view: View, gen: Generation
+        self, request: Request, body: rq.SamplingFields, view: View, gen: Generation
     ):
         if body.stream:
-            return sse_response(view.stream(gen))
-        return await unless_disconnected(request, view.collect(gen))
+            return respond.stream(view, gen)
+        return await respond.collect(request, view, gen)
+
+    # ---- /tokenize ------------------------------------------------------------------------------
+
+    async def tokenize(self, body: rq.TokenizeRequest) -> rs.TokenizeResponse:
+        """Token ids of a prompt, or of messages as a chat request shows them; bounded as the
+        generation routes are (a text too long for the context is refused, by its length
+        alone where it can be)."""
+        inputs = self.inputs
+        inputs.check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError("invalid_request", "give exactly one of 'prompt' and 'messages'")
+        if body.prompt is not None:
+            prompt, special = body.prompt, body.add_special_tokens
+            work = lambda: inputs.encode_prompt(prompt, special, "prompt")  # noqa: E731
+            ids = await off_loop(work, len(prompt))
+        else:
+            messages = body.messages
+            # as a chat request with these tools would show them
+            tools = Tools([t.function for t in body.tools], "auto") if body.tools else None
+            chars = sum(len(content(m.content)) for m in messages)
+            ids = await off_loop(lambda: inputs.chat_prompt(messages, tools), chars)
+        return rs.TokenizeResponse(tokens=ids, count=len(ids), max_model_len=self.max_model_len)

@@ -15,13 +15,13 @@ from typing import Any
 
 from stride.decoders.grammar import GrammarError, check
 from stride.engine.sequence import Constraint
-from stride.server import schemas as s
+from stride.server import request_schemas as rq
 from stride.server.errors import APIError
 
 ANY_OBJECT = json.dumps({"type": "object"})
 
 
-def constraint_of(body: s.SamplingFields) -> Constraint | None:
+def constraint_of(body: rq.SamplingFields) -> Constraint | None:
     """The request's constraint (checked), or None; a 400 for two of them or a bad one."""
     found = _requested(body)
     if len(found) > 1:
@@ -43,12 +43,12 @@ def checked(constraint: Constraint, param: str) -> Constraint:
     return constraint
 
 
-def _requested(body: s.SamplingFields) -> list[tuple[str, Constraint]]:
+def _requested(body: rq.SamplingFields) -> list[tuple[str, Constraint]]:
     found: list[tuple[str, Constraint]] = []
     fmt = body.response_format
-    if isinstance(fmt, s.JSONObjectFormat):
+    if isinstance(fmt, rq.JSONObjectFormat):
         found.append(("response_format", Constraint("json_schema", ANY_OBJECT)))
-    elif isinstance(fmt, s.JSONSchemaResponseFormat):
+    elif isinstance(fmt, rq.JSONSchemaResponseFormat):
         schema = fmt.json_schema.schema_
         spec = ANY_OBJECT if schema is None else json.dumps(schema)
         found.append(("response_format", Constraint("json_schema", spec)))

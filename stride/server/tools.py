@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from stride.engine.sequence import Constraint
-from stride.server import schemas as s
+from stride.server import request_schemas as rq
 from stride.server.errors import APIError
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
@@ -41,7 +41,7 @@ CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 class Tools:
     """A chat request's tools, resolved: what is on offer and what the answer must be."""
 
-    functions: list[s.FunctionDefinition]
+    functions: list[rq.FunctionDefinition]
     mode: Literal["auto", "required", "named"]
     name: str | None = None  # the named function
     parallel: bool = True
@@ -67,11 +67,11 @@ class Tools:
             return Constraint("json_schema", json.dumps(calls))
         return None
 
-    def _function(self, name: str | None) -> s.FunctionDefinition:
+    def _function(self, name: str | None) -> rq.FunctionDefinition:
         return next(f for f in self.functions if f.name == name)
 
 
-def _definition(f: s.FunctionDefinition) -> dict[str, Any]:
+def _definition(f: rq.FunctionDefinition) -> dict[str, Any]:
     out: dict[str, Any] = {"name": f.name}
     if f.description is not None:
         out["description"] = f.description
@@ -79,11 +79,11 @@ def _definition(f: s.FunctionDefinition) -> dict[str, Any]:
     return out
 
 
-def _parameters(f: s.FunctionDefinition) -> dict[str, Any]:
+def _parameters(f: rq.FunctionDefinition) -> dict[str, Any]:
     return f.parameters if f.parameters is not None else {"type": "object", "properties": {}}
 
 
-def _call(f: s.FunctionDefinition) -> dict[str, Any]:
+def _call(f: rq.FunctionDefinition) -> dict[str, Any]:
     return {
         "type": "object",
         "properties": {"name": {"const": f.name}, "arguments": _parameters(f)},
@@ -92,7 +92,7 @@ def _call(f: s.FunctionDefinition) -> dict[str, Any]:
     }
 
 
-def resolve(body: s.ChatCompletionRequest) -> Tools | None:
+def resolve(body: rq.ChatCompletionRequest) -> Tools | None:
     """The request's tools, or None when the answer is plain text (no tools, or `none`)."""
     functions = [t.function for t in body.tools or []]
     choice: Any = body.tool_choice
@@ -102,8 +102,8 @@ def resolve(body: s.ChatCompletionRequest) -> Tools | None:
             raise APIError("invalid_request", "give tools or functions, not both", "functions")
         functions = list(body.functions or [])
         choice = body.function_call
-        if isinstance(choice, s.FunctionName):
-            choice = s.NamedToolChoice(type="function", function=choice)
+        if isinstance(choice, rq.FunctionName):
+            choice = rq.NamedToolChoice(type="function", function=choice)
     if len({f.name for f in functions}) < len(functions):
         raise APIError("invalid_request", "tool names must be unique", "tools")
     param = "function_call" if legacy else "tool_choice"
@@ -115,10 +115,10 @@ def resolve(body: s.ChatCompletionRequest) -> Tools | None:
         raise APIError("invalid_request", f"{param} needs tools to choose from", param)
     names = {f.name for f in functions}
     parallel = body.parallel_tool_calls and not legacy
-    if isinstance(choice, s.NamedToolChoice):
+    if isinstance(choice, rq.NamedToolChoice):
         _known(choice.function.name, names, param)
         return Tools(functions, "named", choice.function.name, parallel, legacy)
-    if isinstance(choice, s.AllowedToolsChoice):
+    if isinstance(choice, rq.AllowedToolsChoice):
         allowed = [t.function.name for t in choice.allowed_tools.tools]
         for name in allowed:
             _known(name, names, param)
@@ -137,7 +137,7 @@ def _known(name: str, names: set[str], param: str) -> None:
 
 
 def template_messages(
-    messages: list[s.ChatMessage], tools: Tools | None, template: str
+    messages: list[rq.ChatMessage], tools: Tools | None, template: str
 ) -> list[dict[str, Any]]:
     """The messages as the chat template reads them (and, for a template that cannot show
     tools or calls, with those written into the text)."""
@@ -166,7 +166,7 @@ def tools_prompt(tools: Tools) -> str:
     )
 
 
-def _message(m: s.ChatMessage, calls_in_text: bool) -> dict[str, Any]:
+def _message(m: rq.ChatMessage, calls_in_text: bool) -> dict[str, Any]:
     out: dict[str, Any] = {"role": m.role, "content": content_text(m)}
     if m.name is not None:
         out["name"] = m.name
@@ -174,7 +174,7 @@ def _message(m: s.ChatMessage, calls_in_text: bool) -> dict[str, Any]:
         out["tool_call_id"] = m.tool_call_id
     calls = list(m.tool_calls or [])
     if m.function_call is not None:
-        calls.append(s.ToolCall(id="call_legacy", function=m.function_call))
+        calls.append(rq.ToolCall(id="call_legacy", function=m.function_call))
     if calls:
         if calls_in_text:
             text = "\n".join(
@@ -189,7 +189,7 @@ def _message(m: s.ChatMessage, calls_in_text: bool) -> dict[str, Any]:
     return out
 
 
-def _call_dict(call: s.ToolCall) -> dict[str, Any]:
+def _call_dict(call: rq.ToolCall) -> dict[str, Any]:
     """A call as templates read it: arguments as an object where they are one."""
     try:
         arguments: Any = json.loads(call.function.arguments)
@@ -198,7 +198,7 @@ def _call_dict(call: s.ToolCall) -> dict[str, Any]:
     return {"name": call.function.name, "arguments": arguments}
 
 
-def content_text(m: s.ChatMessage) -> str:
+def content_text(m: rq.ChatMessage) -> str:
     """A message's text; a part the model cannot read (an image, audio, a file) is a 400."""
     content = m.content
     if content is None:
@@ -207,9 +207,9 @@ def content_text(m: s.ChatMessage) -> str:
         return content
     texts = []
     for part in content:
-        if isinstance(part, s.TextPart):
+        if isinstance(part, rq.TextPart):
             texts.append(part.text)
-        elif isinstance(part, s.RefusalPart):
+        elif isinstance(part, rq.RefusalPart):
             texts.append(part.refusal)
         else:
             raise APIError(
@@ -277,6 +277,20 @@ class AnswerParser:
         self._held = ""  # text not yet sent: maybe the start of a call
         self._bare: bool | None = None  # auto: the answer starts as JSON (a bare call?)
         self._sent_text = False
+        self._after = ""  # text sent since the last call
+
+    @property
+    def whole(self) -> bool:
+        """Is the answer so far calls made whole, and nothing after them cut short? (What an
+        answer that reached max_tokens right as its last call closed is.)"""
+        if not self.calls or self._held.strip() or self._after.strip():
+            return False
+        if self.tools.mode != "named":
+            return True
+        try:
+            return isinstance(json.loads(self.calls[0].arguments), dict)
+        except ValueError:
+            return False
 
     def feed(self, text: str) -> Delta:
         mode = self.tools.mode
@@ -350,12 +364,14 @@ class AnswerParser:
         if text:
             out.content += text
             self._sent_text = True
+            self._after += text
 
     def _add(self, calls: list[Call], out: Delta) -> None:
         if not self.tools.parallel:
             calls = calls[: max(0, 1 - len(self.calls))]
         self.calls += calls
         out.calls += calls
+        self._after = ""
 
     def _list(self, text: str) -> list[Call] | None:
         """A JSON list of calls (the required form, or Llama's), or None."""
@@ -377,13 +393,14 @@ def _partial_tag(text: str) -> int:
     return 0
 
 
-def split_answer(text: str, tools: Tools) -> tuple[str | None, list[Call]]:
-    """A whole answer as (content, calls): what the non-streaming response says."""
+def split_answer(text: str, tools: Tools) -> tuple[str | None, list[Call], bool]:
+    """A whole answer as (content, calls, are the calls whole): what the non-streaming response
+    says."""
     parser = AnswerParser(tools)
     first, last = parser.feed(text), parser.finish()
     if tools.mode == "named":
-        return (None if parser.calls else text), parser.calls
+        return (None if parser.calls else text), parser.calls, parser.whole
     content = first.content + last.content
     if parser.calls:
-        return content.strip() or None, parser.calls
-    return content, parser.calls
+        return content.strip() or None, parser.calls, parser.whole
+    return content, parser.calls, False

@@ -4,8 +4,8 @@ stream as one, in order, with nothing lost or reordered; errors and ends are nev
 from __future__ import annotations
 
 from stride.decoders.sampling import TokenLogprob
-from stride.scheduler.client import coalesce
 from stride.scheduler.outputs import EngineError, RequestOutput
+from stride.scheduler.submission import coalesce
 
 
 def _out(rid: str, tokens: list[int], text: str, **kw) -> RequestOutput:

@@ -206,6 +206,9 @@ def test_a_stopped_engine_is_stuck_and_deadlines_still_hold(watched):
         assert late[0].json()["error"]["code"] == "deadline_exceeded"
         assert admitted.last()["choices"][0]["finish_reason"] == "deadline"
         assert patient.is_alive()  # no deadline: it waits for the engine
+        detail = httpx.get(f"{url}/health", timeout=10).json()["detail"]
+        # the two answered already (the 504, the stream's deadline) are not in flight
+        assert "with 1 requests in flight (and 2 answered or left already" in detail, detail
     finally:
         os.kill(engine, signal.SIGCONT)
     patient.join(60)

@@ -7,6 +7,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -100,6 +101,8 @@ def test_help_and_version_import_nothing_heavy():
         (["serve", "--decoder", "{oops"], {}, "argument --decoder: not a decoder name nor JSON"),
         (["serve", "--no-such-flag"], {}, "unrecognized arguments: --no-such-flag"),
         (["serve", "--api-servers", "0"], {}, "--api-servers 0: give 1, or more"),
+        (["serve", "--port", "99999"], {}, "argument --port: 99999: a port is 0 to 65535"),
+        (["serve"], {"STRIDE_PORT": "-1"}, "a port is 0 to 65535 (from $STRIDE_PORT)"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(argv, env, message):
@@ -107,6 +110,26 @@ def test_bad_input_is_one_line_and_exit_2(argv, env, message):
     assert out.returncode == 2 and out.stdout == "", out.stderr
     assert out.stderr.count("\n") == 1 and message in out.stderr, out.stderr
     assert out.stderr.startswith("stride") and "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_a_port_in_use_is_one_line_and_exit_2(tiny_dir, shared):
+    """Held by another process (also one that lets others share it, as `--api-servers` does):
+    one line before anything loads, with one or several API processes."""
+    holder = socket.socket()
+    holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, int(shared))
+    holder.bind(("127.0.0.1", 0))
+    holder.listen()
+    port = holder.getsockname()[1]
+    try:
+        for servers in ("1", "2"):
+            out = _stride("serve", "--model", str(tiny_dir), "--device", "cpu", "--port",
+                          str(port), "--api-servers", servers, "--engine-process")  # fmt: skip
+            assert out.returncode == 2 and out.stdout == "", out.stderr
+            said = f"stride serve: error: cannot listen on 127.0.0.1:{port}: Address already in use"
+            assert out.stderr.count("\n") == 1 and out.stderr.startswith(said), out.stderr
+    finally:
+        holder.close()
 
 
 def test_readme_lists_every_flag_with_its_variable_and_default():

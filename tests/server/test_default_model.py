@@ -1,8 +1,12 @@
-"""Chat against the real default model (SmolLM2-135M-Instruct) through the openai SDK."""
+"""The real default model (SmolLM2-135M-Instruct): chat through the openai SDK, and the
+tokenizer directory it is served from, which transformers 4.x loads too."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
+from transformers import AutoTokenizer
 
 from stride.engine.config import EngineConfig
 from stride.server.app import ServerConfig
@@ -39,3 +43,15 @@ def test_chat_streams_an_answer_through_the_chat_template(server):
         QUESTION, add_generation_prompt=True, tokenize=False
     )
     assert chunks[-1].usage.prompt_tokens == len(serving.inputs.encode(template, special=False))
+
+
+def test_the_cached_tokenizer_names_a_class_every_transformers_knows(server):
+    """transformers 5 saves `TokenizersBackend`, which 4.x cannot load; the cache says
+    `PreTrainedTokenizerFast` (4.57.6 was checked by hand to load it: docs in the README), and
+    the transformers installed here loads it as the same tokenizer the server uses."""
+    path = server.app.state.client.core.engine.path
+    settings = json.loads((path / "tokenizer_config.json").read_text())
+    assert settings["tokenizer_class"] == "PreTrainedTokenizerFast"
+    loaded = AutoTokenizer.from_pretrained(path)
+    text = "Hello, world! 日本語 <|im_end|>"
+    assert loaded(text).input_ids == server.app.state.serving.inputs.encode(text, special=True)

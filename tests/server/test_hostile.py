@@ -1,5 +1,6 @@
 """Hostile and unlucky input over real HTTP: the README's error contract for every path, the
-body limit, a large body that must not stall anyone, and requests that can never be admitted.
+body limit, large bodies that are refused before they are tokenized, and requests that can never
+be admitted.
 """
 
 from __future__ import annotations
@@ -117,26 +118,26 @@ def test_a_streamed_body_over_the_limit_is_413(server):
     error_of(raw(server, chunks()), 413, "request_too_large")  # type: ignore[arg-type]
 
 
-def test_a_large_body_stalls_nobody(server):
-    """Tokenizing 3 MB takes seconds; /health answers meanwhile (and a short request runs),
-    because it happens on a worker thread without the GIL."""
-    big = {"prompt": "hello world, this is a long prompt. " * 80_000}  # ~2.9 MB
-    done = threading.Event()
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"prompt": "hello world, this is a long prompt. " * 80_000},  # ~2.9 MB
+        {"messages": [{"role": "user", "content": "x " * 1_500_000}]},
+    ],
+)
+def test_tokenize_is_bounded_like_the_generation_routes(server, body):
+    """A text too long for the context is refused before it is tokenized, while /health
+    answers meanwhile; one that fits is tokenized."""
     answers: list[httpx.Response] = []
-
-    def tokenize() -> None:
-        answers.append(server.post("/tokenize", big))
-        done.set()
-
-    worker = threading.Thread(target=tokenize)
+    worker = threading.Thread(target=lambda: answers.append(server.post("/tokenize", body)))
     worker.start()
-    for _ in range(5):
-        assert httpx.get(f"{server.url}/health", timeout=60).status_code == 200
-    short = server.post("/v1/completions", {"prompt": "hi", "max_tokens": 2, "ignore_eos": True})
-    assert short.status_code == 200
-    assert not done.is_set()  # all of that while the big one was still being tokenized
+    assert httpx.get(f"{server.url}/health", timeout=60).status_code == 200
     worker.join(120)
-    assert answers[0].status_code == 200 and answers[0].json()["count"] > 100_000
+    param = "prompt" if "prompt" in body else "messages"
+    error = error_of(answers[0], 400, "context_length_exceeded")
+    assert error["param"] == param
+    fits = server.post("/tokenize", {"prompt": "hello world " * 10})
+    assert fits.status_code == 200 and fits.json()["count"] > 10
 
 
 @pytest.mark.parametrize("prompt", ["ab " * 400_000, [5] * 100_000])
@@ -148,13 +149,18 @@ def test_a_prompt_too_long_for_the_context_is_refused_before_tokenizing(server, 
 
 
 def test_more_sequences_than_the_queue_holds_is_400_not_429(server):
-    """max_waiting is 4: n = 5, or 3 prompts x n = 2, can never be admitted; n = 4 can."""
-    for body in ({"prompt": "x", "n": 5}, {"prompt": ["a", "b", "c"], "n": 2}):
+    """max_waiting is 4: n = 5, 3 prompts x n = 2, or best_of 5 can never be admitted (the
+    error names the field that asked for them); n = 4 can."""
+    for body, param in (
+        ({"prompt": "x", "n": 5}, "n"),
+        ({"prompt": ["a", "b", "c"], "n": 2}, "n"),
+        ({"prompt": "x", "best_of": 5}, "best_of"),
+    ):
         error = error_of(
             server.post("/v1/completions", {**body, "max_tokens": 2}), 400, "invalid_request"
         )
         assert (
-            error["param"] == "n"
+            error["param"] == param
             and "4" in error["message"]
             and "--max-waiting" in error["message"]
         )

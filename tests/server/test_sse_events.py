@@ -7,8 +7,10 @@ import random
 import pytest
 
 from stride.scheduler.outputs import RequestOutput
-from stride.server import schemas as s
-from stride.server.views import ChatView, CompletionView, Pieces
+from stride.server import request_schemas as rq
+from stride.server.chat_view import ChatView
+from stride.server.completion_view import CompletionView
+from stride.server.logprobs import Pieces
 
 TEXTS = ["", "a", ' "quoted" \\ back', "tab\tnew\nline\r\x00\x1f\x7f", "é日本🙂\u2028\ufeff\ue000"]
 
@@ -19,8 +21,8 @@ NO_PIECES = Pieces(lambda ids: "")  # no logprobs asked for
 
 def _views(include_usage: bool):
     options = {"include_usage": True} if include_usage else None
-    completion = s.CompletionRequest(prompt="x", stream=True, stream_options=options, n=2)
-    chat = s.ChatCompletionRequest(
+    completion = rq.CompletionRequest(prompt="x", stream=True, stream_options=options, n=2)
+    chat = rq.ChatCompletionRequest(
         messages=[{"role": "user", "content": "x"}], stream=True, stream_options=options
     )
     yield CompletionView(MODEL, NO_PIECES, completion, "cmpl-1", [[1]], [""])
@@ -37,5 +39,5 @@ def test_text_events_are_what_pydantic_writes(include_usage):
             index = i % len(view.choices)
             out = RequestOutput(f"r{index}", token_ids=[7], text=text, num_output_tokens=1)
             chunk = view.delta(index, out)
-            expected = None if chunk is None else view.chunk(chunk, include_usage)
-            assert view.event(index, out, include_usage) == expected
+            expected = None if chunk is None else view.chunk(chunk)
+            assert view.event(index, out) == expected

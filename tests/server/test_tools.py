@@ -13,7 +13,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from stride.engine.config import EngineConfig
-from stride.server import schemas as s
+from stride.server import request_schemas as rq
 from stride.server import tools
 from stride.server.app import ServerConfig
 from tests.helpers.models import VOCAB_SIZE, make_tokenizer
@@ -34,7 +34,7 @@ WEATHER = {
 
 
 def auto(*functions: dict, parallel: bool = True) -> tools.Tools:
-    defs = [s.FunctionDefinition.model_validate(f["function"]) for f in functions]
+    defs = [rq.FunctionDefinition.model_validate(f["function"]) for f in functions]
     return tools.Tools(defs, "auto", parallel=parallel)
 
 
@@ -60,7 +60,7 @@ ANSWERS = [  # (text, content, [(name, arguments)])
 
 @pytest.mark.parametrize(("text", "content", "calls"), ANSWERS)
 def test_answers_split_into_content_and_calls(text, content, calls):
-    got_content, got_calls = tools.split_answer(text, auto(WEATHER))
+    got_content, got_calls, _ = tools.split_answer(text, auto(WEATHER))
     assert got_content == content
     assert [(c.name, json.loads(c.arguments)) for c in got_calls] == calls
     # streamed in pieces of every size, the same calls and text come out
@@ -73,9 +73,27 @@ def test_answers_split_into_content_and_calls(text, content, calls):
         assert [(c.name, json.loads(c.arguments)) for p in pieces for c in p.calls] == calls
 
 
+@pytest.mark.parametrize(
+    "text,whole",
+    [
+        (f"<tool_call>{CALL}</tool_call>", True),
+        (f"<tool_call>{CALL}</tool_call>\n", True),
+        (f"Let me look. <tool_call>{CALL}</tool_call>", True),
+        (f"<tool_call>{CALL}</tool_call><tool_call>{CALL[:20]}", False),  # a second one, cut
+        (f"<tool_call>{CALL}</tool_call> and then", False),
+        (CALL, True),
+        (CALL[:-1], False),
+        ("no call at all", False),
+    ],
+)
+def test_an_answer_of_whole_calls_says_so(text, whole):
+    """What decides `tool_calls` over `length` for an answer that reached max_tokens."""
+    assert tools.split_answer(text, auto(WEATHER))[2] is whole
+
+
 def test_one_call_when_parallel_calls_are_off():
     text = f"<tool_call>{CALL}</tool_call><tool_call>{CALL}</tool_call>"
-    _, calls = tools.split_answer(text, auto(WEATHER, parallel=False))
+    _, calls, _ = tools.split_answer(text, auto(WEATHER, parallel=False))
     assert len(calls) == 1
 
 
@@ -144,7 +162,7 @@ def conversation(call_id: str) -> list[dict]:
 def prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
     """The prompt a chat request with these messages and the weather tool gets: the server's
     own rendering (`tools.template_messages`, the chat template, no special tokens added)."""
-    body = s.ChatCompletionRequest.model_validate({"messages": messages, "tools": [WEATHER]})
+    body = rq.ChatCompletionRequest.model_validate({"messages": messages, "tools": [WEATHER]})
     shown = tools.template_messages(body.messages, tools.resolve(body), tokenizer.chat_template)
     text = tokenizer.apply_chat_template(shown, add_generation_prompt=True, tokenize=False)
     return tokenizer.backend_tokenizer.encode(text, add_special_tokens=False).ids
