@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 from stride.decoders.autoregressive import Autoregressive
 from stride.decoders.base import Decoder, DecoderError, DecodersConfig
@@ -17,15 +17,19 @@ DECODERS: dict[str, type[Decoder]] = {
 }
 
 
-def parse_spec(
-    spec: str | dict[str, Any] | None, default: str | dict[str, Any]
-) -> tuple[str, dict]:
-    """`"ar"` or `{"type": "ar", ...options}` (None: the server default) → (name, options).
+class Choice(NamedTuple):
+    """A request's decoder, parsed once where the request arrives."""
+
+    name: str
+    options: dict[str, Any]
+
+
+def parse_spec(spec: Any) -> Choice:
+    """`"ar"` or `{"type": "ar", ...options}` → its `Choice`.
 
     Raises DecoderError for an unknown decoder, or options of the wrong name, type or range
     (`Decoder.check_options`); what depends on the server is checked at admission.
     """
-    spec = default if spec is None else spec
     if isinstance(spec, str):
         name, options = spec, {}
     elif isinstance(spec, dict):
@@ -38,7 +42,7 @@ def parse_spec(
     if name not in DECODERS:
         raise DecoderError(f"unknown decoder {name!r}; valid decoders: {', '.join(DECODERS)}")
     DECODERS[name].check_options(options)
-    return name, options
+    return Choice(name, options)
 
 
 def spec_schema() -> dict[str, Any]:

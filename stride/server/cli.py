@@ -388,7 +388,7 @@ def check(args: argparse.Namespace) -> str | None:
     from stride.decoders.registry import parse_spec
 
     try:
-        parse_spec(args.decoder, "ar")
+        parse_spec(args.decoder)
     except DecoderError as e:
         return f"argument --decoder: {e}"
     return None

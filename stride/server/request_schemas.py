@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, GetCoreSchemaHandler, GetJson
 from pydantic_core import PydanticCustomError, core_schema
 
 from stride.decoders.base import DecoderError
-from stride.decoders.registry import parse_spec, spec_schema
+from stride.decoders.registry import Choice, parse_spec, spec_schema
 
 INT32_MAX = 2**31 - 1  # a bound for counts and ids: nothing real comes near, nothing overflows
 Seed = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
@@ -34,7 +34,8 @@ class _RegisteredDecoder:
     Checked against the decoder registry as the request arrives (decoders registered after
     import count), so an unknown decoder, option or value is a 400 `invalid_decoder` before the
     engine sees it; what depends on the server (its drafters, the model's layers) is checked at
-    admission. The OpenAPI schema lists every decoder's options.
+    admission. Parsed here once, into the `Choice` the engine request carries; the OpenAPI
+    schema lists every decoder's options.
     """
 
     def __get_pydantic_core_schema__(
@@ -48,15 +49,14 @@ class _RegisteredDecoder:
         return spec_schema()
 
 
-def _check_decoder(value: Any) -> str | dict[str, Any]:
+def _check_decoder(value: Any) -> Choice:
     try:
-        parse_spec(value, "ar")
+        return parse_spec(value)
     except DecoderError as e:
         raise PydanticCustomError("invalid_decoder", str(e)) from None
-    return value
 
 
-DecoderSpec = Annotated[str | dict[str, Any], _RegisteredDecoder()]
+DecoderSpec = Annotated[Choice, _RegisteredDecoder()]
 
 
 class Request(BaseModel):

@@ -14,14 +14,13 @@ import asyncio
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from stride.decoders.base import DecoderError
 from stride.decoders.registry import parse_spec
 from stride.engine.sequence import Constraint, SamplingParams
 from stride.scheduler.model_info import ModelInfo
 from stride.scheduler.outputs import GenerateRequest
 from stride.server import request_schemas as rq
 from stride.server import response_schemas as rs
-from stride.server.errors import APIError, from_exception
+from stride.server.errors import APIError
 from stride.server.tools import Tools, template_messages
 
 T = TypeVar("T")
@@ -41,7 +40,7 @@ class Inputs:
 
     def __init__(self, model: ModelInfo, default_decoder: str | dict[str, Any]) -> None:
         self.model_name: str = model.name
-        self.default_decoder = default_decoder
+        self.default_decoder = parse_spec(default_decoder)  # (checked by the CLI)
         self.tokenizer = model.tokenizer
         self._backend = model.tokenizer.backend_tokenizer  # immutable calls: thread-safe
         self.max_model_len: int = model.max_model_len
@@ -225,10 +224,7 @@ class Inputs:
         rid: str,
     ) -> list[GenerateRequest]:
         """One engine request per prompt (the engine makes `body.n` samples of each)."""
-        try:
-            decoder, options = parse_spec(body.decoder, self.default_decoder)
-        except DecoderError as e:
-            raise from_exception(e) from e
+        decoder, options = body.decoder or self.default_decoder
         return [
             GenerateRequest(
                 request_id=rid if len(prompts) == 1 else f"{rid}-{i}",
@@ -308,5 +304,3 @@ def check_modalities(body: rq.ChatCompletionRequest) -> None:
         raise APIError("invalid_request", "audio output is not supported", "audio")
     if body.web_search_options is not None:
         raise APIError("invalid_request", "web search is not supported", "web_search_options")
-
-
