@@ -121,37 +121,37 @@ def bench(shape: str, tp: int, mode: str, path: Path, base: dict) -> None:
     )  # fmt: skip
     start = time.perf_counter()
     engine = Engine(config)
-    tp = f"{tp}" if mode == "auto" else f"{tp}_{mode}"  # (the keys below: tp2, tp2_nccl)
-    record(f"{shape}/tp{tp}/start_s", round(time.perf_counter() - start, 1))
+    label = f"{tp}" if mode == "auto" else f"{tp}_{mode}"  # (keys: tp2, tp2_nccl)
+    record(f"{shape}/tp{label}/start_s", round(time.perf_counter() - start, 1))
     if engine.workers is not None:
-        record(f"{shape}/tp{tp}/small_all_reduce", collectives.small_messages())
+        record(f"{shape}/tp{label}/small_all_reduce", collectives.small_messages())
     core = EngineCore(engine)
     vocab = SHAPES[shape]["vocab_size"]
     try:
         gpu.run_core(core, gpu.prompts(2, vocab, seed=3), new=8)  # warm-up
         for batch in ARGS.batches:
             rate = gpu.run_core(core, gpu.prompts(batch, vocab, seed=batch), new=ARGS.new)
-            record(f"{shape}/tp{tp}/batch{batch}_decode_tok_s", round(rate["decode_tok_s"], 1))
+            record(f"{shape}/tp{label}/batch{batch}_decode_tok_s", round(rate["decode_tok_s"], 1))
             if batch != 1:
                 continue
             tok_s = rate["decode_tok_s"]
             if base:
-                record(f"{shape}/tp{tp}/batch1_speedup_vs_tp{base['tp']}",
+                record(f"{shape}/tp{label}/batch1_speedup_vs_tp{base['tp']}",
                        round(tok_s / base["tok_s"], 3))  # fmt: skip
             else:
-                base.update(tp=tp, tok_s=tok_s)
+                base.update(tp=label, tok_s=tok_s)
             s = engine.shape  # the whole model, every rank's share
             context = gpu.PROMPT + ARGS.new // 2  # the mean context a decode token attends
             per_token = s.layer_bytes + s.head_bytes + context * s.kv_bytes_per_token
-            record(f"{shape}/tp{tp}/batch1_roofline_measured_bw",
+            record(f"{shape}/tp{label}/batch1_roofline_measured_bw",
                    round(per_token * tok_s / engine.peaks.bandwidth, 3))  # fmt: skip
             card = card_bandwidth()
             if card is not None:
-                record(f"{shape}/tp{tp}/batch1_roofline_datasheet",
+                record(f"{shape}/tp{label}/batch1_roofline_datasheet",
                        round(per_token * tok_s / (tp * card), 3))  # fmt: skip
             if engine.workers is not None:
                 for key, value in collective_share(core, vocab).items():
-                    record(f"{shape}/tp{tp}/batch1_{key}", value)
+                    record(f"{shape}/tp{label}/batch1_{key}", value)
     finally:
         if engine.workers is not None:
             engine.workers.close()

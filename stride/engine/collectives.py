@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 log = logging.getLogger(__name__)
 
-PEER_MAX_BYTES = 512 * 1024  # larger messages go through NCCL (bench/bench_all_reduce.py)
+PEER_MAX_BYTES = 2 << 20  # larger messages go through NCCL (bench/bench_all_reduce.py)
 MODES = ("auto", "nccl")
 
 
