@@ -69,7 +69,9 @@ def setup(device: torch.device, dtype: torch.dtype, mode: str = "auto") -> None:
         raise ValueError(f"all-reduce mode {mode!r}: give one of {', '.join(MODES)}")
     if mode == "nccl" or device.type != "cuda" or dist.get_world_size() < 2:
         return
-    first = (device.index or 0) - dist.get_rank()  # rank r holds cuda:first + r (`rank_device`)
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    first = device.index - dist.get_rank()  # rank r holds cuda:first + r (`rank_device`)
     peers = [torch.device("cuda", first + r) for r in range(dist.get_world_size())]
     ok = hasattr(torch.ops.symm_mem, "one_shot_all_reduce") and all(
         torch.cuda.can_device_access_peer(device, peer) for peer in peers if peer != device
