@@ -12,7 +12,7 @@ random_weights`: each rank draws only its own share, so a 70B shape needs no che
     the c10d ops on the CPU, a smoke test only: gloo waits for its peers outside them).
 Every number is printed and written to `--json` as it comes.
 
-    python bench/bench_tp.py --shape llama-8b --tp 1,2 --all-reduce auto,nccl --json tp-8b.json
+    python bench/bench_tp.py --shape llama-8b --tp 1,2 --batches 1 --json tp-8b.json
     python bench/bench_tp.py --shape llama-70b --tp 4 --batches 1,64 --json tp-70b.json
     python bench/bench_tp.py --device cpu --shape tiny --tp 1,2 --batches 1,4 --new 16  # seconds
 """
@@ -34,7 +34,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import bench_gpu as gpu  # noqa: E402  (same folder: the shapes, prompts and the step loop)
 
-from stride.engine import collectives  # noqa: E402
 from stride.engine.config import EngineConfig  # noqa: E402
 from stride.engine.engine import Engine  # noqa: E402
 from stride.scheduler.core import EngineCore  # noqa: E402
@@ -93,14 +92,14 @@ def collective_share(core: EngineCore, vocab: int) -> dict:
     for event in prof.key_averages():
         name = event.key.lower()
         if core.engine.device.type == "cuda":
-            if "nccl" not in name and "one_shot_all_reduce" not in name:
+            if "nccl" not in name:
                 continue
             seconds = getattr(event, "self_device_time_total", 0) / 1e6
         else:
             if not name.startswith("c10d::"):  # (gloo's wait for its peers is not in them)
                 continue
             seconds = event.self_cpu_time_total / 1e6
-        if "allreduce" in name or "all_reduce" in name:
+        if "allreduce" in name:
             reduce += seconds
         elif "allgather" in name:
             gather += seconds
@@ -113,45 +112,42 @@ def collective_share(core: EngineCore, vocab: int) -> dict:
     }
 
 
-def bench(shape: str, tp: int, mode: str, path: Path, base: dict) -> None:
+def bench(shape: str, tp: int, path: Path, base: dict) -> None:
     dtype = "bfloat16" if ARGS.device == "cuda" else "float32"
     config = EngineConfig(
         model=str(path), device=ARGS.device, dtype=dtype, random_weights=True,
-        tensor_parallel_size=tp, all_reduce=mode, max_model_len=gpu.PROMPT + ARGS.new + 16,
+        tensor_parallel_size=tp, max_model_len=gpu.PROMPT + ARGS.new + 16,
     )  # fmt: skip
     start = time.perf_counter()
     engine = Engine(config)
-    label = f"{tp}" if mode == "auto" else f"{tp}_{mode}"  # (keys: tp2, tp2_nccl)
-    record(f"{shape}/tp{label}/start_s", round(time.perf_counter() - start, 1))
-    if engine.workers is not None:
-        record(f"{shape}/tp{label}/small_all_reduce", collectives.small_messages())
+    record(f"{shape}/tp{tp}/start_s", round(time.perf_counter() - start, 1))
     core = EngineCore(engine)
     vocab = SHAPES[shape]["vocab_size"]
     try:
         gpu.run_core(core, gpu.prompts(2, vocab, seed=3), new=8)  # warm-up
         for batch in ARGS.batches:
             rate = gpu.run_core(core, gpu.prompts(batch, vocab, seed=batch), new=ARGS.new)
-            record(f"{shape}/tp{label}/batch{batch}_decode_tok_s", round(rate["decode_tok_s"], 1))
+            record(f"{shape}/tp{tp}/batch{batch}_decode_tok_s", round(rate["decode_tok_s"], 1))
             if batch != 1:
                 continue
             tok_s = rate["decode_tok_s"]
             if base:
-                record(f"{shape}/tp{label}/batch1_speedup_vs_tp{base['tp']}",
+                record(f"{shape}/tp{tp}/batch1_speedup_vs_tp{base['tp']}",
                        round(tok_s / base["tok_s"], 3))  # fmt: skip
             else:
-                base.update(tp=label, tok_s=tok_s)
+                base.update(tp=tp, tok_s=tok_s)
             s = engine.shape  # the whole model, every rank's share
             context = gpu.PROMPT + ARGS.new // 2  # the mean context a decode token attends
             per_token = s.layer_bytes + s.head_bytes + context * s.kv_bytes_per_token
-            record(f"{shape}/tp{label}/batch1_roofline_measured_bw",
+            record(f"{shape}/tp{tp}/batch1_roofline_measured_bw",
                    round(per_token * tok_s / engine.peaks.bandwidth, 3))  # fmt: skip
             card = card_bandwidth()
             if card is not None:
-                record(f"{shape}/tp{label}/batch1_roofline_datasheet",
+                record(f"{shape}/tp{tp}/batch1_roofline_datasheet",
                        round(per_token * tok_s / (tp * card), 3))  # fmt: skip
-            if engine.workers is not None:
+            if tp > 1:
                 for key, value in collective_share(core, vocab).items():
-                    record(f"{shape}/tp{label}/batch1_{key}", value)
+                    record(f"{shape}/tp{tp}/batch1_{key}", value)
     finally:
         if engine.workers is not None:
             engine.workers.close()
@@ -169,8 +165,7 @@ def main() -> None:
     path = model_dir(ARGS.shape)
     base: dict = {}
     for tp in ARGS.tp:
-        for mode in ARGS.all_reduce if tp > 1 else ["auto"]:
-            bench(ARGS.shape, tp, mode, path, base)
+        bench(ARGS.shape, tp, path, base)
 
 
 if __name__ == "__main__":
@@ -180,8 +175,6 @@ if __name__ == "__main__":
     parser.add_argument("--batches", default="1", type=lambda s: [int(x) for x in s.split(",")])
     parser.add_argument("--new", default=128, type=int, help="new tokens per request")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--all-reduce", default="auto", type=lambda s: s.split(","),
-                        help="all-reduce modes each size past 1 runs with: auto,nccl")  # fmt: skip
     parser.add_argument("--json", help="write every number here as it comes")
     ARGS = parser.parse_args()
     gpu.ARGS = ARGS  # (bench_gpu's helpers read its ARGS.device)

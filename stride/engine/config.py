@@ -30,5 +30,4 @@ class EngineConfig:
     # Ranks the model is split over (one device each; `parallel`): this process is rank 0, and
     # starts a worker process for each other rank. The KV-cache budget is per rank.
     tensor_parallel_size: int = 1
-    all_reduce: str = "auto"  # auto: small messages over peer memory where GPUs map it; nccl
     random_weights: bool = False  # the checkpoint's shapes with random values (benchmarks)

@@ -6,7 +6,7 @@ import logging
 
 import torch
 
-from stride.engine import collectives, loader
+from stride.engine import loader
 from stride.engine.config import DTYPES, EngineConfig
 from stride.engine.kv_cache import KVCache
 from stride.engine.model import CausalLM
@@ -68,8 +68,6 @@ class Engine:
             self.peaks.flops / 1e12,
             "given" if config.peak_bandwidth and config.peak_flops else "measured",
         )
-        if self.workers is not None:
-            collectives.setup(self.device, self.dtype, config.all_reduce)
         key = f"{self.path}:{self.dtype}"  # the root of every block hash
         self.cache = make_cache(config, self.model, self.dtype, self.device, key, self.workers)
         if self.workers is None:

@@ -7,8 +7,7 @@ Megatron-style, over `torch.distributed` (NCCL on GPUs, gloo on the CPU):
   - MLP: gate and up split by rows, down by columns;
   - embedding and LM head: vocabulary-parallel (each rank holds a slice of the rows);
   - one all-reduce after the attention's output projection and one after the MLP's down
-    projection per layer, one after the embedding (`collectives`: peer memory or NCCL); the
-    LM head's slices are all-gathered.
+    projection per layer, one after the embedding; the LM head's slices are all-gathered.
 The residual stream, norms and rotary are replicated: every rank holds the same hidden states
 between layers, so what reads them (early exit, captured features) is unchanged.
 
@@ -34,7 +33,6 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 
-from stride.engine.collectives import all_reduce
 from stride.engine.model import CausalLM
 
 # torch 2.13 renamed the gather into one tensor and warns on the old name; 2.11 has only the old
@@ -139,7 +137,9 @@ class RowParallelLinear(nn.Linear):
     """A projection whose input columns are split over the ranks: the partial products sum."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return all_reduce(F.linear(x, self.weight))
+        out = F.linear(x, self.weight)
+        dist.all_reduce(out)
+        return out
 
 
 class VocabParallelEmbedding(nn.Embedding):
@@ -154,7 +154,9 @@ class VocabParallelEmbedding(nn.Embedding):
         local = ids - self.start
         outside = (local < 0) | (local >= self.num_embeddings)
         x = F.embedding(local.masked_fill(outside, 0), self.weight)
-        return all_reduce(x.masked_fill(outside[:, None], 0))
+        x = x.masked_fill(outside[:, None], 0)
+        dist.all_reduce(x)
+        return x
 
 
 class VocabParallelHead(nn.Linear):
@@ -186,7 +188,9 @@ def sharded_model(config: PretrainedConfig, layout: Layout) -> CausalLM:
     net.model.embed_tokens = VocabParallelEmbedding(
         layout.vocab_per_rank, hidden, layout.rank * layout.vocab_per_rank
     )
-    net.lm_head = VocabParallelHead(hidden, layout.vocab_per_rank, config.vocab_size, layout.world)
+    net.lm_head = VocabParallelHead(
+        hidden, layout.vocab_per_rank, config.vocab_size, layout.world
+    )
     if getattr(config, "tie_word_embeddings", False):
         net.lm_head.weight = net.model.embed_tokens.weight
     net.config = config

@@ -21,7 +21,7 @@ from multiprocessing.connection import Connection
 import torch
 import torch.distributed as dist
 
-from stride.engine import collectives, loader
+from stride.engine import loader
 from stride.engine.config import DTYPES, EngineConfig
 from stride.engine.engine import make_cache
 from stride.engine.parallel import (
@@ -45,10 +45,11 @@ class Rank:
         self.device = rank_device(torch.device(config.device), rank)
         dtype = None if config.dtype == "auto" else DTYPES[config.dtype]
         layout = Layout.of(loader.load_config(config.model), world, rank)
-        loaded = loader.load(config.model, self.device, dtype, None, layout, config.random_weights)
+        loaded = loader.load(
+            config.model, self.device, dtype, None, layout, config.random_weights
+        )
         model = loaded.model
         dtype = next(model.parameters()).dtype
-        collectives.setup(self.device, dtype, config.all_reduce)  # (with rank 0's, in step)
         cache = make_cache(config, model, dtype, self.device, "", parallel=True)
         self.runner = ModelRunner(model, cache, self.device)
 

@@ -255,14 +255,11 @@ def build_parser() -> argparse.ArgumentParser:
           "--kv-cache-memory is given", 0.85, float)  # fmt: skip
     _flag(e, "tensor-parallel-size", "devices one model is split over (a worker process per "
           "device past the first; NCCL on GPUs, gloo on CPU)", 1, int)  # fmt: skip
-    _flag(e, "all-reduce", "tensor parallelism's all-reduce: auto (small messages over peer "
-          "memory where the GPUs map each other's, NCCL above) or nccl", "auto",
-          choice("auto", "nccl"))  # fmt: skip
     _flag(e, "max-num-seqs", "most sequences in one step", 256, int)
     _flag(e, "max-num-batched-tokens", "most tokens in one step (prefills are chunked)", 2048, int)
     _flag(e, "max-waiting", "waiting-queue size; beyond it requests get 429", 1024, int)
-    _flag(e, "fused-decode-steps", "greedy decode steps per host sync for <= 8 streams; 1 = off",
-          None, int,
+    _flag(e, "fused-decode-steps", "greedy decode steps per host sync for <= 8 streams; 1 = off, "
+          "also for the chained 1-step bursts of larger greedy batches", None, int,
           shown="8 with CUDA graphs, else 1")  # fmt: skip
     _flag(e, "enable-prefix-caching", "reuse the KV cache of prompts' shared leading blocks", True,
           action=argparse.BooleanOptionalAction)  # fmt: skip
@@ -338,7 +335,6 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
             peak_bandwidth=args.peak_bandwidth,
             peak_flops=args.peak_flops,
             tensor_parallel_size=args.tensor_parallel_size,
-            all_reduce=args.all_reduce,
         ),
         scheduler=SchedulerConfig(
             max_num_seqs=args.max_num_seqs,

@@ -6,7 +6,6 @@ from __future__ import annotations
 from pathlib import Path
 
 from stride.decoders.registry import DecodersConfig, build_decoders
-from stride.engine import collectives
 from stride.engine.config import EngineConfig
 from stride.engine.engine import Engine
 from stride.scheduler.core import EngineCore
@@ -31,9 +30,7 @@ VARIANTS = {
 }
 
 
-def make_core(
-    model: Path | None, tp: int, device: str = "cpu", all_reduce: str = "auto", **decoders
-) -> EngineCore:
+def make_core(model: Path | None, tp: int, device: str = "cpu", **decoders) -> EngineCore:
     engine = Engine(
         EngineConfig(
             model=None if model is None else str(model),
@@ -41,7 +38,6 @@ def make_core(
             dtype="float32",
             kv_cache_memory=16 << 20,
             tensor_parallel_size=tp,
-            all_reduce=all_reduce,
         )
     )
     try:
@@ -64,27 +60,17 @@ ONE_DEVICE: dict[tuple, dict[str, list[int]]] = {}  # TP=1 runs, the reference o
 
 
 def generate(
-    model,
-    tp: int,
-    variants,
-    prompts=PROMPTS,
-    n: int = 16,
-    device: str = "cpu",
-    all_reduce: str = "auto",
-    **decoders,
+    model, tp: int, variants, prompts=PROMPTS, n: int = 16, device: str = "cpu", **decoders
 ):
     """Every prompt with every variant, greedy, on an engine split over `tp` ranks."""
     key = (str(model), tuple(variants), str(prompts), n, device, tuple(sorted(decoders.items())))
     if tp == 1 and key in ONE_DEVICE:
         return ONE_DEVICE[key]
-    core = make_core(model, tp, device, all_reduce, **decoders)
+    core = make_core(model, tp, device, **decoders)
     try:
         tokens, _ = run(core, requests(variants, prompts, n))
         if tp > 1:
             assert len(core.engine.workers.pids) == tp - 1
-            peer = device == "cuda" and all_reduce == "auto"  # (GPUs of one host map peers)
-            backend = "nccl" if device == "cuda" else "gloo"
-            assert collectives.small_messages() == ("peer" if peer else backend)
         else:
             ONE_DEVICE[key] = tokens
         return tokens
