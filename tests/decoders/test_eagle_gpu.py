@@ -8,8 +8,8 @@ import torch
 
 from stride.decoders.registry import DecodersConfig, build_decoders
 from stride.engine.config import EngineConfig
-from stride.engine.eagle_cycles import FusedHead
 from stride.engine.engine import Engine
+from stride.engine.fused_head import FusedHead
 from stride.scheduler.core import EngineCore
 from stride.scheduler.outputs import GenerateRequest
 from tests.helpers.cores import PROMPTS, greedy, run

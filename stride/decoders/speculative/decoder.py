@@ -44,6 +44,7 @@ from stride.decoders.base import (
     parse_options,
 )
 from stride.decoders.catalog import EAGLE, EARLY_EXIT, NGRAM, SPECULATIVE
+from stride.decoders.speculative.cycles import CycleResult
 from stride.decoders.speculative.drafters import (
     Draft,
     Drafter,
@@ -56,7 +57,6 @@ from stride.decoders.speculative.policy import MAX_K, AdaptivePolicy
 from stride.decoders.speculative.state import SeqState
 from stride.decoders.speculative.tree import Tree
 from stride.decoders.speculative.verify import paths, verify_greedy, verify_sampled
-from stride.engine.eagle_cycles import CycleResult
 from stride.engine.engine import Engine
 from stride.engine.kv_cache import OutOfBlocks
 from stride.engine.sequence import SamplingParams, Sequence, Status

@@ -26,10 +26,10 @@ from pathlib import Path
 import torch
 
 from stride.decoders.catalog import EAGLE
+from stride.decoders.speculative.cycles import CycleResult, EagleCycles
 from stride.decoders.speculative.drafters import Draft, Drafter, run_drafts
 from stride.decoders.speculative.tree import Tree
 from stride.engine.eagle import HeadRunner, load_head
-from stride.engine.eagle_cycles import CycleResult, EagleCycles
 from stride.engine.engine import Engine
 from stride.engine.runner import Span
 from stride.engine.sequence import Sequence
