@@ -6,8 +6,9 @@ top-k/top-p/min-p, computed by `sampling`), draft d is accepted with probability
 the first rejection is replaced by a draw from norm(max(0, p − q)), and when all drafts pass a
 bonus token is drawn from the next p. The output distribution is the target's, token by token.
 Greedy requests have one-hot p, so this reduces to "accept while the draft equals the target's
-argmax", which also verifies a draft tree (`Tree.accept_greedy`: the longest path of nodes that
-each equal the target's choice after their parent); deterministic drafters (n-gram) have one-hot q.
+argmax", which also verifies a draft tree (`accept_greedy`: the longest path of nodes that each
+equal the target's choice after their parent, as tensors: the host's steps and the device loop
+use the same function); deterministic drafters (n-gram) have one-hot q.
 """
 
 from __future__ import annotations
@@ -50,20 +51,63 @@ def verify(
     return accepted, residual
 
 
+def accept_greedy(
+    tokens: torch.Tensor,
+    parents: torch.Tensor,
+    sees: torch.Tensor,
+    depths: torch.Tensor,
+    best: torch.Tensor,
+    depth: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Greedy acceptance of draft trees as tensors (chains are trees): the longest path of rows
+    each equal to the target's choice after its parent, then the target's choice after it.
+
+    Per sequence, rows [root, drafts] with tokens, parent row (the root: itself), ancestors
+    (`sees` [B, N, N]: a row's ancestors and itself) and depth; `best` [B, N] the target's
+    token after each row; `depth`: the deepest level. Siblings hold distinct tokens, so the
+    accepted rows form one path. Returns the accepted drafts n [B], the path's row at each
+    depth [B, depth + 1] (0 past n) and the token after the path [B]. No host sync."""
+    match = tokens == best.gather(1, parents)
+    match[:, 0] = True  # the root is the sequence's own token
+    ok = ~(sees & ~match[:, None, :]).any(-1)  # the row and all its ancestors match
+    last = torch.where(ok, depths, -1).argmax(1, keepdim=True)
+    n = depths.gather(1, last)[:, 0]
+    on_path = sees.gather(1, last[..., None].expand(-1, 1, sees.shape[2]))[:, 0]  # [B, N]
+    levels = torch.arange(depth + 1, device=tokens.device)
+    at = on_path[:, :, None] & (depths[:, :, None] == levels)  # [B, N, depth + 1]
+    rows = torch.arange(tokens.shape[1], device=tokens.device)
+    path = (at * rows[:, None]).sum(1)
+    return n, path, best.gather(1, last)[:, 0]
+
+
 def verify_greedy(adjusted: torch.Tensor, trees: list[Tree]) -> tuple[list[list[int]], list[int]]:
     """Greedy: follow the nodes equal to the target's argmax; then take the argmax.
 
     `adjusted`: each tree's rows [root, nodes] one after another. Returns each tree's accepted
-    path (node indices) and the token after it."""
-    best = adjusted.argmax(-1).tolist()
-    paths, last, offset = [], [], 0
-    for tree in trees:
-        rows = best[offset : offset + len(tree) + 1]
-        path = tree.accept_greedy(rows)
-        paths.append(path)
-        last.append(rows[path[-1] + 1 if path else 0])
-        offset += len(tree) + 1
-    return paths, last
+    path (node indices) and the token after it (`accept_greedy`, on trees padded to one size:
+    padding rows see only themselves and never match)."""
+    b, width = len(trees), 1 + max(len(t) for t in trees)
+    depth = max((max(t.depths()) for t in trees if len(t)), default=0)
+    tokens = torch.full((b, width), -1, dtype=torch.long)
+    parents = torch.zeros(b, width, dtype=torch.long)
+    depths = torch.zeros(b, width, dtype=torch.long)
+    sees = torch.eye(width, dtype=torch.bool).repeat(b, 1, 1)
+    index = torch.zeros(b, width, dtype=torch.long)  # each row's row in `adjusted`
+    offset = 0
+    for i, tree in enumerate(trees):
+        n = len(tree) + 1
+        tokens[i, 1:n] = torch.tensor(tree.tokens, dtype=torch.long)
+        parents[i, 1:n] = torch.tensor(tree.parents, dtype=torch.long) + 1
+        depths[i, 1:n] = torch.tensor(tree.depths(), dtype=torch.long)
+        sees[i, :n, :n] = tree.mask()
+        index[i] = offset + torch.arange(width).clamp(max=n - 1)
+        offset += n
+    best = adjusted.argmax(-1).cpu()[index]
+    accepted, path, last = accept_greedy(tokens, parents, sees, depths, best, depth)
+    paths = [
+        [r - 1 for r in p[1 : a + 1]] for p, a in zip(path.tolist(), accepted.tolist(), strict=True)
+    ]
+    return paths, last.tolist()
 
 
 def verify_sampled(
