@@ -1,23 +1,31 @@
-"""Greedy EAGLE chains on the device: several draft → verify → accept cycles per host sync.
+"""EAGLE on the device: several draft → verify → accept cycles per host sync, chains and trees.
 
 At batch 1 a verification pass of this model costs about what the host spends between two
 passes (sync, commit, schedule, pack), so a cycle that goes through the host pays twice. Here
-a whole cycle is tensor work on the device, replayed as one CUDA graph per (batch bucket, K):
+a whole cycle is tensor work on the device, replayed as one CUDA graph per (batch bucket,
+`TreeShape`); a chain of K drafts is the tree with one child per level:
 
-1. drafts: the head's output for the last real row (`g`) drafts token 1; K - 1 head rows, each
-   reading the draft before and the output before, draft the rest;
-2. verify: the target scores [tail, drafts] (K + 1 rows per sequence, each a decode row whose
-   context ends at itself) and hands out their hidden states;
-3. accept: n = the drafts equal to the target's argmax before them; the target's argmax after
-   them is the bonus token; the committed tokens of the cycle go to an output buffer;
-4. catch up: K + 1 head rows read the verified rows' hidden states and the token after each
-   (a draft, or the bonus): row n's output is the next cycle's `g`.
+1. drafts: a chain drafts token 1 from the head's output for the last real row (`g`), then
+   K - 1 head rows each read the draft before and the output before; a tree is EAGLE-2's
+   (`device_tree.draft_tree`): `topk` head rows per level, in scratch slots past the root's,
+   each seeing the prefix and its ancestors' rows;
+2. verify: the target scores [tail, drafts] (N rows per sequence, in the N slots from the
+   tail's, each a decode row at the position after its parent's that sees the prefix, its
+   ancestors and itself: `DecodeMetadata.tree_mask`; a chain needs no mask) and hands out
+   their hidden states;
+3. accept (`verify.accept_greedy`): the longest path of drafts equal to the target's argmax
+   after their parents; the target's argmax after it is the bonus token; the committed tokens
+   of the cycle go to an output buffer; a tree's accepted rows then move their keys and values
+   to the slots of the positions they take (`device_tree.compact`);
+4. catch up: depth + 1 head rows read the accepted path's hidden states and the token after
+   each (a draft, or the bonus), in the slots of their positions: row n's output is the next
+   cycle's `g`.
 
 Rows past the accepted ones write keys and values (target and head) that the next cycle
 overwrites before anything reads them: every row writes its slot before attending, and attends
-only to slots up to its own. Greedy only, and only for plain greedy rows (no penalties, bias,
-logprobs): acceptance is the argmax, computed here. Elsewhere than on a GPU with graphs the same
-code runs eagerly (what the CPU tests check).
+only to the prefix and its own rows. Greedy only, and only for plain greedy rows (no penalties,
+bias, logprobs): acceptance is the argmax, computed here. Elsewhere than on a GPU with graphs
+the same code runs eagerly (what the CPU tests check).
 """
 
 from __future__ import annotations
@@ -28,6 +36,14 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from stride.decoders.speculative.device_tree import (
+    DraftedTree,
+    TreeShape,
+    chain_tree,
+    compact,
+    draft_tree,
+)
+from stride.decoders.speculative.verify import accept_greedy
 from stride.engine.eagle import HeadRunner
 from stride.engine.fused_head import FusedHead
 from stride.engine.kernels import layer as kernels
@@ -44,7 +60,7 @@ class CycleResult:
     """What `EagleCycles.run` leaves: committed tokens on their way to the host, and each
     sequence's new `g` (its last real row's head output) on the device."""
 
-    tokens: torch.Tensor  # [cycles, B, K + 1] (host), -1 past each cycle's committed tokens
+    tokens: torch.Tensor  # [cycles, B, depth + 1] (host), -1 past each cycle's committed tokens
     counts: torch.Tensor  # [cycles, B] tokens committed per cycle
     roots: torch.Tensor  # [B, H]
     copied: torch.cuda.Event | None
@@ -75,33 +91,33 @@ class EagleCycles:
         self.lm_weight = self.head.head_weight()
         b, width = BUCKETS[-1], runner.graphs.max_blocks if self.graphs else 0
         hidden = self.head.config.hidden_size
-        self.max_cycles, self.max_k = max_cycles, 16
+        self.max_cycles, self.max_depth = max_cycles, 16
         self.base = torch.zeros(b, dtype=torch.long, device=device)
         self.tail = torch.zeros(b, dtype=torch.long, device=device)
         self.g = torch.zeros(b, hidden, dtype=self.head.fc.weight.dtype, device=device)
         self.tables = torch.zeros(b, width, dtype=torch.int32, device=device)
         self.cycle = torch.zeros(1, dtype=torch.long, device=device)
-        self.tokens = torch.full((max_cycles, b, self.max_k + 1), -1, dtype=torch.long,
+        self.tokens = torch.full((max_cycles, b, self.max_depth + 1), -1, dtype=torch.long,
                                  device=device)  # fmt: skip
         self.counts = torch.zeros(max_cycles, b, dtype=torch.long, device=device)
-        self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self._graphs: dict[tuple[int, TreeShape], torch.cuda.CUDAGraph] = {}
         self._pool = None
 
-    def fits(self, seqs, cycles: int, k: int) -> bool:
-        """Can a burst of these sequences run here (batch, K, cycles, graph width)?"""
-        if len(seqs) > BUCKETS[-1] or k > self.max_k or cycles > self.max_cycles:
+    def fits(self, seqs, cycles: int, shape: TreeShape) -> bool:
+        """Can a burst of these sequences run here (batch, depth, cycles, graph width)?"""
+        if len(seqs) > BUCKETS[-1] or shape.depth > self.max_depth or cycles > self.max_cycles:
             return False
         if not self.graphs:
             return True
-        blocks = -(-(max(s.num_cached for s in seqs) + (cycles + 1) * (k + 1)) // self.block_size)
+        blocks = -(-(max(s.num_cached for s in seqs) + reach(shape, cycles)) // self.block_size)
         return blocks <= self.tables.shape[1]
 
-    def run(self, seqs, roots: torch.Tensor, k: int, cycles: int) -> CycleResult:
-        """`cycles` cycles of K drafts for `seqs` (each with KV slots reserved for
-        `num_cached + (cycles + 1) * (k + 1)` tokens), from their roots `g` [B, H]."""
+    def run(self, seqs, roots: torch.Tensor, shape: TreeShape, cycles: int) -> CycleResult:
+        """`cycles` cycles of `shape` for `seqs` (each with KV slots reserved for
+        `num_cached + reach(shape, cycles)` tokens), from their roots `g` [B, H]."""
         n, device = len(seqs), self.base.device
         bucket = next(b for b in BUCKETS if b >= n)
-        graph = self._graph(bucket, k) if self.graphs else None  # (captured before packing)
+        graph = self._graph(bucket, shape) if self.graphs else None  # (captured before packing)
         width = max(len(s.block_table) for s in seqs)
         if not self.graphs and self.tables.shape[1] < width:
             self.tables = torch.zeros(len(self.tables), width, dtype=torch.int32, device=device)
@@ -122,8 +138,9 @@ class EagleCycles:
             if graph is not None:
                 graph.replay()
             else:
-                self._cycle(bucket, k)
-        tokens, counts = self.tokens[:cycles, :n, : k + 1], self.counts[:cycles, :n]
+                self._cycle(bucket, shape)
+        tokens = self.tokens[:cycles, :n, : shape.advance]
+        counts = self.counts[:cycles, :n]
         copied = None
         if device.type == "cuda":
             tokens = tokens.to("cpu", non_blocking=True)
@@ -132,10 +149,10 @@ class EagleCycles:
             copied.record()
         return CycleResult(tokens, counts, self.g[:n].clone(), copied)
 
-    def replay_ms(self, batch: int, k: int, repeats: int = 50) -> float:
+    def replay_ms(self, batch: int, shape: TreeShape, repeats: int = 50) -> float:
         """GPU time of one cycle (its graph replayed alone, on padding rows): what a cycle costs
         the device, against which a cycle's wall time shows the host's share."""
-        graph = self._graph(next(b for b in BUCKETS if b >= batch), k)
+        graph = self._graph(next(b for b in BUCKETS if b >= batch), shape)
         self.tables.zero_()
         self.base.fill_(1)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -143,79 +160,125 @@ class EagleCycles:
         start.record()
         for _ in range(repeats):
             self.cycle.zero_()
+            self.base.fill_(1)
             graph.replay()
         end.record()
         end.synchronize()
         return start.elapsed_time(end) / repeats
 
-    def _graph(self, bucket: int, k: int) -> torch.cuda.CUDAGraph:
-        graph = self._graphs.get((bucket, k))
+    def _graph(self, bucket: int, shape: TreeShape) -> torch.cuda.CUDAGraph:
+        graph = self._graphs.get((bucket, shape))
         if graph is None:
             # Warm up (kernels compiled, handles made) on padding rows, then capture.
             self.tables[:bucket].zero_()
             self.base[:bucket].fill_(1)
             self.cycle.zero_()
-            self._cycle(bucket, k)
+            self._cycle(bucket, shape)
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._pool):
-                self._cycle(bucket, k)
+                self._cycle(bucket, shape)
             self._pool = graph.pool()
-            self._graphs[(bucket, k)] = graph
-            log.info("captured EAGLE cycle graph: batch %d, %d drafts", bucket, k)
+            self._graphs[(bucket, shape)] = graph
+            log.info("captured EAGLE cycle graph: batch %d, %s", bucket, shape)
         return graph
 
-    def _meta(self, positions: torch.Tensor, tables: torch.Tensor) -> DecodeMetadata:
+    def _slots(self, positions: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+        """The cache slots of `positions` [B, J] under the sequences' block tables [B, W]."""
         bs = self.block_size
-        blocks = tables.gather(1, (positions // bs)[:, None])[:, 0].long()
+        return tables.gather(1, positions // bs).long() * bs + positions % bs
+
+    def _meta(
+        self, slots_at: torch.Tensor, tables: torch.Tensor, tree: tuple | None = None
+    ) -> DecodeMetadata:
+        """Decode rows writing the slots of context index `slots_at` [R] (their own context
+        ends there), under `tree` = (tree_start [R], tree_mask [R, N]) if given."""
         return DecodeMetadata(
-            slot_mapping=blocks * bs + positions % bs,
+            slot_mapping=self._slots(slots_at[:, None], tables)[:, 0],
             block_tables=tables,
-            context_lens=(positions + 1).to(torch.int32),
-            block_size=bs,
+            context_lens=(slots_at + 1).to(torch.int32),
+            block_size=self.block_size,
+            tree_start=None if tree is None else tree[0],
+            tree_mask=None if tree is None else tree[1].contiguous(),
         )
 
     def _head_rows(self, tokens, hidden, positions, tables) -> torch.Tensor:
         kv = (self.heads.k, self.heads.v)
         return self.head_forward(tokens, hidden, positions, kv, self._meta(positions, tables))
 
-    def _draft(self, h: torch.Tensor) -> torch.Tensor:
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary logits of head outputs."""
         if isinstance(self.head_forward, FusedHead):
             x = kernels.rms_norm(h, self.head.norm, None)
-            return self.draft_ids[F.linear(x, self.lm_weight).argmax(-1)]
-        return self.draft_ids[self.head.logits(h).argmax(-1)]
+            return F.linear(x, self.lm_weight).float()
+        return self.head.logits(h)
 
-    def _cycle(self, b: int, k: int) -> None:
-        base, tail, g, tables = self.base[:b], self.tail[:b], self.g[:b], self.tables[:b]
-        steps = torch.arange(k + 1, device=base.device)
-        # 1. drafts: chain row j (position base + j - 1) reads draft j
-        h, d = g, self._draft(g)
+    def _draft_chain(self, b: int, k: int) -> DraftedTree:
+        base, g, tables = self.base[:b], self.g[:b], self.tables[:b]
+        h, d = g, self.draft_ids[self._logits(g).argmax(-1)]
         drafts = [d]
-        for j in range(1, k):
+        for j in range(1, k):  # chain row j (position base + j - 1) reads draft j
             h = self._head_rows(d, h, base + (j - 1), tables)
-            d = self._draft(h)
+            d = self.draft_ids[self._logits(h).argmax(-1)]
             drafts.append(d)
-        drafted = torch.stack(drafts, 1)  # [b, k]
-        # 2. verify [tail, drafts] at positions base .. base + k
-        positions = (base[:, None] + steps).flatten()
-        row_tables = tables.repeat_interleave(k + 1, 0)
-        tokens = torch.cat([tail[:, None], drafted], 1).flatten()
+        return chain_tree(self.tail[:b], torch.stack(drafts, 1))
+
+    def _draft_tree(self, b: int, shape: TreeShape) -> DraftedTree:
+        k = shape.topk
+        base, tables = self.base[:b], self.tables[:b]
+        row_tables = tables.repeat_interleave(k, 0)
+        starts = base.repeat_interleave(k)
+        kv = (self.heads.k, self.heads.v)
+
+        def expand(level: int, tokens, hidden, sees) -> torch.Tensor:
+            at = (base[:, None] + (level - 1) * k + torch.arange(k, device=base.device)).flatten()
+            meta = self._meta(at, row_tables, (starts, sees))
+            return self.head_forward(tokens, hidden, starts + (level - 1), kv, meta)
+
+        def logprobs(h: torch.Tensor) -> torch.Tensor:
+            return torch.log_softmax(self._logits(h), -1)
+
+        return draft_tree(shape, self.g[:b], self.tail[:b], expand, logprobs, self.draft_ids)
+
+    def _cycle(self, b: int, shape: TreeShape) -> None:
+        base, tail, g, tables = self.base[:b], self.tail[:b], self.g[:b], self.tables[:b]
+        # 1. drafts
+        tree = self._draft_chain(b, shape.depth) if shape.is_chain else self._draft_tree(b, shape)
+        n_rows, depth = shape.nodes, shape.depth
+        # 2. verify every row in the N slots from the tail's, each at its parent's position + 1
+        slots_at = (base[:, None] + torch.arange(n_rows, device=base.device)).flatten()
+        row_tables = tables.repeat_interleave(n_rows, 0)
+        mask = None if shape.is_chain else (base.repeat_interleave(n_rows), tree.sees.flatten(0, 1))
+        meta = self._meta(slots_at, row_tables, mask)
+        positions = (base[:, None] + tree.depths).flatten()
         kv = (self.runner.cache.k, self.runner.cache.v)
-        meta = self._meta(positions, row_tables)
         aux_layers = self.head.config.aux_layers
-        hidden, aux = self.runner.forward_fn(tokens, positions, kv, meta, aux=aux_layers)
-        best = self.model.logits(hidden).argmax(-1).view(b, k + 1)
-        # 3. accept the drafts equal to the target's choice before them, then its next choice
-        n = (drafted == best[:, :k]).long().cumprod(1).sum(1)
-        bonus = best.gather(1, n[:, None])[:, 0]
-        after = torch.cat([drafted, bonus[:, None]], 1)  # the token after each verified row
-        after = torch.where(steps < n[:, None], after, bonus[:, None])
+        hidden, aux = self.runner.forward_fn(tree.tokens.flatten(), positions, kv, meta,
+                                             aux=aux_layers)  # fmt: skip
+        best = self.model.logits(hidden).argmax(-1).view(b, n_rows)
+        # 3. accept the longest path of drafts equal to the target's choice, then its next one
+        n, path, bonus = accept_greedy(tree.tokens, tree.parents, tree.sees, tree.depths, best,
+                                       depth)  # fmt: skip
+        steps = torch.arange(depth + 1, device=base.device)
+        after = torch.cat([tree.tokens.gather(1, path[:, 1:]), bonus[:, None]], 1)
+        after = torch.where(steps < n[:, None], after, bonus[:, None])  # the token after each
         committed = torch.where(steps <= n[:, None], after, -1)
-        self.tokens[:, :b, : k + 1].index_copy_(0, self.cycle, committed[None])
+        self.tokens[:, :b, : depth + 1].index_copy_(0, self.cycle, committed[None])
         self.counts[:, :b].index_copy_(0, self.cycle, (n + 1)[None])
-        # 4. catch up: each verified row's head row; row n's output drafts the next cycle
-        outs = self._head_rows(after.flatten(), self.head.project(aux), positions, row_tables)
-        g.copy_(outs.view(b, k + 1, -1)[torch.arange(b, device=n.device), n])
+        if not shape.is_chain:  # (a chain's path is already where it belongs)
+            compact([self.runner.cache.k, self.runner.cache.v], path, n,
+                    lambda p: self._slots(p, tables), base)  # fmt: skip
+        # 4. catch up: the path's head rows; row n's output drafts the next cycle
+        features = aux.view(b, n_rows, -1).gather(1, path[..., None].expand(-1, -1, aux.shape[-1]))
+        catch_up = (base[:, None] + steps).flatten()
+        outs = self._head_rows(after.flatten(), self.head.project(features.flatten(0, 1)),
+                               catch_up, tables.repeat_interleave(depth + 1, 0))  # fmt: skip
+        g.copy_(outs.view(b, depth + 1, -1)[torch.arange(b, device=n.device), n])
         tail.copy_(bonus)
         base.add_(n + 1)
         self.cycle.add_(1)
+
+
+def reach(shape: TreeShape, cycles: int) -> int:
+    """Slots past `num_cached` that `cycles` cycles of `shape` may write."""
+    return cycles * shape.advance + shape.span
