@@ -20,13 +20,15 @@ if TYPE_CHECKING:
 
 def loop_shape(seq: Sequence, state: SeqState) -> TreeShape | None:
     """What `seq` drafts with the head this step, as the device loop's shape (None: nothing,
-    or not with the head)."""
+    or not with the head). A tree keeps the nodes it asked for where the step's budget would
+    trim them (the loop reserves its own slots): one graph per depth, not one per node count."""
     options = seq.decoder_options
     if options["draft"] != EAGLE or not state.reserved:
         return None
     if not options.get("tree_nodes"):
         return TreeShape.chain(state.reserved)
-    return TreeShape.of(state.reserved, state.depth, options["tree_topk"])
+    nodes = max(options["tree_nodes"], state.depth)
+    return TreeShape.of(nodes, state.depth, options["tree_topk"])
 
 
 def start_burst(spec: Speculative, seqs: list[Sequence], passes: int) -> Burst | None:

@@ -149,18 +149,25 @@ class EagleCycles:
             copied.record()
         return CycleResult(tokens, counts, self.g[:n].clone(), copied)
 
-    def replay_ms(self, batch: int, shape: TreeShape, repeats: int = 50) -> float:
-        """GPU time of one cycle (its graph replayed alone, on padding rows): what a cycle costs
-        the device, against which a cycle's wall time shows the host's share."""
-        graph = self._graph(next(b for b in BUCKETS if b >= batch), shape)
+    def replay_ms(self, batch: int, shape: TreeShape, context: int = 0, repeats: int = 50) -> float:
+        """GPU time of one cycle (its graph replayed alone): what a cycle costs the device, against
+        which a cycle's wall time shows the host's share. Rows on padding (block 0), or with
+        `context` > 0 each on blocks of its own from block 1 on, `context` tokens in: it writes
+        into those blocks, so nothing may be running (a benchmark's measurement)."""
+        bucket = next(b for b in BUCKETS if b >= batch)
+        graph = self._graph(bucket, shape)
         self.tables.zero_()
-        self.base.fill_(1)
+        if context:
+            width = -(-(context + reach(shape, 1)) // self.block_size)
+            blocks = 1 + torch.arange(bucket * width, device=self.tables.device)
+            self.tables[:bucket, :width] = blocks.view(bucket, width).to(torch.int32)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        self.base.fill_(max(context, 1))
         graph.replay()
         start.record()
         for _ in range(repeats):
             self.cycle.zero_()
-            self.base.fill_(1)
+            self.base.fill_(max(context, 1))
             graph.replay()
         end.record()
         end.synchronize()
