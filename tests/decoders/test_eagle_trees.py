@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from stride.decoders.speculative import cycles as cycles_module
-from stride.decoders.speculative.device_tree import TreeShape
+from stride.decoders.speculative.device_tree import TreeShape, ancestors
 from stride.decoders.speculative.tree import Tree
 from stride.decoders.speculative.verify import accept_greedy, verify_greedy
 from stride.engine.attention import attend
@@ -91,6 +91,22 @@ def test_greedy_acceptance_as_tensors_follows_the_matching_path():
     depths = torch.tensor([[0] + tree.depths()])
     n, path, bonus = accept_greedy(tokens, parents, tree.mask()[None], depths, best[None], 3)
     assert n.tolist() == [2] and path.tolist() == [[0, 2, 6, 0]] and bonus.tolist() == [0]
+
+
+def test_ancestors_from_parents_are_the_tree_mask():
+    gen = torch.Generator().manual_seed(1)
+    trees = [Tree([0] * n, _random_tree(n, gen)) for n in (0, 1, 6, 20)]
+    width = 21
+    parents = torch.zeros(len(trees), width, dtype=torch.long)
+    depths = torch.zeros(len(trees), width, dtype=torch.long)
+    for i, tree in enumerate(trees):
+        parents[i, 1 : len(tree) + 1] = torch.tensor(tree.parents, dtype=torch.long) + 1
+        depths[i, 1 : len(tree) + 1] = torch.tensor(tree.depths(), dtype=torch.long)
+    sees = ancestors(parents, depths, int(depths.max()))
+    for i, tree in enumerate(trees):
+        n = len(tree) + 1
+        assert torch.equal(sees[i, :n, :n], tree.mask())
+        assert torch.equal(sees[i, n:], torch.eye(width, dtype=torch.bool)[n:])
 
 
 def test_verify_greedy_over_several_trees_and_chains():

@@ -231,16 +231,25 @@ class EagleCycles:
         return chain_tree(self.tail[:b], torch.stack(drafts, 1))
 
     def _draft_tree(self, b: int, shape: TreeShape) -> DraftedTree:
-        k = shape.topk
+        k, levels = shape.topk, shape.depth - 1
         base, tables = self.base[:b], self.tables[:b]
-        row_tables = tables.repeat_interleave(k, 0)
-        starts = base.repeat_interleave(k)
+        # Every level's rows at once: scratch row s of a sequence (level s // k + 1, row s % k)
+        # sits in the slot of context index base + s, at position base + s // k.
+        steps = torch.arange(shape.scratch, device=base.device)
+        at = base[:, None] + steps
+
+        def by_level(x: torch.Tensor) -> torch.Tensor:  # [B, scratch] -> [levels, B * k]
+            return x.view(b, levels, k).transpose(0, 1).reshape(levels, b * k)
+
+        slots, lens = by_level(self._slots(at, tables)), by_level(at + 1).to(torch.int32)
+        positions = by_level(base[:, None] + steps // k)
+        row_tables, starts = tables.repeat_interleave(k, 0), base.repeat_interleave(k)
         kv = (self.heads.k, self.heads.v)
 
         def expand(level: int, tokens, hidden, sees) -> torch.Tensor:
-            at = (base[:, None] + (level - 1) * k + torch.arange(k, device=base.device)).flatten()
-            meta = self._meta(at, row_tables, (starts, sees))
-            return self.head_forward(tokens, hidden, starts + (level - 1), kv, meta)
+            meta = DecodeMetadata(slots[level - 1], row_tables, lens[level - 1], self.block_size,
+                                  starts, sees)  # fmt: skip
+            return self.head_forward(tokens, hidden, positions[level - 1], kv, meta)
 
         def logprobs(h: torch.Tensor) -> torch.Tensor:
             return torch.log_softmax(self._logits(h), -1)

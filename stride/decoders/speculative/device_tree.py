@@ -96,13 +96,12 @@ def draft_tree(
     path = torch.full((b, k, depth), -1, dtype=torch.long, device=dev)  # ids down to each one
     path[:, :, 0] = ids
     tokens, scores, paths = [draft_ids[index]], [score], [path]
-    frontier = (draft_ids[index], score, ids, path, g[:, None].expand(b, k, g.shape[-1]))
+    frontier = (draft_ids[index], score, path, g[:, None].expand(b, k, g.shape[-1]))
     sees = torch.zeros(b, k, shape.scratch, dtype=torch.bool, device=dev)
-    own = torch.arange(k, device=dev)
+    slot, own = torch.arange(shape.scratch, device=dev), torch.arange(k, device=dev)
     for level in range(1, depth):
-        f_tok, f_score, f_ids, f_path, f_hidden = frontier
-        sees = sees.clone()
-        sees[:, own, (level - 1) * k + own] = True
+        f_tok, f_score, f_path, f_hidden = frontier
+        sees = sees | (slot == ((level - 1) * k + own)[:, None])  # and its own row
         h = expand(level, f_tok.flatten(), f_hidden.flatten(0, 1), sees.flatten(0, 1))
         lp, index = logprobs(h).topk(k, -1)
         below = torch.nextafter(f_score, torch.full_like(f_score, float("-inf")))
@@ -120,7 +119,7 @@ def draft_tree(
             parent = pick // k
             hidden = h.view(b, k, -1).gather(1, parent[..., None].expand(b, k, h.shape[-1]))
             chosen = c_path.gather(1, pick[..., None].expand(b, k, depth))
-            frontier = (c_tok.gather(1, pick), score, chosen[:, :, level], chosen, hidden)
+            frontier = (c_tok.gather(1, pick), score, chosen, hidden)
             sees = sees.gather(1, parent[..., None].expand(b, k, shape.scratch))
     return _select(shape, tail, torch.cat(tokens, 1), torch.cat(scores, 1), torch.cat(paths, 1))
 
@@ -165,6 +164,18 @@ def chain_tree(tail: torch.Tensor, drafted: torch.Tensor) -> DraftedTree:
         depths=steps.expand(b, k1),
         sees=torch.ones(k1, k1, dtype=torch.bool, device=dev).tril().expand(b, k1, k1),
     )
+
+
+def ancestors(parents: torch.Tensor, depths: torch.Tensor, depth: int) -> torch.Tensor:
+    """[B, N, N] bool: each row's ancestors and itself, from each row's parent row [B, N] and
+    depth [B, N] (the root, and rows at depth 0, see only themselves); a loop over levels."""
+    b, n = parents.shape
+    eye = torch.eye(n, dtype=torch.bool, device=parents.device)
+    sees = eye.expand(b, n, n)
+    for level in range(1, depth + 1):
+        inherited = sees.gather(1, parents[..., None].expand(b, n, n)) | eye
+        sees = torch.where((depths == level)[..., None], inherited, sees)
+    return sees
 
 
 def compact(

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from stride.decoders import sampling
+from stride.decoders.speculative.device_tree import ancestors
 from stride.decoders.speculative.drafters import Draft
 from stride.decoders.speculative.tree import Tree
 from stride.engine.sequence import Sequence
@@ -85,29 +86,30 @@ def verify_greedy(adjusted: torch.Tensor, trees: list[Tree]) -> tuple[list[list[
 
     `adjusted`: each tree's rows [root, nodes] one after another. Returns each tree's accepted
     path (node indices) and the token after it (`accept_greedy`, on trees padded to one size:
-    padding rows see only themselves and never match)."""
+    padding rows hang under the root at depth 0, so they are nobody's ancestors, and never
+    match)."""
     b, width = len(trees), 1 + max(len(t) for t in trees)
-    depth = max((max(t.depths()) for t in trees if len(t)), default=0)
-    tokens = torch.full((b, width), -1, dtype=torch.long)
-    parents = torch.zeros(b, width, dtype=torch.long)
-    depths = torch.zeros(b, width, dtype=torch.long)
-    sees = torch.eye(width, dtype=torch.bool).repeat(b, 1, 1)
-    index = torch.zeros(b, width, dtype=torch.long)  # each row's row in `adjusted`
+    tokens: list[int] = []
+    parents: list[int] = []
+    depths: list[int] = []
+    index: list[int] = []  # each row's row in `adjusted`
     offset = 0
-    for i, tree in enumerate(trees):
-        n = len(tree) + 1
-        tokens[i, 1:n] = torch.tensor(tree.tokens, dtype=torch.long)
-        parents[i, 1:n] = torch.tensor(tree.parents, dtype=torch.long) + 1
-        depths[i, 1:n] = torch.tensor(tree.depths(), dtype=torch.long)
-        sees[i, :n, :n] = tree.mask()
-        index[i] = offset + torch.arange(width).clamp(max=n - 1)
+    for tree in trees:
+        n = 1 + len(tree)
+        tokens += [-1, *tree.tokens] + [-1] * (width - n)
+        parents += [0, *(p + 1 for p in tree.parents)] + [0] * (width - n)
+        depths += [0, *tree.depths()] + [0] * (width - n)
+        index += [*range(offset, offset + n)] + [offset] * (width - n)
         offset += n
-    best = adjusted.argmax(-1).cpu()[index]
-    accepted, path, last = accept_greedy(tokens, parents, sees, depths, best, depth)
-    paths = [
-        [r - 1 for r in p[1 : a + 1]] for p, a in zip(path.tolist(), accepted.tolist(), strict=True)
-    ]
-    return paths, last.tolist()
+    parents_t = torch.tensor(parents).view(b, width)
+    depths_t = torch.tensor(depths).view(b, width)
+    depth = max(depths)
+    sees = ancestors(parents_t, depths_t, depth)
+    best = adjusted.argmax(-1).cpu()[torch.tensor(index)].view(b, width)
+    tokens_t = torch.tensor(tokens).view(b, width)
+    accepted, path, last = accept_greedy(tokens_t, parents_t, sees, depths_t, best, depth)
+    rows = zip(path.tolist(), accepted.tolist(), strict=True)
+    return [[r - 1 for r in p[1 : n + 1]] for p, n in rows], last.tolist()
 
 
 def verify_sampled(
