@@ -95,18 +95,17 @@ def test_greedy_acceptance_as_tensors_follows_the_matching_path():
 
 def test_ancestors_from_parents_are_the_tree_mask():
     gen = torch.Generator().manual_seed(1)
-    trees = [Tree([0] * n, _random_tree(n, gen)) for n in (0, 1, 6, 20)]
-    width = 21
+    trees = [Tree([0] * n, _random_tree(n, gen)) for n in (0, 1, 6, 40)]
+    trees.append(Tree.chain([0] * 40))
+    width = 41
     parents = torch.zeros(len(trees), width, dtype=torch.long)
-    depths = torch.zeros(len(trees), width, dtype=torch.long)
     for i, tree in enumerate(trees):
         parents[i, 1 : len(tree) + 1] = torch.tensor(tree.parents, dtype=torch.long) + 1
-        depths[i, 1 : len(tree) + 1] = torch.tensor(tree.depths(), dtype=torch.long)
-    sees = ancestors(parents, depths, int(depths.max()))
+    sees = ancestors(parents)
     for i, tree in enumerate(trees):
         n = len(tree) + 1
         assert torch.equal(sees[i, :n, :n], tree.mask())
-        assert torch.equal(sees[i, n:], torch.eye(width, dtype=torch.bool)[n:])
+        assert not sees[i, n:, 1:n].any()  # (padding rows: under the root)
 
 
 def test_verify_greedy_over_several_trees_and_chains():

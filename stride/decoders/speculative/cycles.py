@@ -287,8 +287,10 @@ class EagleCycles:
         # 4. catch up: the path's head rows; row n's output drafts the next cycle
         features = aux.view(b, n_rows, -1).gather(1, path[..., None].expand(-1, -1, aux.shape[-1]))
         catch_up = (base[:, None] + steps).flatten()
+        if n_rows != depth + 1:
+            row_tables = tables.repeat_interleave(depth + 1, 0)
         outs = self._head_rows(after.flatten(), self.head.project(features.flatten(0, 1)),
-                               catch_up, tables.repeat_interleave(depth + 1, 0))  # fmt: skip
+                               catch_up, row_tables)  # fmt: skip
         g.copy_(outs.view(b, depth + 1, -1)[torch.arange(b, device=n.device), n])
         tail.copy_(bonus)
         base.add_(n + 1)

@@ -166,15 +166,18 @@ def chain_tree(tail: torch.Tensor, drafted: torch.Tensor) -> DraftedTree:
     )
 
 
-def ancestors(parents: torch.Tensor, depths: torch.Tensor, depth: int) -> torch.Tensor:
-    """[B, N, N] bool: each row's ancestors and itself, from each row's parent row [B, N] and
-    depth [B, N] (the root, and rows at depth 0, see only themselves); a loop over levels."""
+def ancestors(parents: torch.Tensor) -> torch.Tensor:
+    """[B, N, N] bool: each row's ancestors and itself, from each row's parent row [B, N] (a
+    root is its own parent). Pointer doubling: after step t a row holds its ancestors up to
+    2^t levels up, so log2(N) steps of whole-tensor gathers, whatever the trees' shapes."""
     b, n = parents.shape
     eye = torch.eye(n, dtype=torch.bool, device=parents.device)
-    sees = eye.expand(b, n, n)
-    for level in range(1, depth + 1):
-        inherited = sees.gather(1, parents[..., None].expand(b, n, n)) | eye
-        sees = torch.where((depths == level)[..., None], inherited, sees)
+    rows = torch.arange(n, device=parents.device)
+    sees = eye | (rows == parents[..., None])
+    jump = parents
+    for _ in range(max(n - 1, 1).bit_length()):
+        sees = sees | sees.gather(1, jump[..., None].expand(b, n, n))
+        jump = jump.gather(1, jump)
     return sees
 
 

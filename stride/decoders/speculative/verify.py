@@ -13,6 +13,8 @@ use the same function); deterministic drafters (n-gram) have one-hot q.
 
 from __future__ import annotations
 
+from array import array
+
 import torch
 
 from stride.decoders import sampling
@@ -86,30 +88,34 @@ def verify_greedy(adjusted: torch.Tensor, trees: list[Tree]) -> tuple[list[list[
 
     `adjusted`: each tree's rows [root, nodes] one after another. Returns each tree's accepted
     path (node indices) and the token after it (`accept_greedy`, on trees padded to one size:
-    padding rows hang under the root at depth 0, so they are nobody's ancestors, and never
-    match)."""
+    padding rows hang under the root at depth 1 and never match)."""
     b, width = len(trees), 1 + max(len(t) for t in trees)
     tokens: list[int] = []
-    parents: list[int] = []
-    depths: list[int] = []
+    parents: list[int] = []  # each row's parent, -1 for the root (and padding): +1 below
     index: list[int] = []  # each row's row in `adjusted`
     offset = 0
     for tree in trees:
         n = 1 + len(tree)
-        tokens += [-1, *tree.tokens] + [-1] * (width - n)
-        parents += [0, *(p + 1 for p in tree.parents)] + [0] * (width - n)
-        depths += [0, *tree.depths()] + [0] * (width - n)
+        pad = [-1] * (width - n)
+        tokens += [-1, *tree.tokens, *pad]
+        parents += [-1, *tree.parents, *pad]
         index += [*range(offset, offset + n)] + [offset] * (width - n)
         offset += n
-    parents_t = torch.tensor(parents).view(b, width)
-    depths_t = torch.tensor(depths).view(b, width)
-    depth = max(depths)
-    sees = ancestors(parents_t, depths_t, depth)
-    best = adjusted.argmax(-1).cpu()[torch.tensor(index)].view(b, width)
-    tokens_t = torch.tensor(tokens).view(b, width)
-    accepted, path, last = accept_greedy(tokens_t, parents_t, sees, depths_t, best, depth)
+    parents_t = (_longs(parents) + 1).view(b, width)
+    sees = ancestors(parents_t)
+    depths = sees.sum(-1) - 1
+    best = adjusted.argmax(-1).cpu()[_longs(index)].view(b, width)
+    tokens_t = _longs(tokens).view(b, width)
+    depth = int(depths.max())
+    accepted, path, last = accept_greedy(tokens_t, parents_t, sees, depths, best, depth)
     rows = zip(path.tolist(), accepted.tolist(), strict=True)
     return [[r - 1 for r in p[1 : n + 1]] for p, n in rows], last.tolist()
+
+
+def _longs(values: list[int]) -> torch.Tensor:
+    """An int64 tensor of a list of ints, through a C array (several times faster than
+    `torch.tensor` on a list, which this host path would pay per step)."""
+    return torch.frombuffer(array("q", values), dtype=torch.long)
 
 
 def verify_sampled(
