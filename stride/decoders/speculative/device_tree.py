@@ -98,17 +98,22 @@ def draft_tree(
     tokens, scores, paths = [draft_ids[index]], [score], [path]
     frontier = (draft_ids[index], score, path, g[:, None].expand(b, k, g.shape[-1]))
     sees = torch.zeros(b, k, shape.scratch, dtype=torch.bool, device=dev)
-    slot, own = torch.arange(shape.scratch, device=dev), torch.arange(k, device=dev)
+    # Constants of every level, made once: (the cycle is a graph: each op is a launch)
+    # frontier row j's own scratch slot, a child's id, and which column of a path is its level.
+    slot = torch.arange(shape.scratch, device=dev)
+    own = slot.view(depth - 1, 1, k, 1) == slot  # [level - 1, 1, k, scratch]
+    child = torch.arange(k * k, device=dev).view(k, k)
+    column = torch.arange(depth, device=dev)
+    floor = torch.full((), float("-inf"), device=dev)
     for level in range(1, depth):
         f_tok, f_score, f_path, f_hidden = frontier
-        sees = sees | (slot == ((level - 1) * k + own)[:, None])  # and its own row
+        sees = sees | own[level - 1]  # and its own row
         h = expand(level, f_tok.flatten(), f_hidden.flatten(0, 1), sees.flatten(0, 1))
         lp, index = logprobs(h).topk(k, -1)
-        below = torch.nextafter(f_score, torch.full_like(f_score, float("-inf")))
+        below = torch.nextafter(f_score, floor)
         c_score = torch.minimum(f_score[..., None] + lp.view(b, k, k), below[..., None])
-        c_ids = k + (level - 1) * k * k + torch.arange(k * k, device=dev).view(k, k)
-        c_path = f_path[:, :, None].expand(b, k, k, depth).clone()
-        c_path[..., level] = c_ids
+        c_ids = child + (k + (level - 1) * k * k)
+        c_path = torch.where(column == level, c_ids[..., None], f_path[:, :, None])
         c_tok = draft_ids[index].view(b, k * k)
         c_score, c_path = c_score.view(b, k * k), c_path.view(b, k * k, depth)
         tokens.append(c_tok)
