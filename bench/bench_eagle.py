@@ -13,8 +13,13 @@ token (exact in fp32; bf16 may differ by rounding). Two parts:
 - speed: at each concurrency, the first `c` prompts in flight at once, output tok/s (prefill
   included) against AR run before and after in the same process.
 
+On a GPU it then times one device cycle (its CUDA graph replayed alone, `--context` tokens in)
+of chains and of trees of 64 and 128 verified rows at batch 1, 2, 4 and 8, against one plain
+decode step (the decode graph) at the same batch and context: `--cycles-only` does just that.
+
     python bench/bench_eagle.py --device cpu --concurrency 1 --json eagle-cpu.json
     python bench/bench_eagle.py --device cuda --concurrency 1 8 64 --json eagle-h100.json
+    python bench/bench_eagle.py --device cuda --cycles-only --json eagle-cycles.json
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from loadtest.prompts import BUILTIN_PROMPTS  # noqa: E402
 from stride.decoders.registry import DecodersConfig, build_decoders  # noqa: E402
+from stride.decoders.speculative.device_tree import TreeShape  # noqa: E402
 from stride.engine.config import EngineConfig  # noqa: E402
 from stride.engine.engine import Engine  # noqa: E402
 from stride.engine.sequence import SamplingParams  # noqa: E402
@@ -114,6 +120,45 @@ def speed(core, encoded, conc: int, tokens: int, requests: int, configs: list[st
     return entry
 
 
+# Device cycles timed: chains, and trees of 64 and 128 verified rows (the root and 63 or 127
+# drafts) at the depth and width of the "tree 64" and "tree 128" configurations.
+SHAPES = {
+    "chain K=3": TreeShape.chain(3),
+    "chain K=5": TreeShape.chain(5),
+    "tree 64 rows": TreeShape.of(63, 7, 8),
+    "tree 128 rows": TreeShape.of(127, 8, 10),
+}
+
+
+def cycle_costs(core: EngineCore, context: int) -> dict:
+    """GPU ms of one plain decode step and of one cycle of each of `SHAPES` (graphs replayed
+    alone, `context` tokens in), and each cycle's cost in plain steps, at batch 1, 2, 4, 8."""
+    cycles = core.decoders["speculative"].eagle.cycles
+    graphs = core.engine.runner.graphs
+    bs = core.engine.cache.block_size
+    out: dict = {}
+    for b in (1, 2, 4, 8):
+        width = -(-(context + 1) // bs)
+        tables = [list(range(1 + i * width, 1 + (i + 1) * width)) for i in range(b)]
+        graphs.run([1] * b, [context] * b, [context + 1] * b, tables)  # packs the inputs
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(50):
+            graphs.replay(b)
+        end.record()
+        end.synchronize()
+        plain = start.elapsed_time(end) / 50
+        entry = {"plain step": round(plain, 3)}
+        for name, shape in SHAPES.items():
+            ms = cycles.replay_ms(b, shape, context)
+            entry[name] = round(ms, 3)
+            entry[f"{name} / plain"] = round(ms / plain, 2)
+        out[f"batch {b}"] = entry
+        print(f"GPU ms per cycle, batch {b}, context {context}: {entry}", flush=True)
+    return out
+
+
 def accepted_length(stats: dict) -> float:
     """Tokens per verification pass that checked drafts (each commits its accepted + 1)."""
     return (stats["accepted_tokens"] + stats["drafts"]) / max(stats["drafts"], 1)
@@ -130,6 +175,8 @@ def main() -> None:
     ap.add_argument("--speed-prompts", type=int, default=8, help="requests per speed run")
     ap.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     ap.add_argument("--skip-acceptance", action="store_true")
+    ap.add_argument("--cycles-only", action="store_true", help="GPU: time device cycles only")
+    ap.add_argument("--context", type=int, default=512, help="cycle timing: tokens in context")
     ap.add_argument("--prompt-set", default="heldout",
                     help="heldout, training, or a JSONL file of prompts")  # fmt: skip
     ap.add_argument("--kv-gib", type=float, default=2.0)
@@ -182,7 +229,7 @@ def main() -> None:
     }
     print(f"{engine.name} on {card}, {engine.dtype}: {len(encoded)} {args.prompt_set} prompts")
     run(core, encoded[:2], 8, "speculative", CONFIGS["chain K=5"])  # warm-up
-    if not args.skip_acceptance:
+    if not args.skip_acceptance and not args.cycles_only:
         _, ref, _ = run(core, encoded, args.tokens, "ar", {})
         result["acceptance"] = {}
         for name in args.configs:
@@ -192,16 +239,13 @@ def main() -> None:
                      "drafts": stats["drafts"]}  # fmt: skip
             result["acceptance"][name] = entry
             print(f"acceptance {name}: {entry}", flush=True)
-    result["speed"] = [
-        speed(core, encoded, conc, args.tokens, args.speed_prompts, args.configs)
-        for conc in args.concurrency
-    ]
+    if not args.cycles_only:
+        result["speed"] = [
+            speed(core, encoded, conc, args.tokens, args.speed_prompts, args.configs)
+            for conc in args.concurrency
+        ]
     if engine.device.type == "cuda":  # the device's share of a cycle (the rest is the host's)
-        cycles = decoders["speculative"].eagle.cycles
-        result["cycle_gpu_ms"] = {
-            f"batch {b}, K={k}": round(cycles.replay_ms(b, k), 3) for b in (1, 8) for k in (3, 4, 5)
-        }
-        print("GPU time per cycle:", result["cycle_gpu_ms"], flush=True)
+        result["cycle_gpu_ms"] = cycle_costs(core, args.context)
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
 

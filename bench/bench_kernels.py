@@ -5,11 +5,14 @@ For the real shapes of the default model (SmolLM2-135M) and an 8B Llama:
     in) with the tile shape the engine picks, against a sweep of tile shapes and against cuBLAS
     plus the separate norm and SiLU kernels it replaces; bandwidth = weight bytes / time;
   - paged decode attention with the engine's launch shape against a sweep of (splits, tokens per
-    tile, warps), at batch 1 / 16 / 64 and contexts 256 / 1024 / 4096.
+    tile, warps), at batch 1 / 16 / 64 and contexts 256 / 1024 / 4096;
+  - the same kernel over the verify rows of EAGLE draft trees (64 or 128 rows per sequence
+    after its context, each under its tree mask) at batch 1 and 8, with the same rows as plain
+    causal rows beside (what the mask itself costs); `--trees-only` runs just these.
 Each number is the mean of 20 back-to-back launches captured in one graph, replayed 10 times;
 GEMVs cycle through copies of their weights 4x the L2 size, so that each reads HBM.
 
-    python bench/bench_kernels.py [--json kernels.json]
+    python bench/bench_kernels.py [--json kernels.json] [--trees-only]
 """
 
 from __future__ import annotations
@@ -104,24 +107,47 @@ def bench_gemv(name: str, n: int, k: int, silu: bool) -> dict:
     return {k: round(v, 2) if isinstance(v, float) else v for k, v in result.items()}
 
 
-def bench_attention(heads: int, kv_heads: int, dim: int, context: int, batch: int) -> dict:
+def bench_attention(
+    heads: int, kv_heads: int, dim: int, context: int, batch: int, tree: int = 0
+) -> dict:
+    """`tree` > 0: each sequence has that many verify rows after its `context` tokens, row r
+    seeing the context and its ancestors in a random tree (parents first)."""
     torch.manual_seed(0)
     block = 16
-    per_seq = -(-context // block)
+    rows = max(tree, 1)
+    per_seq = -(-(context + tree) // block)
     k_cache = torch.randn(batch * per_seq * block + block, kv_heads, dim, device=DEV,
                           dtype=torch.bfloat16)  # fmt: skip
     v_cache = torch.randn_like(k_cache)
     tables = (torch.arange(batch * per_seq, device=DEV, dtype=torch.int32) + 1).view(batch, -1)
+    lens = torch.full((batch, rows), context, device=DEV, dtype=torch.int32)
+    tree_start = tree_mask = None
+    if tree:
+        lens += torch.arange(1, tree + 1, device=DEV, dtype=torch.int32)
+        parents = [0] + [int(torch.randint(0, r, (1,))) for r in range(1, tree)]
+        sees = torch.eye(tree, dtype=torch.bool)
+        for r in range(1, tree):
+            sees[r] |= sees[parents[r]]
+        tree_start = torch.full((batch * tree,), context, device=DEV)
+        tree_mask = sees.repeat(batch, 1).to(DEV)
     meta = attention.DecodeMetadata(
-        slot_mapping=torch.zeros(batch, dtype=torch.long, device=DEV),
-        block_tables=tables,
-        context_lens=torch.full((batch,), context, device=DEV, dtype=torch.int32),
+        slot_mapping=torch.zeros(batch * rows, dtype=torch.long, device=DEV),
+        block_tables=tables.repeat_interleave(rows, 0),
+        context_lens=lens.flatten(),
         block_size=block,
+        tree_start=tree_start,
+        tree_mask=tree_mask,
     )
-    q = torch.randn(batch, heads, dim, device=DEV, dtype=torch.bfloat16)
+    q = torch.randn(batch * rows, heads, dim, device=DEV, dtype=torch.bfloat16)
     result = {
         "shipped_us": graph_us(lambda i: attention.decode_attention(q, k_cache, v_cache, meta))
     }
+    if tree:
+        causal = attention.DecodeMetadata(meta.slot_mapping, meta.block_tables,
+                                          meta.context_lens, block)  # fmt: skip
+        result["same_rows_no_mask_us"] = graph_us(
+            lambda i: attention.decode_attention(q, k_cache, v_cache, causal)
+        )
     sweep = {}
     for splits, tile, warps in itertools.product((1, 4, 16, 32, 64), (16, 32, 64), (2, 4, 8)):
         launch = (splits, tile, warps)
@@ -130,7 +156,7 @@ def bench_attention(heads: int, kv_heads: int, dim: int, context: int, batch: in
     best = min(sweep, key=sweep.get)
     # The launch shape before this benchmark existed: up to 16 splits, 64/32-token tiles, 8 warps.
     sms = torch.cuda.get_device_properties(DEV).multi_processor_count
-    splits = max(1, min(16, 2 * sms // (batch * kv_heads)))
+    splits = max(1, min(16, 2 * sms // (batch * rows * kv_heads)))
     old = (splits, 64 if dim <= 64 else 32, 8)
     result.update(best_launch=best, best_us=sweep[best], sweep_us=sweep,
                   previous_launch_us=graph_us(lambda i: attention.decode_attention(
@@ -141,9 +167,19 @@ def bench_attention(heads: int, kv_heads: int, dim: int, context: int, batch: in
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--trees-only", action="store_true", help="just the draft-tree rows")
     args = parser.parse_args()
     results: dict = {"device": torch.cuda.get_device_name()}
+    heads, kv_heads, dim = HEADS["smollm2-135m"]
+    for tree, batch, context in itertools.product((64, 128), (1, 8), (256, 1024, 4096)):
+        r = bench_attention(heads, kv_heads, dim, context, batch, tree)
+        results[f"smollm2-135m/attention/tree{tree}_batch{batch}_context{context}"] = r
+        print(f"smollm2-135m attention, trees of {tree} rows, batch {batch}, context {context}: "
+              f"shipped {r['shipped_us']} us (no mask {r['same_rows_no_mask_us']}), best "
+              f"{r['best_us']} ({r['best_launch']})", flush=True)  # fmt: skip
     for model, products in GEMVS.items():
+        if args.trees_only:
+            break
         for name, n, k, silu in products:
             r = bench_gemv(name, n, k, silu)
             results[f"{model}/gemv/{name}"] = r
@@ -152,6 +188,8 @@ def main() -> None:
                   f"({r['shipped_TB_s']} TB/s), best {r['best_us']} ({r['best_tile']}), cuBLAS "
                   f"+ separate kernels {separate}", flush=True)  # fmt: skip
     for model, (heads, kv_heads, dim) in HEADS.items():
+        if args.trees_only:
+            break
         for batch, context in ((1, 256), (1, 1024), (1, 4096), (16, 256), (64, 256), (64, 1024)):
             r = bench_attention(heads, kv_heads, dim, context, batch)
             results[f"{model}/attention/batch{batch}_context{context}"] = r

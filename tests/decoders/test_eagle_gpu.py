@@ -7,9 +7,10 @@ import pytest
 import torch
 
 from stride.decoders.registry import DecodersConfig, build_decoders
+from stride.decoders.speculative.device_tree import TreeShape
 from stride.engine.config import EngineConfig
-from stride.engine.eagle_cycles import FusedHead
 from stride.engine.engine import Engine
+from stride.engine.fused_head import FusedHead
 from stride.scheduler.core import EngineCore
 from stride.scheduler.outputs import GenerateRequest
 from tests.helpers.cores import PROMPTS, greedy, run
@@ -38,7 +39,7 @@ def test_device_cycles_decode_exactly_on_the_gpu(tmp_path):
             request = GenerateRequest("s", prompt, greedy(24), "speculative", options)
             tokens, _ = run(core, [request])
             assert tokens["s"] == ref["r"], (i, options)
-    assert cycles.replay_ms(1, CHAIN["num_speculative_tokens"]) > 0  # a captured cycle
+    assert cycles.replay_ms(1, TreeShape.chain(CHAIN["num_speculative_tokens"])) > 0
     batch = [GenerateRequest(str(i), p, greedy(24), "speculative", CHAIN)
              for i, p in enumerate(PROMPTS)]  # fmt: skip
     tokens, _ = run(core, batch)

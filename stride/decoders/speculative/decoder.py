@@ -44,6 +44,7 @@ from stride.decoders.base import (
     parse_options,
 )
 from stride.decoders.catalog import EAGLE, EARLY_EXIT, NGRAM, SPECULATIVE
+from stride.decoders.speculative.bursts import start_burst
 from stride.decoders.speculative.drafters import (
     Draft,
     Drafter,
@@ -56,10 +57,8 @@ from stride.decoders.speculative.policy import MAX_K, AdaptivePolicy
 from stride.decoders.speculative.state import SeqState
 from stride.decoders.speculative.tree import Tree
 from stride.decoders.speculative.verify import paths, verify_greedy, verify_sampled
-from stride.engine.eagle_cycles import CycleResult
 from stride.engine.engine import Engine
-from stride.engine.kv_cache import OutOfBlocks
-from stride.engine.sequence import SamplingParams, Sequence, Status
+from stride.engine.sequence import SamplingParams, Sequence
 
 MAX_NGRAM = 8
 MAX_TREE_NODES = 128
@@ -200,6 +199,7 @@ class Speculative(Decoder):
         state.reserved = state.drafter.available(seq, k) if k else 0
         nodes = seq.decoder_options.get("tree_nodes", 0)
         if state.reserved and nodes:  # a tree of depth k: its nodes are scored
+            state.depth = state.reserved
             state.reserved = min(max(nodes, k), cap)
         policy.reserved = policy.reserved or state.reserved > 0
         return state.reserved
@@ -356,70 +356,8 @@ class Speculative(Decoder):
     # ---- fast paths (see `Decoder`) -------------------------------------------------------
 
     def burst(self, seqs: list[Sequence], passes: int, ctx: StepContext) -> Burst | None:
-        """EAGLE's greedy chains, several cycles per host sync (`EagleCycles`): when every
-        sequence drafts a chain of the same K with the head this step and decodes plainly
-        greedily (acceptance is the argmax, on the device)."""
-        eagle = self.eagle
-        if eagle is None or eagle.cycles is None or passes < 2:
-            return None
-        states = [self.state(s) for s in seqs]
-        ks = {st.reserved for st in states}
-        if len(ks) != 1:
-            return None
-        k = ks.pop()
-        for seq in seqs:
-            options = seq.decoder_options
-            if options["draft"] != EAGLE or options.get("tree_nodes") or not k:
-                return None
-            if not sampling.greedy_on_device(seq):
-                return None
-        left = max(s.params.max_tokens - s.num_output_tokens for s in seqs)
-        room = min(self.engine.max_model_len - s.num_tokens for s in seqs) // (k + 1) - 1
-        cycles = min(passes, eagle.cycles.max_cycles, -(-left // (k + 1)), room)
-        if cycles < 1 or not eagle.cycles.fits(seqs, cycles, k):
-            return None
-        try:
-            for seq in seqs:
-                self.engine.cache.reserve(seq, seq.num_cached + (cycles + 1) * (k + 1))
-        except OutOfBlocks:
-            return None  # what was reserved goes back at commit (the core trims)
-        self.policy.burst_started()
-        return _EagleBurst(self, seqs, states, k, eagle.burst(seqs, k, cycles))
-
-
-class _EagleBurst(Burst):
-    """EAGLE's chain cycles run on the device (`Speculative.burst`), committed as one burst."""
-
-    def __init__(
-        self,
-        spec: Speculative,
-        seqs: list[Sequence],
-        states: list[SeqState],
-        k: int,
-        result: CycleResult,
-    ) -> None:
-        self.spec, self.seqs, self.states, self.k, self.result = spec, seqs, states, k, result
-
-    def commits(self) -> list[Commit]:
-        spec, k, policy = self.spec, self.k, self.spec.policy
-        assert spec.eagle is not None
-        out = []
-        per_seq = self.result.per_sequence()
-        policy.steps += len(per_seq[0]) if per_seq else 0
-        for i, (seq, st, cycles) in enumerate(zip(self.seqs, self.states, per_seq, strict=True)):
-            tokens = [t for cycle in cycles for t in cycle]
-            if seq.status is Status.FINISHED:  # aborted meanwhile: released, nothing to count
-                out.append(Commit([], []))
-                continue
-            for cycle in cycles:
-                spec._record(seq, st, k, len(cycle) - 1)
-            spec.eagle.burst_done(seq, len(tokens), self.result.roots[i])
-            out.append(
-                Commit(tokens, [None] * len(tokens), kv_keep=len(tokens) - 1,
-                       forward_passes=len(cycles), per_pass=[len(c) for c in cycles])  # fmt: skip
-            )
-        policy.end_step()
-        return out
+        """EAGLE's greedy chains and trees, several cycles per host sync (`bursts`)."""
+        return start_burst(self, seqs, passes)
 
 
 def _within_grammar(seq: Sequence, state: SeqState, draft: Draft) -> Draft:

@@ -26,10 +26,11 @@ from pathlib import Path
 import torch
 
 from stride.decoders.catalog import EAGLE
+from stride.decoders.speculative.cycles import CycleResult, EagleCycles
+from stride.decoders.speculative.device_tree import TreeShape
 from stride.decoders.speculative.drafters import Draft, Drafter, run_drafts
 from stride.decoders.speculative.tree import Tree
 from stride.engine.eagle import HeadRunner, load_head
-from stride.engine.eagle_cycles import CycleResult, EagleCycles
 from stride.engine.engine import Engine
 from stride.engine.runner import Span
 from stride.engine.sequence import Sequence
@@ -118,11 +119,11 @@ class EagleDrafter(Drafter):
             self.cursors[seq.request_id].root = root
         return torch.stack(roots)  # type: ignore[arg-type]
 
-    def burst(self, seqs: list[Sequence], k: int, cycles: int) -> CycleResult:
-        """`cycles` greedy chain cycles of K drafts on the device (`EagleCycles`); each
-        sequence needs KV slots for `num_cached + (cycles + 1) * (k + 1)` tokens."""
+    def burst(self, seqs: list[Sequence], shape: TreeShape, cycles: int) -> CycleResult:
+        """`cycles` greedy cycles of chains or trees of `shape` on the device (`EagleCycles`);
+        each sequence needs KV slots for `num_cached + cycles.reach(shape, cycles)` tokens."""
         roots = self._catch_up(seqs)
-        return self.cycles.run(seqs, roots, k, cycles)
+        return self.cycles.run(seqs, roots, shape, cycles)
 
     def burst_done(self, seq: Sequence, committed: int, root: torch.Tensor) -> None:
         """A burst committed `committed` tokens of `seq` (not yet appended) and left the

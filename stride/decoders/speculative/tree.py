@@ -51,21 +51,3 @@ class Tree:
                 m[row] = m[p + 1]
             m[row, row] = True
         return m
-
-    def accept_greedy(self, best: list[int]) -> list[int]:
-        """The longest path of nodes each equal to the target's choice after its parent.
-
-        `best[r]`: the target's token after row r (row 0 the root, row 1 + i node i). Siblings
-        hold distinct tokens, so at most one child matches at each step.
-        """
-        children: dict[int, dict[int, int]] = {}
-        for i, (token, p) in enumerate(zip(self.tokens, self.parents, strict=True)):
-            children.setdefault(p, {})[token] = i
-        path: list[int] = []
-        node = -1
-        while True:
-            nxt = children.get(node, {}).get(best[node + 1])
-            if nxt is None:
-                return path
-            path.append(nxt)
-            node = nxt

@@ -6,15 +6,19 @@ top-k/top-p/min-p, computed by `sampling`), draft d is accepted with probability
 the first rejection is replaced by a draw from norm(max(0, p − q)), and when all drafts pass a
 bonus token is drawn from the next p. The output distribution is the target's, token by token.
 Greedy requests have one-hot p, so this reduces to "accept while the draft equals the target's
-argmax", which also verifies a draft tree (`Tree.accept_greedy`: the longest path of nodes that
-each equal the target's choice after their parent); deterministic drafters (n-gram) have one-hot q.
+argmax", which also verifies a draft tree (`accept_greedy`: the longest path of nodes that each
+equal the target's choice after their parent, as tensors: the host's steps and the device loop
+use the same function); deterministic drafters (n-gram) have one-hot q.
 """
 
 from __future__ import annotations
 
+from array import array
+
 import torch
 
 from stride.decoders import sampling
+from stride.decoders.speculative.device_tree import ancestors
 from stride.decoders.speculative.drafters import Draft
 from stride.decoders.speculative.tree import Tree
 from stride.engine.sequence import Sequence
@@ -50,20 +54,68 @@ def verify(
     return accepted, residual
 
 
+def accept_greedy(
+    tokens: torch.Tensor,
+    parents: torch.Tensor,
+    sees: torch.Tensor,
+    depths: torch.Tensor,
+    best: torch.Tensor,
+    depth: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Greedy acceptance of draft trees as tensors (chains are trees): the longest path of rows
+    each equal to the target's choice after its parent, then the target's choice after it.
+
+    Per sequence, rows [root, drafts] with tokens, parent row (the root: itself), ancestors
+    (`sees` [B, N, N]: a row's ancestors and itself) and depth; `best` [B, N] the target's
+    token after each row; `depth`: the deepest level. Siblings hold distinct tokens, so the
+    accepted rows form one path. Returns the accepted drafts n [B], the path's row at each
+    depth [B, depth + 1] (0 past n) and the token after the path [B]. No host sync."""
+    match = tokens == best.gather(1, parents)
+    match[:, 0] = True  # the root is the sequence's own token
+    ok = ~(sees & ~match[:, None, :]).any(-1)  # the row and all its ancestors match
+    last = torch.where(ok, depths, -1).argmax(1, keepdim=True)
+    n = depths.gather(1, last)[:, 0]
+    on_path = sees.gather(1, last[..., None].expand(-1, 1, sees.shape[2]))[:, 0]  # [B, N]
+    levels = torch.arange(depth + 1, device=tokens.device)
+    at = on_path[:, :, None] & (depths[:, :, None] == levels)  # [B, N, depth + 1]
+    rows = torch.arange(tokens.shape[1], device=tokens.device)
+    path = (at * rows[:, None]).sum(1)
+    return n, path, best.gather(1, last)[:, 0]
+
+
 def verify_greedy(adjusted: torch.Tensor, trees: list[Tree]) -> tuple[list[list[int]], list[int]]:
     """Greedy: follow the nodes equal to the target's argmax; then take the argmax.
 
     `adjusted`: each tree's rows [root, nodes] one after another. Returns each tree's accepted
-    path (node indices) and the token after it."""
-    best = adjusted.argmax(-1).tolist()
-    paths, last, offset = [], [], 0
+    path (node indices) and the token after it (`accept_greedy`, on trees padded to one size:
+    padding rows hang under the root at depth 1 and never match)."""
+    b, width = len(trees), 1 + max(len(t) for t in trees)
+    tokens: list[int] = []
+    parents: list[int] = []  # each row's parent, -1 for the root (and padding): +1 below
+    index: list[int] = []  # each row's row in `adjusted`
+    offset = 0
     for tree in trees:
-        rows = best[offset : offset + len(tree) + 1]
-        path = tree.accept_greedy(rows)
-        paths.append(path)
-        last.append(rows[path[-1] + 1 if path else 0])
-        offset += len(tree) + 1
-    return paths, last
+        n = 1 + len(tree)
+        pad = [-1] * (width - n)
+        tokens += [-1, *tree.tokens, *pad]
+        parents += [-1, *tree.parents, *pad]
+        index += [*range(offset, offset + n)] + [offset] * (width - n)
+        offset += n
+    parents_t = (_longs(parents) + 1).view(b, width)
+    sees = ancestors(parents_t)
+    depths = sees.sum(-1) - 1
+    best = adjusted.argmax(-1).cpu()[_longs(index)].view(b, width)
+    tokens_t = _longs(tokens).view(b, width)
+    depth = int(depths.max())
+    accepted, path, last = accept_greedy(tokens_t, parents_t, sees, depths, best, depth)
+    rows = zip(path.tolist(), accepted.tolist(), strict=True)
+    return [[r - 1 for r in p[1 : n + 1]] for p, n in rows], last.tolist()
+
+
+def _longs(values: list[int]) -> torch.Tensor:
+    """An int64 tensor of a list of ints, through a C array (several times faster than
+    `torch.tensor` on a list, which this host path would pay per step)."""
+    return torch.frombuffer(array("q", values), dtype=torch.long)
 
 
 def verify_sampled(

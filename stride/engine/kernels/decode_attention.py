@@ -23,12 +23,21 @@ except ImportError:  # CPU-only installs: the decode kernel is simply not offere
 class DecodeMetadata:
     """One query token per sequence, attending causally to its whole context (itself included).
     The kernel reads the block tables and context lengths; `attention.paged_attention` first
-    writes the new keys and values at `slot_mapping`."""
+    writes the new keys and values at `slot_mapping`.
+
+    A row of a draft tree (speculation's device loop) sees its sequence's committed prefix and,
+    among the tree's N slots that follow it, only its ancestors and itself: `tree_start` is the
+    index in the context of the tree's first slot, `tree_mask` says which of the N it sees
+    (the tree's rows sit in consecutive slots in any order, their positions are the rotary's
+    business). Without them every row sees its whole context.
+    """
 
     slot_mapping: torch.Tensor  # [B] slot the new token's K/V is written to
     block_tables: torch.Tensor  # [B, max_blocks] block ids of each sequence (rest unused)
     context_lens: torch.Tensor  # [B] tokens in each context, the new one included (>= 1)
     block_size: int
+    tree_start: torch.Tensor | None = None  # [B] index of the row's tree's first slot
+    tree_mask: torch.Tensor | None = None  # [B, N] bool: the tree slots the row sees
 
 
 def decode_kernel_supported(device: torch.device, head_dim: int) -> bool:
@@ -62,6 +71,10 @@ def decode_attention(
     splits, block_n, warps = launch or (splits, 16, 2)
     out = torch.empty_like(q)
     partial = torch.empty(b, h, splits, d + 2, dtype=torch.float32, device=q.device)
+    tree = meta.tree_mask is not None
+    # (without a tree the mask arguments are never read: any tensor will do)
+    mask = meta.tree_mask.view(torch.uint8) if tree else lengths
+    start = meta.tree_start if tree else lengths
     _decode_kernel[(b, kv, splits)](
         q,
         k_cache,
@@ -70,6 +83,8 @@ def decode_attention(
         partial,
         meta.block_tables,
         lengths,
+        mask,
+        start,
         q.stride(0),
         q.stride(1),
         k_cache.stride(0),
@@ -77,8 +92,11 @@ def decode_attention(
         out.stride(0),
         out.stride(1),
         meta.block_tables.stride(0),
+        mask.stride(0) if tree else 0,
+        meta.tree_mask.shape[1] if tree else 0,
         d**-0.5,
         splits,
+        TREE=tree,
         GROUP=group,
         GROUP_P2=max(triton.next_power_of_2(group), 2),
         HEAD_DIM=d,
@@ -115,7 +133,7 @@ def _num_sms(device: torch.device) -> int:
 def decode_attention_reference(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: DecodeMetadata
 ) -> torch.Tensor:
-    """What the kernel computes, in plain torch (the tests' yardstick)."""
+    """What the kernel computes, in plain torch (the tests' yardstick, and the CPU's path)."""
     outs = []
     for i in range(q.shape[0]):
         n = int(meta.context_lens[i])
@@ -124,10 +142,16 @@ def decode_attention_reference(
         slots = slots + pos % meta.block_size
         keys = k_cache[slots].transpose(0, 1)[None]  # [1, KV, n, D]
         values = v_cache[slots].transpose(0, 1)[None]
+        sees = None
+        if meta.tree_mask is not None:
+            tree = meta.tree_mask[i]
+            rel = pos - int(meta.tree_start[i])
+            inside = (rel >= 0) & (rel < len(tree))
+            sees = ((rel < 0) | (inside & tree[rel.clamp(0, len(tree) - 1)]))[None, None]
         outs.append(
-            F.scaled_dot_product_attention(q[i][None, :, None], keys, values, enable_gqa=True)[
-                0, :, 0
-            ]
+            F.scaled_dot_product_attention(
+                q[i][None, :, None], keys, values, attn_mask=sees, enable_gqa=True
+            )[0, :, 0]
         )
     return torch.stack(outs)
 
@@ -143,6 +167,8 @@ if triton is not None:
         part_ptr,
         tables_ptr,
         lens_ptr,
+        mask_ptr,
+        start_ptr,
         stride_qt,
         stride_qh,
         stride_ks,
@@ -150,8 +176,11 @@ if triton is not None:
         stride_ot,
         stride_oh,
         stride_tb,
+        stride_mb,
+        tree_n,
         scale,
         num_splits,
+        TREE: tl.constexpr,
         GROUP: tl.constexpr,
         GROUP_P2: tl.constexpr,
         HEAD_DIM: tl.constexpr,
@@ -162,7 +191,8 @@ if triton is not None:
     ):
         """One program per (sequence, KV head, context split): all query heads of the group share
         each key load; online softmax in fp32, BLOCK_N tokens at a time. Split programs store
-        their unnormalised sums, running max and denominator for `_merge_kernel`."""
+        their unnormalised sums, running max and denominator for `_merge_kernel`. TREE: the
+        row sees only the tree slots its mask byte allows (`DecodeMetadata.tree_mask`)."""
         if PDL:  # see stride/engine/kernels/pdl.py
             gdc_wait()
             gdc_launch_dependents()
@@ -170,6 +200,8 @@ if triton is not None:
         kv_head = tl.program_id(1)
         split = tl.program_id(2)
         n_ctx = tl.load(lens_ptr + seq)
+        if TREE:
+            tree_lo = tl.load(start_ptr + seq)
         per_split = tl.cdiv(tl.cdiv(n_ctx, num_splits), BLOCK_N) * BLOCK_N
         lo = split * per_split
         hi = tl.minimum(lo + per_split, n_ctx)
@@ -196,10 +228,22 @@ if triton is not None:
             k = tl.load(k_ptr + kv_off, mask=t_ok[:, None], other=0.0).to(tl.float32)
             v = tl.load(v_ptr + kv_off, mask=t_ok[:, None], other=0.0).to(tl.float32)
             s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # [G, N]
-            s = tl.where(t_ok[None, :], s, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, axis=1))
-            alpha = tl.exp(m - m_new)
-            p = tl.exp(s - m_new[:, None])
+            if TREE:
+                rel = t - tree_lo
+                seen = tl.load(mask_ptr + seq * stride_mb + rel,
+                               mask=t_ok & (rel >= 0) & (rel < tree_n), other=0)  # fmt: skip
+                s = tl.where((t_ok & ((rel < 0) | (seen != 0)))[None, :], s, float("-inf"))
+                # A tile the row sees none of (all of it another branch's) leaves the max at
+                # -inf: subtract 0 instead, so that it adds nothing rather than NaN.
+                m_new = tl.maximum(m, tl.max(s, axis=1))
+                m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+                alpha = tl.exp(m - m_sub)
+                p = tl.exp(s - m_sub[:, None])
+            else:
+                s = tl.where(t_ok[None, :], s, float("-inf"))
+                m_new = tl.maximum(m, tl.max(s, axis=1))
+                alpha = tl.exp(m - m_new)
+                p = tl.exp(s - m_new[:, None])
             denom = denom * alpha + tl.sum(p, axis=1)
             acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
             m = m_new

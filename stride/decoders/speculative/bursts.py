@@ -1,0 +1,93 @@
+"""EAGLE's device loop as the speculative decoder's bursts: which steps may run as cycles on
+the device (`cycles.EagleCycles`), and their commits."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from stride.decoders import sampling
+from stride.decoders.base import Burst, Commit
+from stride.decoders.catalog import EAGLE
+from stride.decoders.speculative.cycles import CycleResult, reach
+from stride.decoders.speculative.device_tree import TreeShape
+from stride.decoders.speculative.state import SeqState
+from stride.engine.kv_cache import OutOfBlocks
+from stride.engine.sequence import Sequence, Status
+
+if TYPE_CHECKING:
+    from stride.decoders.speculative.decoder import Speculative
+
+
+def loop_shape(seq: Sequence, state: SeqState) -> TreeShape | None:
+    """What `seq` drafts with the head this step, as the device loop's shape (None: nothing,
+    or not with the head). A tree keeps the nodes it asked for where the step's budget would
+    trim them (the loop reserves its own slots): one graph per depth, not one per node count."""
+    options = seq.decoder_options
+    if options["draft"] != EAGLE or not state.reserved:
+        return None
+    if not options.get("tree_nodes"):
+        return TreeShape.chain(state.reserved)
+    nodes = max(options["tree_nodes"], state.depth)
+    return TreeShape.of(nodes, state.depth, options["tree_topk"])
+
+
+def start_burst(spec: Speculative, seqs: list[Sequence], passes: int) -> Burst | None:
+    """Cycles on the device for `seqs`, when every one drafts the same chain or tree shape with
+    the head this step and decodes plainly greedily (acceptance is the argmax, on the device);
+    None: the step runs as usual."""
+    eagle = spec.eagle
+    if eagle is None or eagle.cycles is None or passes < 2:
+        return None
+    states = [spec.state(s) for s in seqs]
+    shapes = {loop_shape(s, st) for s, st in zip(seqs, states, strict=True)}
+    shape = shapes.pop() if len(shapes) == 1 else None
+    if shape is None or not all(sampling.greedy_on_device(s) for s in seqs):
+        return None
+    left = max(s.params.max_tokens - s.num_output_tokens for s in seqs)
+    room = min(spec.engine.max_model_len - s.num_tokens for s in seqs) - shape.span
+    cycles = min(passes, eagle.cycles.max_cycles, -(-left // shape.advance), room // shape.advance)
+    if cycles < 1 or not eagle.cycles.fits(seqs, cycles, shape):
+        return None
+    try:
+        for seq in seqs:
+            spec.engine.cache.reserve(seq, seq.num_cached + reach(shape, cycles))
+    except OutOfBlocks:
+        return None  # what was reserved goes back at commit (the core trims)
+    spec.policy.burst_started()
+    return _EagleBurst(spec, seqs, states, shape, eagle.burst(seqs, shape, cycles))
+
+
+class _EagleBurst(Burst):
+    """EAGLE's cycles run on the device (`start_burst`), committed as one burst."""
+
+    def __init__(
+        self,
+        spec: Speculative,
+        seqs: list[Sequence],
+        states: list[SeqState],
+        shape: TreeShape,
+        result: CycleResult,
+    ) -> None:
+        self.spec, self.seqs, self.states, self.shape = spec, seqs, states, shape
+        self.result = result
+
+    def commits(self) -> list[Commit]:
+        spec, depth, policy = self.spec, self.shape.depth, self.spec.policy
+        assert spec.eagle is not None
+        out = []
+        per_seq = self.result.per_sequence()
+        policy.steps += len(per_seq[0]) if per_seq else 0
+        for i, (seq, st, cycles) in enumerate(zip(self.seqs, self.states, per_seq, strict=True)):
+            tokens = [t for cycle in cycles for t in cycle]
+            if seq.status is Status.FINISHED:  # aborted meanwhile: released, nothing to count
+                out.append(Commit([], []))
+                continue
+            for cycle in cycles:
+                spec._record(seq, st, depth, len(cycle) - 1)
+            spec.eagle.burst_done(seq, len(tokens), self.result.roots[i])
+            out.append(
+                Commit(tokens, [None] * len(tokens), kv_keep=len(tokens) - 1,
+                       forward_passes=len(cycles), per_pass=[len(c) for c in cycles])  # fmt: skip
+            )
+        policy.end_step()
+        return out

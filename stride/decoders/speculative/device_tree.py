@@ -1,0 +1,202 @@
+"""Draft trees as tensors of fixed shape, for the speculation loop on the device (`cycles`).
+
+EAGLE-2's dynamic tree, as `EagleDrafter.draft_trees` drafts it on the host, with no Python
+loop over sequences or nodes (only over the tree's levels, a static count), so that a cycle can
+be one CUDA graph: the root's `topk` most likely children are the first level; each level's
+`topk` most likely nodes (by cumulative draft log-probability) are expanded by one head row each
+into their `topk` most likely children; the tree keeps the `nodes - 1` most likely candidates.
+
+A child's score is its parent's plus its own log-probability, nudged below the parent's where
+rounding would make them equal, so scores fall strictly along every path: the best candidates
+by score always include their ancestors, and in descending order of score parents come before
+their children, which is the order the tree's rows take.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class TreeShape:
+    """What a cycle's graph is captured for: `nodes` verified rows per sequence (the root, the
+    tail the target scores anyway, then nodes - 1 drafts) over `depth` levels, `topk` children
+    per expanded node. A chain of K drafts is `TreeShape.chain(K)`: one child per level."""
+
+    nodes: int
+    depth: int
+    topk: int
+
+    @classmethod
+    def chain(cls, k: int) -> TreeShape:
+        return cls(k + 1, k, 1)
+
+    @classmethod
+    def of(cls, drafts: int, depth: int, topk: int) -> TreeShape:
+        """The tree of at most `drafts` nodes a request asks for, made to fit what EAGLE-2
+        produces: at most `drafts` levels, and no more nodes than candidates."""
+        depth = min(depth, drafts)
+        candidates = topk + (depth - 1) * topk * topk
+        return cls(min(drafts, candidates) + 1, depth, topk)
+
+    @property
+    def is_chain(self) -> bool:
+        return self.topk == 1
+
+    @property
+    def scratch(self) -> int:
+        """The head's expansion rows: `topk` per level but the last, in slots past the root's."""
+        return (self.depth - 1) * self.topk
+
+    @property
+    def advance(self) -> int:
+        """The most tokens a cycle commits (all levels accepted, and the bonus)."""
+        return self.depth + 1
+
+    @property
+    def span(self) -> int:
+        """Slots a cycle writes from its root's on (target: the tree; head: scratch, catch-up)."""
+        return max(self.nodes, self.scratch, self.depth + 1)
+
+
+@dataclass
+class DraftedTree:
+    """One tree per sequence, rows parents first (row 0 the root)."""
+
+    tokens: torch.Tensor  # [B, N] the root's token (the tail), then the drafts
+    parents: torch.Tensor  # [B, N] each row's parent row (the root: itself)
+    depths: torch.Tensor  # [B, N] 0 for the root
+    sees: torch.Tensor  # [B, N, N] bool: row r's ancestors and itself
+
+
+# expand(level, tokens [R], hidden [R, H], sees [R, scratch]) -> the head's outputs [R, H] for
+# rows that read level `level`'s frontier: R = B * topk, row j of a sequence in scratch slot
+# (level - 1) * topk + j past the root's, seeing the prefix and the scratch slots `sees` allows.
+Expand = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def draft_tree(
+    shape: TreeShape,
+    g: torch.Tensor,
+    tail: torch.Tensor,
+    expand: Expand,
+    logprobs: Callable[[torch.Tensor], torch.Tensor],
+    draft_ids: torch.Tensor,
+) -> DraftedTree:
+    """EAGLE-2's tree under each sequence's tail, from the head's output `g` [B, H] for it.
+
+    `logprobs(h)`: draft-vocabulary log-probabilities of head outputs; `draft_ids`: the target
+    token of each draft id."""
+    b, k, depth, dev = len(g), shape.topk, shape.depth, g.device
+    score, index = logprobs(g).topk(k, -1)  # the first level: the root's children
+    ids = torch.arange(k, device=dev).expand(b, k)
+    path = torch.full((b, k, depth), -1, dtype=torch.long, device=dev)  # ids down to each one
+    path[:, :, 0] = ids
+    tokens, scores, paths = [draft_ids[index]], [score], [path]
+    frontier = (draft_ids[index], score, path, g[:, None].expand(b, k, g.shape[-1]))
+    sees = torch.zeros(b, k, shape.scratch, dtype=torch.bool, device=dev)
+    # Constants of every level, made once: (the cycle is a graph: each op is a launch)
+    # frontier row j's own scratch slot, a child's id, and which column of a path is its level.
+    slot = torch.arange(shape.scratch, device=dev)
+    own = slot.view(depth - 1, 1, k, 1) == slot  # [level - 1, 1, k, scratch]
+    child = torch.arange(k * k, device=dev).view(k, k)
+    column = torch.arange(depth, device=dev)
+    floor = torch.full((), float("-inf"), device=dev)
+    for level in range(1, depth):
+        f_tok, f_score, f_path, f_hidden = frontier
+        sees = sees | own[level - 1]  # and its own row
+        h = expand(level, f_tok.flatten(), f_hidden.flatten(0, 1), sees.flatten(0, 1))
+        lp, index = logprobs(h).topk(k, -1)
+        below = torch.nextafter(f_score, floor)
+        c_score = torch.minimum(f_score[..., None] + lp.view(b, k, k), below[..., None])
+        c_ids = child + (k + (level - 1) * k * k)
+        c_path = torch.where(column == level, c_ids[..., None], f_path[:, :, None])
+        c_tok = draft_ids[index].view(b, k * k)
+        c_score, c_path = c_score.view(b, k * k), c_path.view(b, k * k, depth)
+        tokens.append(c_tok)
+        scores.append(c_score)
+        paths.append(c_path)
+        if level + 1 < depth:  # the next frontier: the level's best
+            score, pick = c_score.topk(k, -1)
+            parent = pick // k
+            hidden = h.view(b, k, -1).gather(1, parent[..., None].expand(b, k, h.shape[-1]))
+            chosen = c_path.gather(1, pick[..., None].expand(b, k, depth))
+            frontier = (c_tok.gather(1, pick), score, chosen, hidden)
+            sees = sees.gather(1, parent[..., None].expand(b, k, shape.scratch))
+    return _select(shape, tail, torch.cat(tokens, 1), torch.cat(scores, 1), torch.cat(paths, 1))
+
+
+def _select(
+    shape: TreeShape,
+    tail: torch.Tensor,
+    tokens: torch.Tensor,
+    scores: torch.Tensor,
+    paths: torch.Tensor,
+) -> DraftedTree:
+    """The best `nodes - 1` candidates (tokens, scores [B, C]; paths [B, C, depth]: the
+    candidate ids from the first level down to each, -1 below it), parents first."""
+    b, n, dev = len(tail), shape.nodes, tail.device
+    _, chosen = scores.topk(n - 1, -1)  # sorted: strictly falling scores put parents first
+    path = paths.gather(1, chosen[..., None].expand(b, n - 1, shape.depth))  # [B, N-1, depth]
+    depth = (path >= 0).sum(-1)  # 1 for the first level
+    # row r sees row c (both drafts) if c's candidate is on r's path at c's depth
+    at_depth = path.gather(2, (depth - 1)[:, None, :].expand(b, n - 1, n - 1))
+    sees = torch.ones(b, n, n, dtype=torch.bool, device=dev).tril()
+    sees[:, 1:, 1:] = at_depth == chosen[:, None, :]
+    parent_id = path.gather(2, (depth - 2).clamp(min=0)[..., None])[..., 0]
+    parent_id = torch.where(depth > 1, parent_id, -1)
+    row_of = torch.zeros(b, scores.shape[1] + 1, dtype=torch.long, device=dev)  # id + 1 → row
+    row_of.scatter_(1, chosen + 1, torch.arange(1, n, device=dev).expand(b, n - 1))
+    zero = torch.zeros(b, 1, dtype=torch.long, device=dev)
+    return DraftedTree(
+        tokens=torch.cat([tail[:, None], tokens.gather(1, chosen)], 1),
+        parents=torch.cat([zero, row_of.gather(1, parent_id + 1)], 1),
+        depths=torch.cat([zero, depth], 1),
+        sees=sees,
+    )
+
+
+def chain_tree(tail: torch.Tensor, drafted: torch.Tensor) -> DraftedTree:
+    """A chain [B, K] of drafts as the tree it is (each row under the one before)."""
+    b, k1, dev = len(tail), drafted.shape[1] + 1, tail.device
+    steps = torch.arange(k1, device=dev)
+    return DraftedTree(
+        tokens=torch.cat([tail[:, None], drafted], 1),
+        parents=(steps - 1).clamp(min=0).expand(b, k1),
+        depths=steps.expand(b, k1),
+        sees=torch.ones(k1, k1, dtype=torch.bool, device=dev).tril().expand(b, k1, k1),
+    )
+
+
+def ancestors(parents: torch.Tensor) -> torch.Tensor:
+    """[B, N, N] bool: each row's ancestors and itself, from each row's parent row [B, N] (a
+    root is its own parent). Pointer doubling: after step t a row holds its ancestors up to
+    2^t levels up, so log2(N) steps of whole-tensor gathers, whatever the trees' shapes."""
+    b, n = parents.shape
+    eye = torch.eye(n, dtype=torch.bool, device=parents.device)
+    rows = torch.arange(n, device=parents.device)
+    sees = eye | (rows == parents[..., None])
+    jump = parents
+    for _ in range(max(n - 1, 1).bit_length()):
+        sees = sees | sees.gather(1, jump[..., None].expand(b, n, n))
+        jump = jump.gather(1, jump)
+    return sees
+
+
+def compact(
+    caches: list[torch.Tensor], path: torch.Tensor, n: torch.Tensor, slot_of, base: torch.Tensor
+) -> None:
+    """Move the accepted nodes' keys and values from their tree slots to the slots of the
+    positions they take (base + 1 .. base + n), in every layer of each cache [L, slots, ...].
+
+    `path` [B, depth + 1]: the accepted row at each depth (row 0 the root, which stays);
+    `slot_of(positions [B, J])`: their slots. Past n a slot is copied onto itself."""
+    steps = torch.arange(1, path.shape[1], device=path.device)
+    rows = torch.where(steps <= n[:, None], path[:, 1:], steps)
+    src = slot_of(base[:, None] + rows).flatten()
+    dst = slot_of(base[:, None] + steps).flatten()
+    for cache in caches:
+        cache.index_copy_(1, dst, cache.index_select(1, src))

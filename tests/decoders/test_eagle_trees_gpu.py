@@ -1,0 +1,112 @@
+"""EAGLE trees in the device loop on the GPU: the Triton decode kernel under tree masks against
+the torch reference, and tree cycles as CUDA graphs decoding exactly what AR does in fp32
+(and what the same cycles do eagerly)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from stride.decoders.registry import DecodersConfig, build_decoders
+from stride.decoders.speculative.device_tree import TreeShape
+from stride.decoders.speculative.tree import Tree
+from stride.engine.config import EngineConfig
+from stride.engine.engine import Engine
+from stride.engine.kernels.decode_attention import (
+    DecodeMetadata,
+    decode_attention,
+    decode_attention_reference,
+)
+from stride.scheduler.core import EngineCore
+from stride.scheduler.outputs import GenerateRequest
+from stride.scheduler.policy import SchedulerConfig
+from tests.helpers.cores import PROMPTS, greedy, run
+from tests.helpers.eagle import random_head
+from tests.helpers.models import make_model_dir
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+
+TREE = dict(draft="eagle", num_speculative_tokens=4, adaptive=False, tree_nodes=24, tree_topk=4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("launch", [None, (4, 16, 2), (1, 32, 4)], ids=["auto", "split", "one"])
+def test_the_kernel_under_tree_masks_equals_the_reference(dtype, launch):
+    """Trees of up to 128 rows after prefixes of several lengths (splits that see nothing of a
+    tile included), and rows without a tree alongside (an all-visible mask)."""
+    gen = torch.Generator().manual_seed(0)
+    heads, kv_heads, dim, block, blocks = 8, 2, 64, 16, 200
+    dev = torch.device("cuda")
+    k_cache = torch.randn(blocks * block, kv_heads, dim, generator=gen).to(dev, dtype)
+    v_cache = torch.randn(blocks * block, kv_heads, dim, generator=gen).to(dev, dtype)
+    starts, masks, lens, tables = [], [], [], []
+    for prefix, n in [(0, 5), (37, 64), (300, 128), (1, 1), (15, 17)]:
+        table = torch.randperm(blocks, generator=gen)[:40].to(torch.int32)
+        parents = [int(torch.randint(-1, i, (1,), generator=gen)) if i else -1
+                   for i in range(n - 1)]  # fmt: skip
+        sees = torch.zeros(n, 128, dtype=torch.bool)
+        sees[:, :n] = Tree([0] * (n - 1), parents).mask()
+        for r in range(n):
+            starts.append(prefix)
+            masks.append(sees[r])
+            lens.append(prefix + r + 1)
+            tables.append(table)
+    meta = DecodeMetadata(
+        slot_mapping=torch.zeros(len(lens), dtype=torch.long, device=dev),
+        block_tables=torch.stack(tables).to(dev),
+        context_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
+        block_size=block,
+        tree_start=torch.tensor(starts, device=dev),
+        tree_mask=torch.stack(masks).to(dev),
+    )
+    q = torch.randn(len(lens), heads, dim, generator=gen).to(dev, dtype)
+    got = decode_attention(q, k_cache, v_cache, meta, launch)
+    want = decode_attention_reference(q.float(), k_cache.float(), v_cache.float(), meta)
+    tol = dict(atol=2e-2, rtol=2e-2) if dtype == torch.bfloat16 else dict(atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got.float(), want, **tol)
+    plain = DecodeMetadata(meta.slot_mapping, meta.block_tables, meta.context_lens, block)
+    full = DecodeMetadata(meta.slot_mapping, meta.block_tables, meta.context_lens, block,
+                          meta.tree_start, torch.ones_like(meta.tree_mask))  # fmt: skip
+    torch.testing.assert_close(
+        decode_attention(q, k_cache, v_cache, full, launch).float(),
+        decode_attention(q, k_cache, v_cache, plain, launch).float(),
+        **tol,
+    )
+
+
+def _core(model: str, head: str) -> EngineCore:
+    engine = Engine(
+        EngineConfig(model=model, device="cuda", dtype="float32", kv_cache_memory=256 << 20)
+    )
+    decoders = build_decoders(engine, DecodersConfig(draft_head=head))
+    return EngineCore(engine, SchedulerConfig(fused_decode_steps=4), decoders)
+
+
+def test_tree_cycles_in_cuda_graphs_decode_exactly(tmp_path):
+    model = make_model_dir(tmp_path / "target", layers=4)
+    head = random_head(model, tmp_path / "head")
+    core = _core(str(model), str(head))
+    cycles = core.decoders["speculative"].eagle.cycles
+    assert cycles.graphs
+    prompts = PROMPTS + [list(range(60, 77)), [3, 4], list(range(200, 230)), [9] * 11]
+    ref, _ = run(core, [GenerateRequest(str(i), p, greedy(32)) for i, p in enumerate(prompts)])
+    shapes = []
+    real = cycles.run
+    cycles.run = lambda seqs, roots, shape, n: shapes.append(shape) or real(seqs, roots, shape, n)
+    for i, prompt in enumerate(prompts[:2]):
+        tokens, _ = run(core, [GenerateRequest(str(i), prompt, greedy(32), "speculative", TREE)])
+        assert tokens[str(i)] == ref[str(i)]
+    requests = [GenerateRequest(str(i), p, greedy(32), "speculative", TREE)
+                for i, p in enumerate(prompts)]  # fmt: skip
+    tokens, _ = run(core, requests)
+    assert tokens == ref
+    assert shapes and not any(s.is_chain for s in shapes)
+    assert any(key[1] == s for s in shapes for key in cycles._graphs)  # captured, replayed
+    cycles.graphs = False  # the same cycles, eagerly
+    tokens, _ = run(core, [replace(r) for r in requests])
+    assert tokens == ref
+    cycles.graphs = True
+    for shape in (TreeShape.of(63, 6, 8), TreeShape.of(127, 8, 10)):
+        assert cycles.replay_ms(1, shape) > 0 and cycles.replay_ms(8, shape, context=200) > 0
