@@ -300,15 +300,15 @@ class MirroredRunner(ModelRunner):
         seqs: list[Sequence],
         tokens: list[int] | torch.Tensor,
         steps: int,
-        sample: Callable[[torch.Tensor], torch.Tensor],
+        sample: Callable[[torch.Tensor, int], torch.Tensor],
         offsets: list[int] | None = None,
     ) -> SampledTokens:
         fed = len(tokens) if isinstance(tokens, torch.Tensor) else list(tokens)
         tables = [(s.num_cached, list(s.block_table)) for s in seqs]
         self.workers.send(("decode", (tables, fed, steps, offsets)))
 
-        def sample_everywhere(logits: torch.Tensor) -> torch.Tensor:
-            return broadcast_tokens(sample(logits))
+        def sample_everywhere(logits: torch.Tensor, step: int) -> torch.Tensor:
+            return broadcast_tokens(sample(logits, step))
 
         def here() -> SampledTokens:
             first = broadcast_tokens(tokens) if isinstance(tokens, torch.Tensor) else tokens

@@ -371,7 +371,7 @@ class Speculative(Decoder):
             options = seq.decoder_options
             if options["draft"] != EAGLE or options.get("tree_nodes") or not k:
                 return None
-            if not sampling.greedy_on_device(seq):
+            if not seq.params.greedy or not sampling.on_device(seq):
                 return None
         left = max(s.params.max_tokens - s.num_output_tokens for s in seqs)
         room = min(self.engine.max_model_len - s.num_tokens for s in seqs) // (k + 1) - 1
