@@ -39,13 +39,23 @@ def mix32(x: Ints) -> Ints:
     return x ^ (x >> 15)
 
 
-def keys(seeds: Sequence[int], positions: np.ndarray, stream: int = TARGET) -> np.ndarray:
-    """Row keys (int64, below 2^32) for draws at `positions` ([..., rows]: each row's position
-    in its sequence, broadcast against the rows' `seeds`, each in [0, 2^64)) in `stream`."""
+def bases(seeds: Sequence[int], stream: int = TARGET) -> np.ndarray:
+    """What rows with `seeds` (each in [0, 2^64)) key their draws in `stream` from, whatever
+    the position: [rows] int64."""
     words = np.array(seeds, dtype=np.uint64)
     lo, hi = (words & MASK).astype(np.int64), (words >> 32).astype(np.int64)
-    base = mix32(mix32(hi ^ (((stream + 1) * _GOLDEN) & MASK)) ^ lo)
-    return mix32(base ^ (np.asarray(positions, dtype=np.int64) & MASK))
+    return mix32(mix32(hi ^ (((stream + 1) * _GOLDEN) & MASK)) ^ lo)
+
+
+def keys_at(bases: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    """Row keys (int64, below 2^32) for draws at `positions` ([..., rows]: each row's position
+    in its sequence, broadcast against the rows' `bases`)."""
+    return mix32(bases ^ (np.asarray(positions, dtype=np.int64) & MASK))
+
+
+def keys(seeds: Sequence[int], positions: np.ndarray, stream: int = TARGET) -> np.ndarray:
+    """Row keys for draws at `positions` by rows with `seeds` in `stream` (see `keys_at`)."""
+    return keys_at(bases(seeds, stream), positions)
 
 
 def unit(x: torch.Tensor) -> torch.Tensor:

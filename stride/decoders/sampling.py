@@ -17,7 +17,8 @@ path (`sample`) applies what needs the host first (bias, penalties, min_tokens, 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from operator import is_
 
 import numpy as np
 import torch
@@ -124,11 +125,13 @@ class DrawSettings:
     ops a draw needs): built once per launch, so that each draw (`device_sample`) is a few
     batched tensor ops with no host sync."""
 
+    seqs: list[Sequence]  # whose rows these are
+    bases: np.ndarray  # [B] int64: the rows' key bases (`counter.bases`), on the host
     temperature: torch.Tensor  # [B, 1] float32; greedy rows: 1
     top_p: torch.Tensor  # [B, 1] float32
     log_min_p: torch.Tensor  # [B, 1] float32: log(min_p), -inf without one
     greedy: torch.Tensor  # [B] bool
-    top_k: torch.Tensor  # [B, 1] int64; rows without top-k: a rank no row reaches
+    top_k: torch.Tensor  # [B, 1] float32 (exact below any vocabulary); without: past them all
     keys: torch.Tensor  # [steps, B, 1] int64: each row's key for its draw at each step
     all_greedy: bool
     any_greedy: bool
@@ -138,28 +141,36 @@ class DrawSettings:
 
 
 def settings(
-    seqs: list[Sequence], positions: list[int], device: torch.device, steps: int = 1
+    seqs: list[Sequence],
+    positions: list[int],
+    device: torch.device,
+    steps: int = 1,
+    last: DrawSettings | None = None,
 ) -> DrawSettings:
     """The settings of rows drawing for `seqs`, whose first draws are the tokens at
     `positions`, and `steps` draws each (step s draws position + s): two host-to-device
-    copies, the rest vectorised on the host."""
+    copies, the rest vectorised on the host. `last`: the previous launch's; where its rows are
+    the same sequences in the same order (most steps), only the keys are new: one copy."""
+    places = np.asarray(positions, dtype=np.int64)[None, :] + np.arange(steps)[:, None]
+    if last is not None and len(last.seqs) == len(seqs) and all(map(is_, last.seqs, seqs)):
+        keys = counter.keys_at(last.bases, places)
+        return replace(last, keys=torch.from_numpy(keys)[..., None].to(device, non_blocking=True))
     rows = np.array([s.params.draw_row for s in seqs], dtype=np.float64)  # (cached tuples)
     greedy = rows[:, 3] > 0
     sampled = rows[~greedy]
-    ints = np.empty((steps + 1, len(seqs)), dtype=np.int64)
-    ints[0] = rows[:, 4]
-    places = np.asarray(positions, dtype=np.int64)[None, :] + np.arange(steps)[:, None]
-    ints[1:] = counter.keys([s.seed for s in seqs], places)
-    floats_t = torch.from_numpy(rows[:, :4].astype(np.float32)).to(device, non_blocking=True)
-    ints_t = torch.from_numpy(ints).to(device, non_blocking=True)
+    bases = counter.bases([s.seed for s in seqs])
+    floats_t = torch.from_numpy(rows.astype(np.float32)).to(device, non_blocking=True)
+    keys_t = torch.from_numpy(counter.keys_at(bases, places)).to(device, non_blocking=True)
     top_k = sampled[:, 4].max(initial=0)
     return DrawSettings(
+        seqs=seqs,
+        bases=bases,
         temperature=floats_t[:, 0:1],
         top_p=floats_t[:, 1:2],
         log_min_p=floats_t[:, 2:3],
         greedy=floats_t[:, 3] > 0,
-        top_k=ints_t[0, :, None],
-        keys=ints_t[1:, :, None],
+        top_k=floats_t[:, 4:5],
+        keys=keys_t[..., None],
         all_greedy=bool(greedy.all()),
         any_greedy=bool(greedy.any()),
         k_max=int(top_k) if top_k < NO_TOP_K else 0,
@@ -199,12 +210,12 @@ def _candidates(scaled: torch.Tensor, s: DrawSettings) -> tuple[torch.Tensor, to
     rank = torch.arange(vals.shape[-1], device=vals.device)
     keep = rank < s.top_k
     if s.any_top_p:
-        probs = torch.softmax(vals.masked_fill(~keep, -math.inf), dim=-1)
-        before = probs.cumsum(-1) - probs  # the mass of the more likely tokens
-        keep &= (before < s.top_p) | (rank == 0)
+        probs = torch.softmax(torch.where(keep, vals, -math.inf), dim=-1)
+        # The mass of the more likely tokens: 0 for the first, which top_p > 0 always keeps.
+        keep &= probs.cumsum(-1) - probs < s.top_p
     if s.any_min_p:
         keep &= vals >= vals[:, :1] + s.log_min_p
-    return vals.masked_fill(~keep, -math.inf), ids
+    return torch.where(keep, vals, -math.inf), ids
 
 
 def plain_greedy(row: Row) -> bool:

@@ -50,7 +50,7 @@ from stride.engine.parallel import (
     rank_device,
 )
 from stride.engine.runner import ModelRunner, SampledTokens, Span
-from stride.engine.sequence import Sequence
+from stride.engine.sequence import SamplingParams, Sequence
 
 log = logging.getLogger(__name__)
 
@@ -68,9 +68,12 @@ def plain_span(c: Span) -> tuple:
             c.positions, mask, c.offset, c.fed)  # fmt: skip
 
 
+_SHADOW = SamplingParams(seed=0)  # (seeded: a shadow draws nothing, and needs no random seed)
+
+
 def shadow(num_cached: int, block_table: list[int]) -> Sequence:
     """A worker's stand-in for a sequence: its KV cursor and block table are all a pass reads."""
-    seq = Sequence("", [], None)  # type: ignore[arg-type]
+    seq = Sequence("", [], _SHADOW)
     seq.num_cached, seq.block_table = num_cached, block_table
     return seq
 

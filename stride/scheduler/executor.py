@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterator
 from functools import cached_property
 
 import torch
@@ -63,6 +64,7 @@ class Launch:
         # whose each of them is (in `sampled`'s order): what the next launch's fed rows read.
         self.sampled: torch.Tensor | None = None
         self.sampling: list[Sequence] = []
+        self.draws: sampling.DrawSettings | None = None  # their settings (the next may reuse)
 
     @cached_property
     def rows(self) -> dict[str, int]:
@@ -137,21 +139,24 @@ class Executor:
 
     # ---- running a batch ----------------------------------------------------------------------
 
-    def run(self, batch: Batch) -> list[StepResult]:
-        """Launch `batch`; return the results of the launches finished by now, oldest first:
-        the one in flight before, if any, then this one, unless it stays in flight."""
+    def run(self, batch: Batch) -> Iterator[StepResult]:
+        """Launch `batch` (at once); return the results of the launches it finishes, oldest
+        first: the one in flight before, if any, then this one, unless it stays in flight.
+        Each is finished (waited for, committed) as it is taken, so after the caller applied
+        the one before: a draw on the host keys its noise by its sequence's position, which
+        counts the tokens the launch before made."""
         self.load = StepLoad()
         launch = self._launch(batch) if batch.plan else None
-        done = []
+        finishing = []
         if self._in_flight is not None:
-            done.append(self._finish(self._in_flight))
+            finishing.append(self._in_flight)
             self._in_flight = None
         if launch is not None:
             if launch.continuable:
                 self._in_flight = launch
             else:
-                done.append(self._finish(launch))
-        return done
+                finishing.append(launch)
+        return map(self._finish, finishing)
 
     @property
     def in_flight(self) -> bool:
@@ -180,7 +185,7 @@ class Executor:
         made = self.engine.runner.decode_steps(seqs, tokens, steps, sample, offsets)
         self.load.add_decode_steps(seqs, steps, offsets)
         launch = BurstLaunch(batch, made, continuable)
-        launch.sampled, launch.sampling = made.on_device[-1], seqs
+        launch.sampled, launch.sampling, launch.draws = made.on_device[-1], seqs, draws
         self._started(launch, [steps] * len(plan))
         return launch
 
@@ -200,7 +205,7 @@ class Executor:
         if failed:
             kept = batch.without(failed)
             logits = [x for i, x in enumerate(logits) if i not in failed]
-        tokens = None
+        tokens = draws = None
         if continuable:
             committing = [i for i, item in enumerate(kept.plan) if item.completes_tail]
             if committing:
@@ -211,16 +216,18 @@ class Executor:
         launch.result.prompt_rows = rows
         launch.result.failed = [(plan[i].seq, error, "scoring") for i, error in failed.items()]
         if tokens is not None:
-            launch.sampled = tokens.on_device[-1]
+            launch.sampled, launch.draws = tokens.on_device[-1], draws
             launch.sampling = [kept.plan[i].seq for i in committing]
         self._started(launch, [1] * len(kept.plan))
         return launch
 
     def _draw_settings(self, seqs: list[Sequence], steps: int) -> sampling.DrawSettings:
         """The sampling settings of rows drawing `steps` tokens each for `seqs`, on the device:
-        each row's first draw is the token after its pending ones."""
+        each row's first draw is the token after its pending ones. Those of the launch in
+        flight are reused where its rows are the same."""
         positions = [len(s.token_ids) + s.pending for s in seqs]
-        return sampling.settings(seqs, positions, self.engine.device, steps)
+        last = None if self._in_flight is None else self._in_flight.draws
+        return sampling.settings(seqs, positions, self.engine.device, steps, last)
 
     def _started(self, launch: Launch, steps: list[int]) -> None:
         """What a launch changes at once: prefill chunks are cached (their next chunk may run

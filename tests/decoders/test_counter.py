@@ -138,9 +138,14 @@ def test_a_row_draws_the_same_token_whatever_the_batch():
     ]
     crowd = torch.randn(3, vocab)
     batch = torch.cat([crowd[:2], logits, crowd[2:]])
-    s = sampling.settings(others[:2] + [seq] + others[2:], [9, 9, 3, 9], "cpu", steps=2)
+    seqs = others[:2] + [seq] + others[2:]
+    s = sampling.settings(seqs, [9, 9, 3, 9], "cpu", steps=2)
     first, second = (sampling.device_sample(batch, s, step) for step in range(2))
     assert first[2] == alone[0][0] and second[2] == alone[1][0]
     assert first[3] == crowd[2].argmax() == second[3]
+    # The next launch of the same rows reuses the settings, with new keys: the same draws.
+    again = sampling.settings(list(seqs), [10, 10, 4, 10], "cpu", last=s)
+    assert again.temperature is s.temperature and again.keys.tolist() == s.keys[1:].tolist()
+    assert sampling.device_sample(batch, again).tolist() == second.tolist()
     host = sampling.sample(logits, [sampling.Row(seq)], eos_ids=set())
     assert host == alone[0].tolist()
