@@ -3,8 +3,7 @@
     plan = scheduler.schedule(decoders)          # who runs, with how many tokens each
     batch = decoders.propose(plan)               # what each decoder wants scored
     results = executor.run(batch)                # launched; the launches it finishes
-    outputs = core.apply(results)                # each finished, its tokens appended, stops
-                                                 # checked; then the text out
+    outputs = core.apply(results)                # each finished, applied (stops); text out
 
 `EngineCore` is single-threaded and synchronous; `client.EngineClient` runs it on its own thread
 and feeds it through queues. Every admitted request leaves through exactly one terminal output.
