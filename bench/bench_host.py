@@ -10,9 +10,12 @@ the host overhead alone.
     python bench/bench_host.py --concurrency 64 --decoder ar speculative:ngram \
         speculative:early_exit
     python bench/bench_host.py --concurrency 64 --model default --schema bounded
+    python bench/bench_host.py --concurrency 256 --temperature 1 --top-k 50 --top-p 0.95
 
 `--schema` constrains every request to one of bench_constrained's JSON schemas; the token
 masks' cost depends on the vocabulary, so it wants the default model (its 49,152 tokens).
+`--temperature` (with `--top-k`, `--top-p`) samples: the draw's tensor ops run on the CPU
+here, where a GPU would only launch their kernels.
 
 With several decoders, each runs in turn on a fresh engine and a table compares their host µs
 per step. Speculative runs use the adaptive policy with a GPU's saturation (256 tokens) unless
@@ -111,7 +114,12 @@ def run(args: argparse.Namespace, decoder: str) -> dict[str, Any]:
         options["num_speculative_tokens"] = args.k
     constraint = schema(args.new, args.schema) if args.schema else None
     params = SamplingParams(
-        max_tokens=args.new, temperature=0.0, ignore_eos=True, constraint=constraint
+        max_tokens=args.new,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        ignore_eos=True,
+        constraint=constraint,
     )
     g = torch.Generator().manual_seed(0)
     for i in range(args.concurrency):
@@ -196,6 +204,9 @@ def main() -> None:
     )
     parser.add_argument("--model", default="tiny", choices=["tiny", "default"])
     parser.add_argument("--schema", choices=list(STRINGS), help="constrain every request")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--profile", action="store_true", help="cProfile the decode steps")
     args = parser.parse_args()
     torch.set_num_threads(1)

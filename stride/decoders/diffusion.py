@@ -90,7 +90,7 @@ class DiffusionGroup(ModelGroup):
             picked.append(lg[where])
             for j in where:
                 pending = [t for t in block.tokens[:j] if t != self.mask]
-                rows.append(sampling.Row(seq, pending))
+                rows.append(sampling.Row(seq, pending, ahead=j - len(pending)))
         raw = torch.cat(picked)
         raw[:, self.mask] = float("-inf")  # a mask token must never be an answer
         if self.vocab_limit is not None:

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from pydantic import Field
 
-from stride.decoders import sampling
+from stride.decoders import counter, sampling
 from stride.decoders.base import (
     Commit,
     Decoder,
@@ -159,9 +159,9 @@ class Introspective(Decoder):
         request's adjustments (bias, penalties, as if this pass's tokens were out already) and
         truncation: the closer to p, the more pass. One batched pass over all the slots."""
         rows = [
-            sampling.Row(seq, tokens)
+            sampling.Row(seq, tokens, ahead=i)  # slot i guesses the token i places on
             for seq, tokens, s in zip(seqs, committed, slots, strict=True)
-            for _ in range(len(s))
+            for i in range(len(s))
         ]
         for st in states:
             st.proposals, st.q = [], None
@@ -171,7 +171,7 @@ class Introspective(Decoder):
         sampled = [not seq.params.greedy for seq in seqs]
         best = [] if all(sampled) else adjusted.argmax(-1).tolist()
         probs = sampling.probabilities(adjusted, rows) if any(sampled) else None
-        draws = [] if probs is None else sampling.draw(probs, rows)
+        draws = [] if probs is None else sampling.draw(probs, rows, counter.DRAFT)
         offset = 0
         for st, s, is_sampled in zip(states, slots, sampled, strict=True):
             n = len(s)

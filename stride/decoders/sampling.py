@@ -2,35 +2,48 @@
 
 Every function works on a batch of rows at once. A row belongs to a sequence and sits at some
 offset past its last committed token (a draft position in speculative decoding), so penalties and
-min_tokens see the history up to that row. Seeded rows draw from their sequence's own generator,
-which makes a seeded request reproducible whatever else shares the batch.
+min_tokens see the history up to that row.
 
-On a GPU the hot path stays on the device: per-row settings travel as one small tensor, greedy
-rows are one batched argmax, and the chosen tokens come back in the step's single host sync
-(`.tolist()`). Python loops over rows remain only for rows that need per-row work (bias,
-penalties, min_tokens, a seeded generator).
+Draws come from a counter-based generator (`counter`): the noise for a token is a function of
+the sequence's seed, the position of the token being drawn and the token id, so a seeded request
+gives the same tokens whatever shares its batch, on the host or on the device, in a burst or
+not. One implementation serves both paths: `device_sample` takes per-row settings as tensors on
+the logits' device (`DrawSettings`, built once per launch), truncates (top-k, top-p, min-p) and
+takes argmax(logits / T + Gumbel noise), a few batched tensor ops with no host sync. The host
+path (`sample`) applies what needs the host first (bias, penalties, min_tokens, grammar masks:
+`adjust`) and then makes the same draw.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass, field, replace
+from operator import is_
 
+import numpy as np
 import torch
 
-from stride.decoders import grammar
-from stride.engine.sequence import SamplingParams, Sequence
+from stride.decoders import counter, grammar
+from stride.engine.sequence import NO_TOP_K, SamplingParams, Sequence
 
 
 @dataclass
 class Row:
-    """One logits row: its sequence, and tokens assumed to precede it beyond the sequence's own."""
+    """One logits row: its sequence, and tokens assumed to precede it beyond the sequence's own.
+    `ahead`: the row draws a token this many places past those (a slot guessing further on)."""
 
     seq: Sequence
     pending: list[int] = field(default_factory=list)
+    ahead: int = 0
 
     @property
     def params(self) -> SamplingParams:
         return self.seq.params
+
+    @property
+    def position(self) -> int:
+        """The index in its sequence of the token this row draws: what its noise is keyed by."""
+        return len(self.seq.token_ids) + len(self.pending) + self.ahead
 
 
 @dataclass
@@ -84,59 +97,125 @@ def _penalize(logits: torch.Tensor, row: Row) -> None:
 
 
 def probabilities(logits: torch.Tensor, rows: list[Row]) -> torch.Tensor:
-    """Temperature, top-k, top-p and min-p, as one distribution per row (greedy rows: one-hot)."""
-    params = [r.params for r in rows]
-    dev = logits.device
-    greedy = [p.greedy for p in params]
-    top_k = [p.top_k for p in params]
-    top_p = [p.top_p for p in params]
-    min_p = [p.min_p for p in params]
-    temps = [1.0 if g else p.temperature for g, p in zip(greedy, params, strict=True)]
-    # One host-to-device copy for every per-row setting.
-    settings = torch.tensor([temps, top_p, min_p, greedy], dtype=torch.float32).to(dev)
-    temps_t, top_p_t, min_p_t, greedy_t = settings[:, :, None].unbind(0)
-    probs = torch.softmax(logits / temps_t, dim=-1)
-
-    if any(k > 0 for k in top_k) or any(x < 1.0 for x in top_p):
-        probs = _top_k_top_p(probs, top_k, top_p_t)
-    if any(x > 0 for x in min_p):
-        floor = min_p_t * probs.max(dim=-1, keepdim=True).values
-        probs = torch.where(probs < floor, 0.0, probs)
-    probs = probs / probs.sum(dim=-1, keepdim=True)
-    if any(greedy):
+    """Temperature, top-k, top-p and min-p, as one distribution per row (greedy rows: one-hot):
+    the distribution `sample` draws from (the same truncation)."""
+    s = settings([r.seq for r in rows], [r.position for r in rows], logits.device)
+    vals, ids = _candidates(logits / s.temperature, s)
+    probs = torch.softmax(vals, dim=-1)
+    if ids is not None:
+        probs = torch.zeros_like(logits).scatter_(1, ids, probs)
+    if s.any_greedy:
         one_hot = torch.zeros_like(probs).scatter_(1, logits.argmax(-1, keepdim=True), 1.0)
-        probs = torch.where(greedy_t.bool(), one_hot, probs)
+        probs = torch.where(s.greedy[:, None], one_hot, probs)
     return probs
 
 
-def _top_k_top_p(probs: torch.Tensor, top_k: list[int], top_p: torch.Tensor) -> torch.Tensor:
-    """top_p: [B, 1] on the device."""
-    vocab = probs.shape[-1]
-    sorted_probs, order = probs.sort(dim=-1, descending=True)
-    rank = torch.arange(vocab, device=probs.device)[None, :]
-    k = torch.tensor([kk if kk > 0 else vocab for kk in top_k]).to(probs.device)[:, None]
-    keep = rank < k
-    # top-p: keep the smallest prefix whose mass reaches p (the first token always stays).
-    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-    keep &= mass_before < top_p
-    keep[:, 0] = True
-    sorted_probs = torch.where(keep, sorted_probs, 0.0)
-    return torch.zeros_like(probs).scatter_(1, order, sorted_probs)
+def draw(probs: torch.Tensor, rows: list[Row], stream: int = counter.TARGET) -> list[int]:
+    """One token per row from the distributions `probs`, with the rows' counter-based noise in
+    `stream` (greedy rows hold a one-hot distribution: their argmax)."""
+    keys = counter.keys([r.seq.seed for r in rows], np.array([r.position for r in rows]), stream)
+    keys_t = torch.from_numpy(keys)[:, None].to(probs.device, non_blocking=True)
+    noise = counter.gumbel(keys_t, None, probs.shape[-1])
+    return (probs.log() + noise).argmax(-1).tolist()
 
 
-def draw(probs: torch.Tensor, rows: list[Row]) -> list[int]:
-    """One token per row; rows whose sequence has a seed use that sequence's generator.
+@dataclass
+class DrawSettings:
+    """Per-row sampling settings on the logits' device, and what the host knows of them (which
+    ops a draw needs): built once per launch, so that each draw (`device_sample`) is a few
+    batched tensor ops with no host sync."""
 
-    Greedy rows hold a one-hot distribution, so the batched draw returns their argmax too.
-    """
-    if all(r.params.greedy or r.seq.generator is not None for r in rows):
-        out = probs.argmax(-1)
+    seqs: list[Sequence]  # whose rows these are
+    bases: np.ndarray  # [B] int64: the rows' key bases (`counter.bases`), on the host
+    temperature: torch.Tensor  # [B, 1] float32; greedy rows: 1
+    top_p: torch.Tensor  # [B, 1] float32
+    log_min_p: torch.Tensor  # [B, 1] float32: log(min_p), -inf without one
+    greedy: torch.Tensor  # [B] bool
+    top_k: torch.Tensor  # [B, 1] float32 (exact below any vocabulary); without: past them all
+    keys: torch.Tensor  # [steps, B, 1] int64: each row's key for its draw at each step
+    all_greedy: bool
+    any_greedy: bool
+    k_max: int  # > 0: every sampled row keeps at most its top_k, this the largest
+    any_top_p: bool
+    any_min_p: bool
+
+
+def settings(
+    seqs: list[Sequence],
+    positions: list[int],
+    device: torch.device,
+    steps: int = 1,
+    last: DrawSettings | None = None,
+) -> DrawSettings:
+    """The settings of rows drawing for `seqs`, whose first draws are the tokens at
+    `positions`, and `steps` draws each (step s draws position + s): two host-to-device
+    copies, the rest vectorised on the host. `last`: the previous launch's; where its rows are
+    the same sequences in the same order (most steps), only the keys are new: one copy."""
+    places = np.asarray(positions, dtype=np.int64)[None, :] + np.arange(steps)[:, None]
+    if last is not None and len(last.seqs) == len(seqs) and all(map(is_, last.seqs, seqs)):
+        keys = counter.keys_at(last.bases, places)
+        return replace(last, keys=torch.from_numpy(keys)[..., None].to(device, non_blocking=True))
+    rows = np.array([s.params.draw_row for s in seqs], dtype=np.float64)  # (cached tuples)
+    greedy = rows[:, 3] > 0
+    sampled = rows[~greedy]
+    bases = counter.bases([s.seed for s in seqs])
+    floats_t = torch.from_numpy(rows.astype(np.float32)).to(device, non_blocking=True)
+    keys_t = torch.from_numpy(counter.keys_at(bases, places)).to(device, non_blocking=True)
+    top_k = sampled[:, 4].max(initial=0)
+    return DrawSettings(
+        seqs=seqs,
+        bases=bases,
+        temperature=floats_t[:, 0:1],
+        top_p=floats_t[:, 1:2],
+        log_min_p=floats_t[:, 2:3],
+        greedy=floats_t[:, 3] > 0,
+        top_k=floats_t[:, 4:5],
+        keys=keys_t[..., None],
+        all_greedy=bool(greedy.all()),
+        any_greedy=bool(greedy.any()),
+        k_max=int(top_k) if top_k < NO_TOP_K else 0,
+        any_top_p=bool((sampled[:, 1] < 1.0).any()),
+        any_min_p=bool((sampled[:, 2] > -math.inf).any()),
+    )
+
+
+def device_sample(logits: torch.Tensor, s: DrawSettings, step: int = 0) -> torch.Tensor:
+    """Each row's token [B], left on the logits' device: greedy rows their argmax, sampled rows
+    argmax(truncated logits / T + Gumbel noise keyed by their step `step` draw)."""
+    if s.all_greedy:
+        return logits.argmax(-1)
+    vals, ids = _candidates(logits / s.temperature, s)
+    picked = (vals + counter.gumbel(s.keys[step], ids, logits.shape[-1])).argmax(-1)
+    tokens = picked if ids is None else ids.gather(1, picked[:, None])[:, 0]
+    if s.any_greedy:
+        tokens = torch.where(s.greedy, logits.argmax(-1), tokens)
+    return tokens
+
+
+def _candidates(scaled: torch.Tensor, s: DrawSettings) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The tokens a draw picks among, with their temperature-scaled logits, -inf where top-k,
+    top-p or min-p drop them: the batch's `k_max` best when every sampled row has a top-k
+    (no full-vocabulary sort), all of them sorted when some row needs top-p without one, or
+    the whole row unsorted (ids None) when nothing needs a rank. top-p counts the mass of what
+    top-k kept; min-p compares with the most likely token."""
+    if s.k_max:
+        vals, ids = scaled.topk(min(s.k_max, scaled.shape[-1]), dim=-1)
+    elif s.any_top_p:
+        vals, ids = scaled.sort(dim=-1, descending=True)
     else:
-        out = torch.multinomial(probs, 1).squeeze(1)
-    for i, row in enumerate(rows):
-        if row.seq.generator is not None and not row.params.greedy:
-            out[i] = torch.multinomial(probs[i], 1, generator=row.seq.generator)[0]
-    return out.tolist()
+        if s.any_min_p:
+            floor = scaled.amax(-1, keepdim=True) + s.log_min_p
+            scaled = scaled.masked_fill(scaled < floor, -math.inf)
+        return scaled, None
+    rank = torch.arange(vals.shape[-1], device=vals.device)
+    keep = rank < s.top_k
+    if s.any_top_p:
+        probs = torch.softmax(torch.where(keep, vals, -math.inf), dim=-1)
+        # The mass of the more likely tokens: 0 for the first, which top_p > 0 always keeps.
+        keep &= probs.cumsum(-1) - probs < s.top_p
+    if s.any_min_p:
+        keep &= vals >= vals[:, :1] + s.log_min_p
+    return torch.where(keep, vals, -math.inf), ids
 
 
 def plain_greedy(row: Row) -> bool:
@@ -144,28 +223,22 @@ def plain_greedy(row: Row) -> bool:
     p = row.params
     return (
         p.greedy
-        and not p.logit_bias
-        and not p.has_penalties
+        and p.plain
         and row.seq.grammar is None
         and row.seq.num_output_tokens + len(row.pending) >= p.min_tokens
     )
 
 
-def greedy_on_device(seq: Sequence) -> bool:
-    """May this sequence's next tokens be picked on the device (`device_argmax`), several
-    passes in a row with no host in between? Greedy, with nothing that needs the host between
-    two tokens: no logit bias, penalties, pending min_tokens, logprobs or grammar."""
+def on_device(seq: Sequence) -> bool:
+    """May this sequence's next tokens be drawn on the device (`device_sample`), several passes
+    in a row with no host in between? Nothing may need the host between two tokens: no logit
+    bias, penalties, pending min_tokens, logprobs or grammar."""
     p = seq.params
     return (
-        p.plain_greedy
+        p.plain
         and seq.grammar is None
         and (not p.min_tokens or len(seq.token_ids) - len(seq.prompt_ids) >= p.min_tokens)
     )
-
-
-def device_argmax(logits: torch.Tensor) -> torch.Tensor:
-    """The token of each `greedy_on_device` row, left on the device."""
-    return logits.argmax(-1)
 
 
 def sample(logits: torch.Tensor, rows: list[Row], eos_ids: set[int]) -> list[int]:
@@ -174,7 +247,8 @@ def sample(logits: torch.Tensor, rows: list[Row], eos_ids: set[int]) -> list[int
     logits = adjust(logits, rows, eos_ids)
     if all(r.params.greedy for r in rows):  # skip the distribution
         return logits.argmax(-1).tolist()
-    return draw(probabilities(logits, rows), rows)
+    s = settings([r.seq for r in rows], [r.position for r in rows], logits.device)
+    return device_sample(logits, s).tolist()
 
 
 def logprobs(logits: torch.Tensor, tokens: list[int], rows: list[Row]) -> list[TokenLogprob | None]:

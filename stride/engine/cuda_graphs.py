@@ -149,10 +149,10 @@ class DecodeGraphs:
         lengths: list[int],
         tables: list[list[int]],
         steps: int,
-        sample: Callable[[torch.Tensor], torch.Tensor],
+        sample: Callable[[torch.Tensor, int], torch.Tensor],
     ) -> torch.Tensor:
         """`steps` decode steps in a row with no host sync: step s+1's input tokens are step s's
-        `sample(logits)`, copied on the device. Returns the sampled tokens [steps, B] (device).
+        `sample(logits, s)`, copied on the device. Returns the sampled tokens [steps, B] (device).
 
         Step 0's tokens are host ints, or a device tensor (holding the last samples of a launch
         still in flight: copied like a later step's, so nothing waits for that launch).
@@ -187,7 +187,7 @@ class DecodeGraphs:
             if fed is not None:
                 self._inputs[:n, TOKEN].copy_(fed)
             graph.replay()
-            sampled[s] = sample(self._logits[:n])
+            sampled[s] = sample(self._logits[:n], s)
             fed = sampled[s]
         return sampled
 

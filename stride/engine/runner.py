@@ -189,7 +189,7 @@ class ModelRunner:
         seqs: list[Sequence],
         tokens: list[int] | torch.Tensor,
         steps: int,
-        sample: Callable[[torch.Tensor], torch.Tensor],
+        sample: Callable[[torch.Tensor, int], torch.Tensor],
         offsets: list[int] | None = None,
     ) -> SampledTokens:
         """`steps` decode steps of one token per sequence, each step's input the last one's sample.
@@ -197,10 +197,10 @@ class ModelRunner:
         Step 0 feeds `tokens`: each sequence's first token as host ints, or as a device tensor
         (where some are the last samples of a launch not yet committed, which this one
         continues: sequence i's positions then start `offsets[i]` past its `num_cached`).
-        `sample` maps [B, vocab] logits to [B] token ids on the device. Every sequence needs KV
-        slots for `offsets[i] + steps` new tokens. With CUDA graphs the steps are queued with
-        no host sync in between, so the host's per-step work (commit, schedule, pack) is paid
-        once per `steps` tokens; elsewhere each step is an eager pass.
+        `sample` maps step s's [B, vocab] logits and s to [B] token ids on the device. Every
+        sequence needs KV slots for `offsets[i] + steps` new tokens. With CUDA graphs the steps
+        are queued with no host sync in between, so the host's per-step work (commit, schedule,
+        pack) is paid once per `steps` tokens; elsewhere each step is an eager pass.
         """
         offsets = offsets or [0] * len(seqs)
         graphs = self.graphs
@@ -219,7 +219,7 @@ class ModelRunner:
         for s in range(steps):
             # One placeholder token per span: the ids themselves come from `tokens`.
             spans = [Span(seq, [0], 1, offset=o + s) for seq, o in zip(seqs, offsets, strict=True)]
-            tokens = sample(torch.cat(self._forward_eager(spans, None, tokens)))
+            tokens = sample(torch.cat(self._forward_eager(spans, None, tokens)), s)
             sampled.append(tokens)
         return SampledTokens(torch.stack(sampled))
 

@@ -12,12 +12,17 @@ computed for another sequence with the same leading tokens (see `engine.kv_cache
 from __future__ import annotations
 
 import enum
+import math
+import random
 import time
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
 import torch
+
+NO_TOP_K = 1 << 40  # a rank past any vocabulary: a row without top-k
+_SEEDS = random.SystemRandom()  # unseeded sequences' seeds (not torch's global generator)
 
 
 @dataclass(frozen=True)
@@ -59,13 +64,22 @@ class SamplingParams:
         return self.temperature <= 1e-5
 
     @cached_property
-    def plain_greedy(self) -> bool:
-        """Greedy, with nothing to change the argmax or report about it: no logprobs, logit
-        bias or penalties (a sequence adds its grammar and min_tokens: `greedy_on_device`).
-        Read for every row of every launch, so cached: the engine never changes params."""
-        return (
-            self.greedy and self.logprobs is None and not self.logit_bias and not self.has_penalties
-        )
+    def plain(self) -> bool:
+        """Nothing to change the distribution or report about it: no logprobs, logit bias or
+        penalties (a sequence adds its grammar and min_tokens: `sampling.on_device`). Read for
+        every row of every launch, so cached: the engine never changes params."""
+        return self.logprobs is None and not self.logit_bias and not self.has_penalties
+
+    @cached_property
+    def draw_row(self) -> tuple[float, float, float, float, float]:
+        """(temperature, top_p, log min_p, greedy, top_k) as the sampler's per-row tensors hold
+        them: greedy rows (1, 1, -inf, 1, NO_TOP_K), no min-p -inf, no top-k NO_TOP_K. Cached
+        like `plain`: a launch packs one per row."""
+        if self.greedy:
+            return (1.0, 1.0, -math.inf, 1.0, NO_TOP_K)
+        log_min_p = math.log(self.min_p) if self.min_p > 0 else -math.inf
+        top_k = min(self.top_k, NO_TOP_K) if self.top_k > 0 else NO_TOP_K
+        return (self.temperature, self.top_p, log_min_p, 0.0, top_k)
 
     @property
     def has_penalties(self) -> bool:
@@ -137,7 +151,9 @@ class Sequence:
     block_hashes: list[bytes] = field(default_factory=list)  # of token_ids' full blocks, memo
     cached_prompt_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
     status: Status = Status.WAITING
-    generator: torch.Generator | None = None
+    # What its draws are keyed by (`decoders.counter`), in [0, 2^64): the request's seed, else a
+    # random one, so every sample is a function of (seed, position, token) alone.
+    seed: int = field(init=False)
     decoder_state: Any = None
     grammar: Any = None  # structured outputs: a `decoders.grammar.Matcher` at the output's end
     # Prompt logprobs (SamplingParams.prompt_logprobs): one per prompt token scored so far, the
@@ -153,6 +169,8 @@ class Sequence:
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_ids)
+        seed = self.params.seed
+        self.seed = _SEEDS.getrandbits(64) if seed is None else seed & ((1 << 64) - 1)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -62,7 +62,7 @@ class Rank:
         seqs = [shadow(num_cached, table) for num_cached, table in tables]
         tokens = self._receive(fed) if isinstance(fed, int) else fed
 
-        def receive(logits: torch.Tensor) -> torch.Tensor:
+        def receive(logits: torch.Tensor, step: int) -> torch.Tensor:
             return self._receive(len(logits))
 
         self.runner.decode_steps(seqs, tokens, steps, receive, offsets)

@@ -50,7 +50,7 @@ from stride.engine.parallel import (
     rank_device,
 )
 from stride.engine.runner import ModelRunner, SampledTokens, Span
-from stride.engine.sequence import Sequence
+from stride.engine.sequence import SamplingParams, Sequence
 
 log = logging.getLogger(__name__)
 
@@ -68,9 +68,12 @@ def plain_span(c: Span) -> tuple:
             c.positions, mask, c.offset, c.fed)  # fmt: skip
 
 
+_SHADOW = SamplingParams(seed=0)  # (seeded: a shadow draws nothing, and needs no random seed)
+
+
 def shadow(num_cached: int, block_table: list[int]) -> Sequence:
     """A worker's stand-in for a sequence: its KV cursor and block table are all a pass reads."""
-    seq = Sequence("", [], None)  # type: ignore[arg-type]
+    seq = Sequence("", [], _SHADOW)
     seq.num_cached, seq.block_table = num_cached, block_table
     return seq
 
@@ -300,15 +303,15 @@ class MirroredRunner(ModelRunner):
         seqs: list[Sequence],
         tokens: list[int] | torch.Tensor,
         steps: int,
-        sample: Callable[[torch.Tensor], torch.Tensor],
+        sample: Callable[[torch.Tensor, int], torch.Tensor],
         offsets: list[int] | None = None,
     ) -> SampledTokens:
         fed = len(tokens) if isinstance(tokens, torch.Tensor) else list(tokens)
         tables = [(s.num_cached, list(s.block_table)) for s in seqs]
         self.workers.send(("decode", (tables, fed, steps, offsets)))
 
-        def sample_everywhere(logits: torch.Tensor) -> torch.Tensor:
-            return broadcast_tokens(sample(logits))
+        def sample_everywhere(logits: torch.Tensor, step: int) -> torch.Tensor:
+            return broadcast_tokens(sample(logits, step))
 
         def here() -> SampledTokens:
             first = broadcast_tokens(tokens) if isinstance(tokens, torch.Tensor) else tokens

@@ -2,8 +2,8 @@
 
     plan = scheduler.schedule(decoders)          # who runs, with how many tokens each
     batch = decoders.propose(plan)               # what each decoder wants scored
-    results = executor.run(batch)                # launched; the launches finished by now
-    outputs = core.apply(results)                # tokens appended, stops checked, text out
+    results = executor.run(batch)                # launched; the launches it finishes
+    outputs = core.apply(results)                # each finished, applied (stops); text out
 
 `EngineCore` is single-threaded and synchronous; `client.EngineClient` runs it on its own thread
 and feeds it through queues. Every admitted request leaves through exactly one terminal output.
@@ -24,6 +24,7 @@ import gc
 import logging
 import time
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -205,13 +206,16 @@ class EngineCore:
             if seq.request_id in self._timelines:
                 self._timelines[seq.request_id].preempted(now)
 
-    def apply(self, results: list[StepResult]) -> list[RequestOutput]:
-        """The results' commits under the stop rules, in launch order; then the step's text."""
+    def apply(self, results: Iterable[StepResult]) -> list[RequestOutput]:
+        """The results' commits under the stop rules, in launch order (each taken after the one
+        before is applied: see `Executor.run`); then the step's text."""
         out = _StepOutputs([])
+        applied = []
         for result in results:
             self._apply_result(result, out)
+            applied.append(result)
         cache = self.engine.cache
-        for result in results:  # once all are in: an earlier result's trim would drop the slots
+        for result in applied:  # once all are in: an earlier result's trim would drop the slots
             loop = result.batch.burst is not None  # of a later one's tokens
             for item in result.batch.plan:  # (the slots of rejected drafts go back)
                 if (item.extra or loop) and item.seq.status is Status.RUNNING:
@@ -334,7 +338,7 @@ class EngineCore:
                 kept -= made
         elif commit.forward_passes == 1:
             seq.stats.committed_per_pass.append(n)
-        else:  # a greedy burst: one token per pass
+        else:  # a burst: one token per pass
             seq.stats.committed_per_pass += [1] * n
         if self._timelines and seq.request_id in self._timelines:
             refining = proposed > 0 or seq.request_id in self._grouped

@@ -8,7 +8,8 @@ launch that has finished. A batch runs one of three ways:
   its rows' logits. Any batch can run this way.
 - a burst: several plain decode steps back to back on the device, each step's sample fed to the
   next, so the host's per-step work (sync, commit, schedule, pack) is paid once for several
-  tokens. Every row must be a plain step sampled on the device (`sampling.greedy_on_device`)
+  tokens. Every row must be a plain step sampled on the device (`sampling.on_device`: greedy
+  or sampled, with the rows' settings as tensors, `sampling.DrawSettings`)
   whose decoder promised that many plain steps (`Proposal.plain_steps`), and nobody may wait.
   Several steps only for batches up to `MAX_BURST_BATCH`, where host work is a large share of a
   step: a request arriving meanwhile waits up to `steps - 1` steps longer, and a sequence that
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterator
 from functools import cached_property
 
 import torch
@@ -62,6 +64,7 @@ class Launch:
         # whose each of them is (in `sampled`'s order): what the next launch's fed rows read.
         self.sampled: torch.Tensor | None = None
         self.sampling: list[Sequence] = []
+        self.draws: sampling.DrawSettings | None = None  # their settings (the next may reuse)
 
     @cached_property
     def rows(self) -> dict[str, int]:
@@ -136,21 +139,24 @@ class Executor:
 
     # ---- running a batch ----------------------------------------------------------------------
 
-    def run(self, batch: Batch) -> list[StepResult]:
-        """Launch `batch`; return the results of the launches finished by now, oldest first:
-        the one in flight before, if any, then this one, unless it stays in flight."""
+    def run(self, batch: Batch) -> Iterator[StepResult]:
+        """Launch `batch` (at once); return the results of the launches it finishes, oldest
+        first: the one in flight before, if any, then this one, unless it stays in flight.
+        Each is finished (waited for, committed) as it is taken, so after the caller applied
+        the one before: a draw on the host keys its noise by its sequence's position, which
+        counts the tokens the launch before made."""
         self.load = StepLoad()
         launch = self._launch(batch) if batch.plan else None
-        done = []
+        finishing = []
         if self._in_flight is not None:
-            done.append(self._finish(self._in_flight))
+            finishing.append(self._in_flight)
             self._in_flight = None
         if launch is not None:
             if launch.continuable:
                 self._in_flight = launch
             else:
-                done.append(self._finish(launch))
-        return done
+                finishing.append(launch)
+        return map(self._finish, finishing)
 
     @property
     def in_flight(self) -> bool:
@@ -171,12 +177,15 @@ class Executor:
         plan, seqs = batch.plan, batch.seqs
         offsets = [len(s.token_ids) - 1 + s.pending - s.num_cached for s in seqs]  # fed_offset
         tokens = self._first_tokens(plan)
-        made = self.engine.runner.decode_steps(
-            seqs, tokens, steps, sampling.device_argmax, offsets
-        )
+        draws = self._draw_settings(seqs, steps)
+
+        def sample(logits: torch.Tensor, step: int) -> torch.Tensor:
+            return sampling.device_sample(logits, draws, step)
+
+        made = self.engine.runner.decode_steps(seqs, tokens, steps, sample, offsets)
         self.load.add_decode_steps(seqs, steps, offsets)
         launch = BurstLaunch(batch, made, continuable)
-        launch.sampled, launch.sampling = made.on_device[-1], seqs
+        launch.sampled, launch.sampling, launch.draws = made.on_device[-1], seqs, draws
         self._started(launch, [steps] * len(plan))
         return launch
 
@@ -196,20 +205,29 @@ class Executor:
         if failed:
             kept = batch.without(failed)
             logits = [x for i, x in enumerate(logits) if i not in failed]
-        tokens = None
+        tokens = draws = None
         if continuable:
             committing = [i for i, item in enumerate(kept.plan) if item.completes_tail]
             if committing:
-                tokens = SampledTokens(sampling.device_argmax(
-                    torch.cat([logits[i] for i in committing]))[None])  # fmt: skip
+                draws = self._draw_settings([kept.plan[i].seq for i in committing], 1)
+                stacked = torch.cat([logits[i] for i in committing])
+                tokens = SampledTokens(sampling.device_sample(stacked, draws)[None])
         launch = ForwardLaunch(kept, logits, tokens)
         launch.result.prompt_rows = rows
         launch.result.failed = [(plan[i].seq, error, "scoring") for i, error in failed.items()]
         if tokens is not None:
-            launch.sampled = tokens.on_device[-1]
+            launch.sampled, launch.draws = tokens.on_device[-1], draws
             launch.sampling = [kept.plan[i].seq for i in committing]
         self._started(launch, [1] * len(kept.plan))
         return launch
+
+    def _draw_settings(self, seqs: list[Sequence], steps: int) -> sampling.DrawSettings:
+        """The sampling settings of rows drawing `steps` tokens each for `seqs`, on the device:
+        each row's first draw is the token after its pending ones. Those of the launch in
+        flight are reused where its rows are the same."""
+        positions = [len(s.token_ids) + s.pending for s in seqs]
+        last = None if self._in_flight is None else self._in_flight.draws
+        return sampling.settings(seqs, positions, self.engine.device, steps, last)
 
     def _started(self, launch: Launch, steps: list[int]) -> None:
         """What a launch changes at once: prefill chunks are cached (their next chunk may run
@@ -271,7 +289,7 @@ class Executor:
         """How `batch` launches: the steps of a burst (0: a forward), with the blocks for them
         reserved (what is reserved goes back when the step commits: the core trims), and
         whether the launch may stay in flight: every committing row a plain step sampled on the
-        device (`sampling.greedy_on_device`), its decoder promising more plain steps after this
+        device (`sampling.on_device`), its decoder promising more plain steps after this
         launch, and its next row one the decode graphs can feed. A burst needs every row to be
         such a decode row; several steps only for batches up to `MAX_BURST_BATCH` where nobody
         waits."""
@@ -286,7 +304,7 @@ class Executor:
             seq = item.seq
             if prop is None or prop.tokens or prop.positions is not None:
                 return 0, False
-            if not item.fed and not sampling.greedy_on_device(seq):  # (fed: checked at launch)
+            if not item.fed and not sampling.on_device(seq):  # (fed: checked at launch)
                 return 0, False
             decodes = decodes and item.num_tail == 1
             count = len(seq.token_ids) + seq.pending

@@ -11,8 +11,6 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping
 
-import torch
-
 from stride.decoders.base import Decoder, DecoderError
 from stride.decoders.grammar import GrammarError, Grammars
 from stride.engine.engine import Engine
@@ -84,8 +82,6 @@ class Intake:
                 raise RequestRejected(str(e), param="response_format") from e
         if p.prompt_logprobs is not None:
             seq.prompt_logprobs = [None]  # the first token has no logprob
-        if p.seed is not None:
-            seq.generator = torch.Generator(self.engine.device).manual_seed(p.seed)
         decoder.admit(seq)  # (what the decoder sets up on the new sequence only)
         return seq, grouped
 

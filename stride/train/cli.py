@@ -88,7 +88,6 @@ def main(args: argparse.Namespace) -> int:
         ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     )
     started = time.monotonic()
-    torch.manual_seed(args.seed)  # the unseeded sampled answers (see `data.generate`)
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
     # The answers' KV cache: a few GiB are plenty for 256 streams of a few hundred tokens, and
@@ -109,7 +108,7 @@ def main(args: argparse.Namespace) -> int:
             else prompts.builtin_prompts(args.num_prompts, args.seed)
         )
         if args.self_prompts:
-            todo += data.self_prompts(core, args.self_prompts)
+            todo += data.self_prompts(core, args.self_prompts, seed=args.seed)
         log.info("answering %d prompts with the target", len(todo))
         answering = time.monotonic()
         samples = data.generate(core, todo, args.max_tokens, args.sampled_share, seed=args.seed)

@@ -16,7 +16,7 @@ import logging
 import random
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from stride.engine.sequence import SamplingParams
 from stride.scheduler.core import EngineCore
@@ -72,19 +72,20 @@ def run_requests(
     return outputs
 
 
-def self_prompts(core: EngineCore, count: int, max_tokens: int = 64) -> list[Prompt]:
-    """Distinct requests the chat model writes itself, sampled from an empty user turn.
-
-    Unseeded: every row draws from the one device generator in one batched draw (a seeded
-    request draws alone); `torch.manual_seed` makes a run reproducible."""
+def self_prompts(core: EngineCore, count: int, max_tokens: int = 64, seed: int = 0) -> list[Prompt]:
+    """Distinct requests the chat model writes itself, sampled from an empty user turn; each
+    request seeded from `seed` (a seed costs nothing: draws are counter-based and batched), so
+    a run is reproducible."""
     tokenizer = core.engine.tokenizer
     text = tokenizer.apply_chat_template(
         [{"role": "user", "content": MARK}], add_generation_prompt=False, tokenize=False
     )
     prefix = tokenizer.encode(text[: text.index(MARK)], add_special_tokens=False)
     params = SamplingParams(max_tokens=max_tokens, temperature=1.0, top_p=0.95)
+    rng = random.Random(seed)
+    todo = [(prefix, replace(params, seed=rng.getrandbits(63))) for _ in range(count)]
     seen: dict[str, None] = {}
-    for ids in run_requests(core, [(prefix, params)] * count):
+    for ids in run_requests(core, todo):
         words = tokenizer.decode(ids, skip_special_tokens=True).strip()
         if len(words) >= 12 and words.count("\n") < 8:
             seen.setdefault(words)
@@ -101,9 +102,9 @@ def generate(
 ) -> list[Sample]:
     """The target's answers to `prompts`: greedy, or sampled for `sampled_share` of them.
 
-    The greedy requests go first and the sampled ones after, so that most batches are all
-    greedy (they decode in bursts on the device); sampled ones are unseeded (see
-    `self_prompts`). Samples come back in the order of `prompts`, less those that do not fit.
+    The greedy requests go first and the sampled ones after; sampled ones are seeded from
+    `seed`, like `self_prompts`'. Samples come back in the order of `prompts`, less those that
+    do not fit.
     """
     tokenizer = core.engine.tokenizer
     rng = random.Random(seed)
@@ -116,7 +117,10 @@ def generate(
     order = sorted(range(len(todo)), key=lambda i: not todo[i][1])  # greedy first (stable)
     greedy = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     sampled = SamplingParams(max_tokens=max_tokens, temperature=temperature)
-    requests = [(todo[i][0], greedy if todo[i][1] else sampled) for i in order]
+    requests = [
+        (todo[i][0], greedy if todo[i][1] else replace(sampled, seed=rng.getrandbits(63)))
+        for i in order
+    ]
     start, last = time.monotonic(), [0.0]
 
     def progress(done: int, total: int) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -87,23 +88,41 @@ def _generate(core, reqs):
     return out
 
 
-def test_seeded_sampling_is_reproducible_whatever_the_batch(tiny_dir):
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(max_tokens=16, temperature=1.0, seed=1234, ignore_eos=True),
+        SamplingParams(max_tokens=16, temperature=0.9, top_k=30, top_p=0.9, seed=-5),
+    ],
+    ids=["temperature", "top-k-top-p"],
+)
+def test_seeded_sampling_is_reproducible_whatever_the_batch(tiny_dir, params):
+    """The same tokens alone or among many others (greedy, truncated, unseeded), on the host
+    (a logit bias of 0 takes that path) or on the device: in bursts of several steps, or in
+    one-step launches kept in flight (overlap, which the CPU can run too)."""
     prompt = [5, 6, 7, 8]
-    params = SamplingParams(max_tokens=16, temperature=1.0, seed=1234, ignore_eos=True)
     alone = _generate(make_core(tiny_dir), [GenerateRequest("x", prompt, params)])["x"]
     others = [
         GenerateRequest(
             f"o{i}",
             [9 + i] * (3 + i),
-            SamplingParams(max_tokens=20 - i, temperature=0.8, top_p=0.9),
+            SamplingParams(
+                max_tokens=20 - i,
+                temperature=0.0 if i % 3 == 0 else 0.8,
+                top_p=0.9 if i % 2 else 1.0,
+                top_k=0 if i % 4 else 12,
+            ),
         )
-        for i in range(5)
+        for i in range(12)
     ]
-    crowded = _generate(
-        make_core(tiny_dir), others[:2] + [GenerateRequest("x", prompt, params)] + others[2:]
-    )["x"]
-    assert alone == crowded
-    other_seed = SamplingParams(max_tokens=16, temperature=1.0, seed=99, ignore_eos=True)
+    host = replace(params, logit_bias={3: 0.0})
+    for mine, steps, overlap in [(params, 4, False), (params, 1, True), (host, 4, True)]:
+        for crowd in ([], others):
+            core = make_core(tiny_dir, max_num_seqs=16, fused_decode_steps=steps)
+            core.executor.overlap = overlap
+            reqs = crowd[:2] + [GenerateRequest("x", prompt, mine)] + crowd[2:]
+            assert _generate(core, reqs)["x"] == alone
+    other_seed = replace(params, seed=99)
     assert _generate(make_core(tiny_dir), [GenerateRequest("x", prompt, other_seed)])["x"] != alone
 
 

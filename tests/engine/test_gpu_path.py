@@ -14,6 +14,7 @@ from stride.engine.runner import Span, prepare
 from stride.engine.sequence import SamplingParams, Sequence
 from stride.scheduler.core import EngineCore
 from stride.scheduler.outputs import GenerateRequest
+from stride.scheduler.policy import SchedulerConfig
 
 needs_triton = pytest.mark.skipif(attention.triton is None, reason="needs triton")
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
@@ -89,6 +90,50 @@ def test_gpu_fp32_greedy_equals_cpu(tiny_dir):
         )
         outs[device] = _greedy(EngineCore(Engine(config)), prompts, 32)
     assert outs["cuda"] == outs["cpu"]
+
+
+def _seeded(i: int) -> SamplingParams:
+    """A seeded sampled request's settings, varied: temperature only, top-k, top-p, min-p."""
+    return [
+        SamplingParams(max_tokens=32, temperature=1.0, seed=i, ignore_eos=True),
+        SamplingParams(max_tokens=32, temperature=0.8, top_k=40, seed=i, ignore_eos=True),
+        SamplingParams(max_tokens=32, temperature=1.2, top_p=0.9, seed=i, ignore_eos=True),
+        SamplingParams(max_tokens=32, temperature=0.7, min_p=0.05, seed=i, ignore_eos=True),
+    ][i % 4]
+
+
+@needs_triton
+@needs_cuda
+def test_gpu_fp32_seeded_sampling_equals_cpu(tiny_dir):
+    """Seeded sampled requests beside greedy ones: the GPU path (graphs, device draws in
+    multi-step bursts and in launches kept in flight) gives the CPU's tokens, and its bursts
+    hold sampled rows."""
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, 384, (n,), generator=g).tolist() for n in (7, 64, 2, 31, 12)]
+    outs, bursts = {}, []
+    for device, steps in (("cpu", 1), ("cuda", 4)):
+        config = EngineConfig(
+            model=str(tiny_dir), device=device, dtype="float32", kv_cache_memory=64 << 20
+        )
+        core = EngineCore(Engine(config), SchedulerConfig(fused_decode_steps=steps))
+        decode_steps = core.engine.runner.decode_steps
+
+        def counting(seqs, tokens, n, *args, _run=decode_steps, **kwargs):
+            if n > 1:
+                bursts.append({s.request_id for s in seqs})
+            return _run(seqs, tokens, n, *args, **kwargs)
+
+        core.engine.runner.decode_steps = counting
+        for i, ids in enumerate(prompts):
+            greedy = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+            core.add(GenerateRequest(f"r{i}", ids, greedy if i == 4 else _seeded(i)))
+        out: dict[str, list[int]] = {}
+        while core.has_work:
+            for o in core.step():
+                out.setdefault(o.request_id, []).extend(o.token_ids)
+        outs[device] = out
+    assert outs["cuda"] == outs["cpu"]
+    assert any(ids & {"r0", "r1", "r2", "r3"} for ids in bursts)
 
 
 @needs_triton

@@ -30,9 +30,14 @@ def _requests() -> list[GenerateRequest]:
             stop_token_ids=[7, 11] if i == 4 else [],
         )
         reqs.append(GenerateRequest(f"r{i}", [5 + i, 9, 12 + i, 7][: 1 + i % 4], params))
-    # Sampled: while it runs, there are no bursts (its draw needs the host between tokens).
-    sampled = SamplingParams(max_tokens=5, temperature=0.8, seed=3, ignore_eos=True)
+    # Sampled and seeded: drawn on the device, in bursts like the greedy ones; with a logit
+    # bias: its draw needs the host between tokens, so while it runs there are no bursts.
+    sampled = SamplingParams(max_tokens=9, temperature=0.8, top_k=20, seed=3, ignore_eos=True)
     reqs.append(GenerateRequest("sampled", [6, 7, 8], sampled))
+    unbounded = SamplingParams(max_tokens=7, temperature=1.1, top_p=0.9, seed=4, ignore_eos=True)
+    reqs.append(GenerateRequest("top-p", [8, 7], unbounded))
+    biased = SamplingParams(max_tokens=5, temperature=0.8, seed=5, logit_bias={9: 0.0})
+    reqs.append(GenerateRequest("biased", [6, 7, 9], biased))
     return reqs
 
 
@@ -42,12 +47,13 @@ def _core(tiny_dir, device: str, steps: int) -> EngineCore:
     return EngineCore(Engine(config), SchedulerConfig(max_num_seqs=8, fused_decode_steps=steps))
 
 
-def _run(core: EngineCore) -> tuple[dict[str, tuple], int]:
+def _run(core: EngineCore) -> tuple[dict[str, tuple], list[tuple[int, set[str]]]]:
+    """Outputs, and each multi-step launch: its steps and whom it ran."""
     calls = []
     decode_steps = core.engine.runner.decode_steps
 
     def counting(seqs, tokens, steps, *args, **kwargs):
-        calls.append(steps)
+        calls.append((steps, {s.request_id for s in seqs}))
         return decode_steps(seqs, tokens, steps, *args, **kwargs)
 
     core.engine.runner.decode_steps = counting
@@ -65,7 +71,7 @@ def _run(core: EngineCore) -> tuple[dict[str, tuple], int]:
         step += 1
     cache = core.engine.cache
     assert cache.num_free_blocks == cache.num_usable_blocks
-    return results, sum(steps > 1 for steps in calls)  # (1-step launches: see `executor`)
+    return results, [c for c in calls if c[0] > 1]  # (1-step launches: see `executor`)
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
@@ -74,8 +80,11 @@ def test_bursts_change_no_output(tiny_dir, device):
         pytest.skip("no GPU")
     single, unfused_calls = _run(_core(tiny_dir, device, steps=1))
     fused, fused_calls = _run(_core(tiny_dir, device, steps=4))
-    assert unfused_calls == 0 and fused_calls > 0
-    assert fused == single
+    assert not unfused_calls and fused_calls
+    assert fused == single  # seeded draws: the same on the host, and on the device in bursts
+    assert any("sampled" in ids for _, ids in fused_calls)
+    assert any("top-p" in ids for _, ids in fused_calls)
+    assert not any("biased" in ids for _, ids in fused_calls)
     assert all(r[2] is not None and r[3] for r in fused.values())  # finished; passes counted
     assert {r[2] for r in fused.values()} >= {"length", "stop"}
 

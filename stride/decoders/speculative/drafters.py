@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 from transformers import AutoConfig
 
-from stride.decoders import sampling
+from stride.decoders import counter, sampling
 from stride.decoders.catalog import EARLY_EXIT, NGRAM
 from stride.engine import loader
 from stride.engine.config import EngineConfig
@@ -114,7 +114,7 @@ def _draw(
     q = sampling.probabilities(adjusted, rows)
     if q.shape[-1] != vocab:  # a draft head wider than the target's vocabulary
         q = q[:, :vocab] / q[:, :vocab].sum(-1, keepdim=True)
-    return sampling.draw(q, rows), q
+    return sampling.draw(q, rows, counter.DRAFT), q
 
 
 def run_drafts(

@@ -42,7 +42,7 @@ sequence without asking per sequence: while plain decoding is being timed at the
 during a hold, and after a step whose plans were all K = 0, until the next probe (estimates
 change only when drafts are scored). Then the decoder does what `ar` does, and the core may
 launch the next step ahead (nothing is timed against a quiet step) or run the quiet period as a
-greedy burst (`quiet_steps`: a burst ends before the period does, so that the probe or re-check
+burst (`quiet_steps`: a burst ends before the period does, so that the probe or re-check
 there happens in the step it would have happened in anyway).
 """
 
@@ -245,7 +245,7 @@ class AdaptivePolicy:
         self.quiet = self.quiet_at(self.last_batch)
 
     def advance(self, steps: int) -> None:
-        """`steps` quiet steps ran as a greedy burst: count them, as if run one by one."""
+        """`steps` quiet steps ran as a burst: count them, as if run one by one."""
         self.steps += steps
         self.end_step()
 

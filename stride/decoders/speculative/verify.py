@@ -15,9 +15,10 @@ from __future__ import annotations
 
 from array import array
 
+import numpy as np
 import torch
 
-from stride.decoders import sampling
+from stride.decoders import counter, sampling
 from stride.decoders.speculative.device_tree import ancestors
 from stride.decoders.speculative.drafters import Draft
 from stride.decoders.speculative.tree import Tree
@@ -123,8 +124,9 @@ def verify_sampled(
 ) -> tuple[list[int], list[int]]:
     """Sampled requests (chains only): how many drafts each accepts, and the token after them.
 
-    Each sequence draws as many uniforms as it has drafts from its own generator, if seeded, so
-    that its output does not depend on the batch it ran in."""
+    The uniforms of the rule and the draw after it come from the counter-based generator
+    (`counter`), keyed by each sequence's seed and the drafts' positions, in streams of their
+    own (not the drafter's): a seeded output does not depend on the batch it ran in."""
     probs = sampling.probabilities(adjusted, rows)
     b, vocab, dev = len(seqs), probs.shape[-1], probs.device
     counts = [len(d.tokens) for d in drafts]
@@ -143,14 +145,14 @@ def verify_sampled(
                 q[i, torch.arange(n, device=dev), drafted] = 1.0
             else:
                 q[i, :n] = draft.q.to(q.dtype)
-    u = torch.rand(b, k, device=dev)
-    for i, (s, n) in enumerate(zip(seqs, counts, strict=True)):
-        if s.generator is not None and n:  # as many draws as drafts: batch-independent
-            u[i, :n] = torch.rand(n, generator=s.generator, device=dev)
+    places = np.array([len(s.token_ids) for s in seqs])[:, None] + np.arange(k)[None, :]
+    keys = counter.keys([s.seed for s in seqs], places.T, counter.ACCEPT).T  # [b, k]
+    u = counter.unit(torch.from_numpy(keys).to(dev, non_blocking=True))
     num = torch.tensor(counts, device=dev)
     accepted, dist = verify(p, q, tokens, num, u)
-    last = sampling.draw(dist, [sampling.Row(s) for s in seqs])
-    return accepted.tolist(), last
+    n_accepted = accepted.tolist()
+    ends = [sampling.Row(s, d.tokens[:n]) for s, d, n in zip(seqs, drafts, n_accepted, strict=True)]
+    return n_accepted, sampling.draw(dist, ends)
 
 
 def paths(tree: Tree) -> list[list[int]]:
