@@ -10,16 +10,23 @@ a passed deadline, or the drain deadline of a server that shuts down.
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from stride.scheduler.outputs import EngineError, RequestOutput
 
-if TYPE_CHECKING:
-    from stride.scheduler.client import BaseClient
+
+class Requests(Protocol):
+    """What a submission asks of its client (`client.BaseClient`) when it ends early."""
+
+    def abort(self, request_id: str) -> None: ...
+
+    def answered(self, request_ids: list[str]) -> None: ...
+
+    def forget(self, request_ids: list[str]) -> None: ...
 
 
 class Submission:
-    def __init__(self, client: BaseClient, request_ids: list[str]) -> None:
+    def __init__(self, client: Requests, request_ids: list[str]) -> None:
         self._client = client
         self.request_ids = request_ids
         self.unfinished = set(request_ids)

@@ -3,19 +3,31 @@ the device (`cycles.EagleCycles`), and their commits."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from stride.decoders import sampling
 from stride.decoders.base import Burst, Commit
 from stride.decoders.catalog import EAGLE
 from stride.decoders.speculative.cycles import CycleResult, reach
 from stride.decoders.speculative.device_tree import TreeShape
+from stride.decoders.speculative.eagle import EagleDrafter
+from stride.decoders.speculative.policy import AdaptivePolicy
 from stride.decoders.speculative.state import SeqState
+from stride.engine.engine import Engine
 from stride.engine.kv_cache import OutOfBlocks
 from stride.engine.sequence import Sequence, Status
 
-if TYPE_CHECKING:
-    from stride.decoders.speculative.decoder import Speculative
+
+class Speculative(Protocol):
+    """What a burst needs of the speculative decoder (`decoder.Speculative`)."""
+
+    engine: Engine
+    eagle: EagleDrafter | None
+    policy: AdaptivePolicy
+
+    def state(self, seq: Sequence) -> SeqState: ...
+
+    def record(self, seq: Sequence, state: SeqState, drafted: int, accepted: int) -> None: ...
 
 
 def loop_shape(seq: Sequence, state: SeqState) -> TreeShape | None:
@@ -83,7 +95,7 @@ class _EagleBurst(Burst):
                 out.append(Commit([], []))
                 continue
             for cycle in cycles:
-                spec._record(seq, st, depth, len(cycle) - 1)
+                spec.record(seq, st, depth, len(cycle) - 1)
             spec.eagle.burst_done(seq, len(tokens), self.result.roots[i])
             out.append(
                 Commit(tokens, [None] * len(tokens), kv_keep=len(tokens) - 1,

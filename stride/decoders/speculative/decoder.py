@@ -327,7 +327,7 @@ class Speculative(Decoder):
             picked = [offset] + [offset + 1 + i for i in path]
             lps = sampling.logprobs(raw[picked], tokens, [rows[r] for r in picked])
             offset += len(tree) + 1
-            self._record(seq, st, len(tree) if st.tree is None else max(tree.depths()), n_acc)
+            self.record(seq, st, len(tree) if st.tree is None else max(tree.depths()), n_acc)
             chain = st.tree is None
             st.drafter.accepted(seq, n_acc, None if chain else path)
             st.draft, st.tree = None, None
@@ -336,7 +336,7 @@ class Speculative(Decoder):
         policy.end_step()
         return commits
 
-    def _record(self, seq: Sequence, state: SeqState, drafted: int, accepted: int) -> None:
+    def record(self, seq: Sequence, state: SeqState, drafted: int, accepted: int) -> None:
         """A verification's counts, in the request's stats and in the policy's estimates."""
         stats = seq.stats
         stats.drafts += 1 if drafted else 0
