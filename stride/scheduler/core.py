@@ -187,9 +187,9 @@ class EngineCore:
         plan = self.scheduler.schedule(self.decoders)
         self._note_plan(plan)
         batch = self.decoders.propose(plan.items, alone=self._alone)
-        results = self.executor.run(batch)
+        outputs += self.apply(self.executor.run(batch))  # (finishing a loop adds to its load)
         self.last_batch_size, self.last_num_tokens = len(batch.plan), self.executor.load.tokens
-        return outputs + self.apply(results)
+        return outputs
 
     @property
     def _alone(self) -> bool:
