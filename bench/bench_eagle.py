@@ -105,7 +105,10 @@ def speed(core, encoded, conc: int, tokens: int, requests: int, configs: list[st
     runs = max(1, requests // conc)
     groups = [[encoded[(r * conc + i) % len(encoded)] for i in range(conc)] for r in range(runs)]
     ar1, ref, _ = timed(core, groups, tokens, "ar", {})
-    rows = {name: timed(core, groups, tokens, "speculative", CONFIGS[name]) for name in configs}
+    rows = {}
+    for name in configs:  # each warmed up first (its device cycles' graphs captured)
+        timed(core, groups[:1], 16, "speculative", CONFIGS[name])
+        rows[name] = timed(core, groups, tokens, "speculative", CONFIGS[name])
     ar2, _, _ = timed(core, groups, tokens, "ar", {})
     base = (ar1 + ar2) / 2
     entry: dict = {"concurrency": conc, "ar_tok_s": round(base, 1), "configs": {}}
@@ -159,6 +162,27 @@ def cycle_costs(core: EngineCore, context: int) -> dict:
     return out
 
 
+def cycle_profile(core: EngineCore, context: int, repeats: int = 5) -> dict:
+    """Where a batch-1 cycle's GPU time goes: the kernels of `repeats` graph replays of each of
+    `SHAPES` (torch.profiler), the 12 costliest by total time, and kernels per cycle."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cycles = core.decoders["speculative"].eagle.cycles
+    out: dict = {}
+    for name, shape in SHAPES.items():
+        cycles.replay_ms(1, shape, context, repeats=1)  # (captured before profiling)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            cycles.replay_ms(1, shape, context, repeats=repeats)
+        kernels = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
+        kernels.sort(key=lambda e: e.self_device_time_total, reverse=True)
+        count = sum(e.count for e in kernels) / (repeats + 1)  # (replay_ms replays once more)
+        top = {e.key[:80]: round(e.self_device_time_total / 1e3 / (repeats + 1), 4)
+               for e in kernels[:12]}  # fmt: skip
+        out[name] = {"kernels per cycle": round(count), "ms per cycle, costliest": top}
+        print(f"batch 1, {name}: {round(count)} kernels a cycle; ms a cycle: {top}", flush=True)
+    return out
+
+
 def accepted_length(stats: dict) -> float:
     """Tokens per verification pass that checked drafts (each commits its accepted + 1)."""
     return (stats["accepted_tokens"] + stats["drafts"]) / max(stats["drafts"], 1)
@@ -177,6 +201,7 @@ def main() -> None:
     ap.add_argument("--skip-acceptance", action="store_true")
     ap.add_argument("--cycles-only", action="store_true", help="GPU: time device cycles only")
     ap.add_argument("--context", type=int, default=512, help="cycle timing: tokens in context")
+    ap.add_argument("--profile", action="store_true", help="with --cycles-only: kernels per cycle")
     ap.add_argument("--prompt-set", default="heldout",
                     help="heldout, training, or a JSONL file of prompts")  # fmt: skip
     ap.add_argument("--kv-gib", type=float, default=2.0)
@@ -246,6 +271,8 @@ def main() -> None:
         ]
     if engine.device.type == "cuda":  # the device's share of a cycle (the rest is the host's)
         result["cycle_gpu_ms"] = cycle_costs(core, args.context)
+        if args.profile:
+            result["cycle_profile"] = cycle_profile(core, args.context)
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
 
