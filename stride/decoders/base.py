@@ -99,6 +99,7 @@ class Scored:
 
     logits: list[torch.Tensor] | None = None
     tokens: list[list[int]] | None = None
+    logprobs: list[list[TokenLogprob | None]] | None = None  # of `tokens`, where drawn so
 
 
 @dataclass
@@ -128,7 +129,11 @@ def plain_commits(scored: Scored) -> list[Commit]:
     """The commits of plain steps sampled on the device: each sequence's tokens, all but the
     last with their KV kept (the last is the next step's tail)."""
     assert scored.tokens is not None
-    return [Commit(t, [None] * len(t), len(t) - 1, forward_passes=len(t)) for t in scored.tokens]
+    lps = scored.logprobs or [[None] * len(t) for t in scored.tokens]
+    return [
+        Commit(t, lp, len(t) - 1, forward_passes=len(t))
+        for t, lp in zip(scored.tokens, lps, strict=True)
+    ]
 
 
 @dataclass

@@ -232,10 +232,11 @@ def plain_greedy(row: Row) -> bool:
 def on_device(seq: Sequence) -> bool:
     """May this sequence's next tokens be drawn on the device (`device_sample`), several passes
     in a row with no host in between? Nothing may need the host between two tokens: no logit
-    bias, penalties, pending min_tokens, logprobs or grammar."""
+    bias, penalties, pending min_tokens or grammar (logprobs are taken on the device too:
+    `DrawnLogprobs`)."""
     p = seq.params
     return (
-        p.plain
+        p.unbiased
         and seq.grammar is None
         and (not p.min_tokens or len(seq.token_ids) - len(seq.prompt_ids) >= p.min_tokens)
     )
@@ -285,3 +286,53 @@ def scored(logits: torch.Tensor, tokens: list[int], k: int) -> list[TokenLogprob
         for t, c, rank, ti, tv in zip(*columns, strict=True):
             out.append(TokenLogprob(t, c, list(zip(ti, tv, strict=True)), rank))
     return out
+
+
+class DrawnLogprobs:
+    """The logprobs of the tokens a launch drew on the device, for the rows that ask for them:
+    each step's are taken right after its draw (`take`), from the same logits, and copied to
+    the host once, behind the launch (like its tokens)."""
+
+    def __init__(self, seqs: list[Sequence]) -> None:
+        self.wanted = [s.params.logprobs for s in seqs]  # None: the row asks for none
+        self.k = max((k for k in self.wanted if k is not None), default=0)
+        self._steps: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self._host: list[torch.Tensor] | None = None
+        self._copied: torch.cuda.Event | None = None
+
+    @staticmethod
+    def of(seqs: list[Sequence]) -> DrawnLogprobs | None:
+        return DrawnLogprobs(seqs) if any(s.params.logprobs is not None for s in seqs) else None
+
+    def take(self, logits: torch.Tensor, tokens: torch.Tensor) -> None:
+        """Step's logprobs (raw logits, as `logprobs` takes them): the drawn token's and the k
+        most likely, for every row (rows that asked for fewer keep theirs)."""
+        lp = torch.log_softmax(logits.float(), dim=-1)
+        vals, ids = lp.topk(self.k, dim=-1) if self.k else (lp[:, :0], lp[:, :0].long())
+        self._steps.append((lp.gather(1, tokens[:, None])[:, 0], vals, ids))
+
+    def copy(self) -> None:
+        """Queue the copy to the host (after the launch's last step)."""
+        parts = [torch.stack(part) for part in zip(*self._steps, strict=True)]
+        if parts[0].is_cuda:
+            parts = [p.to("cpu", non_blocking=True) for p in parts]
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+        self._host = parts
+
+    def per_sequence(self, tokens: list[list[int]]) -> list[list[TokenLogprob | None]]:
+        """Each row's logprobs step by step, for its drawn `tokens` (waits for the copy)."""
+        assert self._host is not None
+        if self._copied is not None:
+            self._copied.synchronize()
+        chosen, vals, ids = (p.tolist() for p in self._host)
+        out: list[list[TokenLogprob | None]] = []
+        for b, (k, made) in enumerate(zip(self.wanted, tokens, strict=True)):
+            if k is None:
+                out.append([None] * len(made))
+                continue
+            out.append([
+                TokenLogprob(t, chosen[s][b], list(zip(ids[s][b][:k], vals[s][b][:k], strict=True)))
+                for s, t in enumerate(made)
+            ])  # fmt: skip
+        return out

@@ -64,11 +64,17 @@ class SamplingParams:
         return self.temperature <= 1e-5
 
     @cached_property
+    def unbiased(self) -> bool:
+        """No logit bias or penalties: the distribution is the model's, whatever the tokens
+        before (what lets a draw run on the device, several steps in a row)."""
+        return not self.logit_bias and not self.has_penalties
+
+    @cached_property
     def plain(self) -> bool:
         """Nothing to change the distribution or report about it: no logprobs, logit bias or
         penalties (a sequence adds its grammar and min_tokens: `sampling.on_device`). Read for
         every row of every launch, so cached: the engine never changes params."""
-        return self.logprobs is None and not self.logit_bias and not self.has_penalties
+        return self.logprobs is None and self.unbiased
 
     @cached_property
     def draw_row(self) -> tuple[float, float, float, float, float]:

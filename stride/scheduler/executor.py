@@ -9,7 +9,8 @@ launch that has finished. A batch runs one of three ways:
 - a burst: several plain decode steps back to back on the device, each step's sample fed to the
   next, so the host's per-step work (sync, commit, schedule, pack) is paid once for several
   tokens. Every row must be a plain step sampled on the device (`sampling.on_device`: greedy
-  or sampled, with the rows' settings as tensors, `sampling.DrawSettings`)
+  or sampled, with the rows' settings as tensors, `sampling.DrawSettings`; logprobs taken
+  beside, `sampling.DrawnLogprobs`)
   whose decoder promised that many plain steps (`Proposal.plain_steps`), and nobody may wait.
   Several steps only for batches up to `MAX_BURST_BATCH`, where host work is a large share of a
   step: a request arriving meanwhile waits up to `steps - 1` steps longer, and a sequence that
@@ -65,6 +66,7 @@ class Launch:
         self.sampled: torch.Tensor | None = None
         self.sampling: list[Sequence] = []
         self.draws: sampling.DrawSettings | None = None  # their settings (the next may reuse)
+        self.logprobs: sampling.DrawnLogprobs | None = None  # of their draws, where asked for
 
     @cached_property
     def rows(self) -> dict[str, int]:
@@ -92,9 +94,11 @@ class ForwardLaunch(Launch):
         out = {}
         if self.tokens is not None:
             made = self.tokens.per_sequence()
+            lps = None if self.logprobs is None else self.logprobs.per_sequence(made)
             for name, idx in decoders.live(self.batch).items():
-                out[name] = Scored(tokens=[made[self.rows[self.batch.plan[i].seq.request_id]]
-                                           for i in idx])  # fmt: skip
+                rows = [self.rows[self.batch.plan[i].seq.request_id] for i in idx]
+                picked = None if lps is None else [lps[r] for r in rows]
+                out[name] = Scored(tokens=[made[r] for r in rows], logprobs=picked)
             return out
         for name, idx in decoders.live(self.batch).items():
             out[name] = Scored(logits=[self.logits[i] for i in idx])
@@ -111,8 +115,10 @@ class BurstLaunch(Launch):
 
     def scored(self, decoders: DecoderSet) -> dict[str, Scored]:
         made = self.tokens.per_sequence()
+        lps = None if self.logprobs is None else self.logprobs.per_sequence(made)
         return {
-            name: Scored(tokens=[made[i] for i in idx])
+            name: Scored(tokens=[made[i] for i in idx],
+                         logprobs=None if lps is None else [lps[i] for i in idx])  # fmt: skip
             for name, idx in decoders.live(self.batch).items()
         }
 
@@ -178,13 +184,20 @@ class Executor:
         offsets = [len(s.token_ids) - 1 + s.pending - s.num_cached for s in seqs]  # fed_offset
         tokens = self._first_tokens(plan)
         draws = self._draw_settings(seqs, steps)
+        logprobs = sampling.DrawnLogprobs.of(seqs)
 
         def sample(logits: torch.Tensor, step: int) -> torch.Tensor:
-            return sampling.device_sample(logits, draws, step)
+            drawn = sampling.device_sample(logits, draws, step)
+            if logprobs is not None:
+                logprobs.take(logits, drawn)
+            return drawn
 
         made = self.engine.runner.decode_steps(seqs, tokens, steps, sample, offsets)
         self.load.add_decode_steps(seqs, steps, offsets)
         launch = BurstLaunch(batch, made, continuable)
+        launch.logprobs = logprobs
+        if logprobs is not None:
+            logprobs.copy()
         launch.sampled, launch.sampling, launch.draws = made.on_device[-1], seqs, draws
         self._started(launch, [steps] * len(plan))
         return launch
@@ -205,14 +218,20 @@ class Executor:
         if failed:
             kept = batch.without(failed)
             logits = [x for i, x in enumerate(logits) if i not in failed]
-        tokens = draws = None
+        tokens = draws = logprobs = None
         if continuable:
             committing = [i for i, item in enumerate(kept.plan) if item.completes_tail]
             if committing:
-                draws = self._draw_settings([kept.plan[i].seq for i in committing], 1)
+                seqs = [kept.plan[i].seq for i in committing]
+                draws, logprobs = self._draw_settings(seqs, 1), sampling.DrawnLogprobs.of(seqs)
                 stacked = torch.cat([logits[i] for i in committing])
-                tokens = SampledTokens(sampling.device_sample(stacked, draws)[None])
+                drawn = sampling.device_sample(stacked, draws)
+                tokens = SampledTokens(drawn[None])
+                if logprobs is not None:
+                    logprobs.take(stacked, drawn)
+                    logprobs.copy()
         launch = ForwardLaunch(kept, logits, tokens)
+        launch.logprobs = logprobs
         launch.result.prompt_rows = rows
         launch.result.failed = [(plan[i].seq, error, "scoring") for i, error in failed.items()]
         if tokens is not None:

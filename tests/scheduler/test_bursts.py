@@ -146,3 +146,47 @@ def test_quiet_speculative_steps_run_as_bursts_and_probes_stay_on_schedule(tiny_
     assert not unfused and len(fused_at) >= 8  # 40 tokens: 4 at a time, a probe every 16 steps
     assert len(probes) >= 2 and fused_probes == probes and fused_drafted == drafted == len(probes)
     assert fused_at[0] < probes[0] < fused_at[-1]  # fused before a probe and after it
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_logprobs_are_taken_in_bursts(tiny_dir, device):
+    """Rows asking for logprobs (greedy and seeded sampled) run in bursts too, their logprobs
+    taken on the device beside each draw: the same tokens and logprobs as one step at a time,
+    where the host takes them."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no GPU")
+    params = {
+        "greedy": SamplingParams(max_tokens=9, temperature=0.0, logprobs=3, ignore_eos=True),
+        "sampled": SamplingParams(max_tokens=11, temperature=0.9, top_k=30, seed=8, logprobs=0,
+                                  ignore_eos=True),  # fmt: skip
+        "plain": SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True),
+    }
+    runs = []
+    for steps in (1, 4):
+        core = _core(tiny_dir, device, steps)
+        launches = []
+        decode_steps = core.engine.runner.decode_steps
+
+        def counting(seqs, tokens, n, *args, _launches=launches, _steps=decode_steps, **kw):
+            _launches.append((n, {s.request_id for s in seqs}))
+            return _steps(seqs, tokens, n, *args, **kw)
+
+        core.engine.runner.decode_steps = counting
+        for i, (name, p) in enumerate(params.items()):
+            core.add(GenerateRequest(name, [4 + i, 9, 13], p))
+        outs: dict[str, list] = {name: [] for name in params}
+        while core.has_work:
+            for out in core.step():
+                outs[out.request_id] += list(zip(out.token_ids, out.logprobs, strict=True))
+        runs.append((outs, [ids for n, ids in launches if n > 1]))
+    (single, single_bursts), (burst, bursts) = runs
+    assert not single_bursts and any({"greedy", "sampled"} <= ids for ids in bursts)
+    assert [t for t, _ in burst["plain"]] == [t for t, _ in single["plain"]]
+    assert all(lp is None for _, lp in burst["plain"])
+    for name in ("greedy", "sampled"):
+        assert [t for t, _ in burst[name]] == [t for t, _ in single[name]]
+        for (token, got), (_, want) in zip(burst[name], single[name], strict=True):
+            assert got.token_id == token and [i for i, _ in got.top] == [i for i, _ in want.top]
+            assert got.logprob == pytest.approx(want.logprob, abs=1e-4)
+            assert [v for _, v in got.top] == pytest.approx([v for _, v in want.top], abs=1e-4)
+        assert len(burst[name][0][1].top) == params[name].logprobs

@@ -53,7 +53,9 @@ def start_burst(spec: Speculative, seqs: list[Sequence], passes: int) -> Burst |
     states = [spec.state(s) for s in seqs]
     shapes = {loop_shape(s, st) for s, st in zip(seqs, states, strict=True)}
     shape = shapes.pop() if len(shapes) == 1 else None
-    if shape is None or not all(s.params.greedy and sampling.on_device(s) for s in seqs):
+    if shape is None or not all(
+        s.params.greedy and s.params.logprobs is None and sampling.on_device(s) for s in seqs
+    ):
         return None
     left = max(s.params.max_tokens - s.num_output_tokens for s in seqs)
     room = min(spec.engine.max_model_len - s.num_tokens for s in seqs) - shape.span
