@@ -34,12 +34,12 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import LlamaConfig
-from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from stride.engine.attention import AttentionMetadata, paged_attention
 from stride.engine.kernels.decode_attention import DecodeMetadata
 from stride.engine.kv_cache import KVCache
 from stride.engine.model import MLP, CausalLM, RMSNorm, rotate
+from stride.engine.rotary import Rotary
 from stride.engine.runner import Span, prepare
 
 EAGLE3 = "LlamaForCausalLMEagle3"
@@ -246,7 +246,7 @@ class EagleHead(nn.Module):
         self.layers = nn.ModuleList(
             HeadLayer(config, first=i == 0) for i in range(config.num_hidden_layers)
         )
-        self.rotary = LlamaRotaryEmbedding(config.llama())
+        self.rotary = Rotary(config.llama())
         # Shared with the target, not owned (and not saved): its token embedding, and the
         # target's own head rows unless the head brings a draft vocabulary head of its own.
         self._target = [target]  # a list, so that nn.Module does not register it
@@ -361,7 +361,7 @@ def load_head(
     elif config.draft_vocab_size != config.vocab_size:  # the target's rows, gathered once
         head.lm_head = param.detach()[head.draft_ids].contiguous()
     with torch.device(param.device):  # fp32 angles, whatever the weights' dtype
-        head.rotary = LlamaRotaryEmbedding(config.llama())
+        head.rotary = Rotary(config.llama())
     return head.eval()
 
 

@@ -19,11 +19,11 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
-from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from stride.engine import gguf_file
 from stride.engine.model import SUPPORTED_ARCHITECTURES, CausalLM
 from stride.engine.parallel import Layout, sharded_model
+from stride.engine.rotary import Rotary
 
 log = logging.getLogger(__name__)
 
@@ -197,6 +197,6 @@ def random_state(
 
 
 def rotary_embedding(config: PretrainedConfig, device: torch.device) -> torch.nn.Module:
-    """transformers' own rotary embedding (all rope types), built for real after the meta init."""
+    """The rotary embedding (transformers' rope types), built for real after the meta init."""
     with torch.device(device):
-        return LlamaRotaryEmbedding(config)
+        return Rotary(config)

@@ -1,8 +1,8 @@
 """Llama-family decoder (llama, mistral, qwen2, qwen3) over a ragged batch and a paged KV cache.
 
 Parameter names follow Hugging Face's checkpoints, so a safetensors state dict loads as is. The
-layer math mirrors transformers' (fp32 RMSNorm, rotary from transformers' own rope code), which is
-what makes token-for-token equality with `generate` possible.
+layer math mirrors transformers' (fp32 RMSNorm, rotary as transformers computes it: `rotary`),
+which is what makes token-for-token equality with `generate` possible.
 """
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
-from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from stride.engine.attention import AttentionMetadata, paged_attention
+from stride.engine.rotary import Rotary
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -128,7 +128,7 @@ class CausalLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if getattr(config, "tie_word_embeddings", False):
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.rotary = LlamaRotaryEmbedding(config)
+        self.rotary = Rotary(config)
 
     @property
     def num_layers(self) -> int:
