@@ -60,8 +60,9 @@ from tests.helpers.servers import (
     wait_healthy,
 )
 
-RUN_S = 15.0  # of traffic, before the end
+RUN_S = 12.0  # of traffic, before the end
 KILL_AT_S = 5.0
+AFTER_S = 3.0  # of traffic at least after the middle (which may outlast RUN_S: restarts)
 WORKERS = 5  # valid traffic; one more sends the hostile corpus
 TINY_PROMPTS = [[5, 17, 42, 99, 7], [3, 1, 4, 1, 5, 9, 2, 6], [200, 100, 50, 25]]
 LENGTHS = (6, 12)
@@ -76,15 +77,16 @@ SAMPLED = ["ar", {"type": "speculative", "draft": "ngram", "adaptive": False}]
 
 
 def run_traffic(chaos: Chaos, middle, end=None) -> None:
-    """Workers for RUN_S seconds, `middle()` at KILL_AT_S; `end()` (if any) while they still
-    run, after which they stop."""
+    """Workers for RUN_S seconds (at least AFTER_S after it), `middle()` at KILL_AT_S; `end()`
+    (if any) while they still run, after which they stop."""
     workers = [threading.Thread(target=chaos.valid, args=(i,)) for i in range(WORKERS)]
     workers.append(threading.Thread(target=chaos.hostile, args=(hostile_bodies(HOSTILE_DECODERS),)))
+    deadline = time.monotonic() + RUN_S
     for w in workers:
         w.start()
     time.sleep(KILL_AT_S)
     middle()
-    time.sleep(max(0.0, RUN_S - KILL_AT_S))
+    time.sleep(max(AFTER_S, deadline - time.monotonic()))
     if end is not None:
         end()
     chaos.stop.set()
