@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -34,6 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_gpu as gpu  # noqa: E402
+from bench_engine import prompts, sync  # noqa: E402
+from bench_tp import model_dir  # noqa: E402
 
 from stride.engine.config import EngineConfig  # noqa: E402
 from stride.engine.engine import Engine  # noqa: E402
@@ -50,25 +51,6 @@ VARIANTS = {
     "top-p": {"temperature": 1.0, "top_p": 0.95, "seed": 0},
     "logprobs": {**TOP, "seed": 0, "logprobs": 5},
 }
-
-
-def shape_dir(shape: str) -> Path:
-    """A directory with the shape's config and a word tokenizer, and no weights (speed does not
-    depend on their values)."""
-    path = Path(tempfile.mkdtemp(prefix=f"stride-sampling-{shape}-"))
-    gpu.llama_config(shape).save_pretrained(path)
-    gpu.word_tokenizer(gpu.SHAPES[shape]["vocab_size"]).save_pretrained(path)
-    return path
-
-
-def prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(3, vocab, (n, length), generator=g).tolist()
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def decode(core: EngineCore, batch: list[list[int]], params: SamplingParams) -> tuple[int, float]:
@@ -105,7 +87,7 @@ def main() -> None:
 
     engine = Engine(
         EngineConfig(
-            model=str(shape_dir(args.shape)) if args.shape else args.model,
+            model=str(model_dir(args.shape)) if args.shape else args.model,
             random_weights=args.shape is not None,
             device=args.device,
             dtype=args.dtype,
