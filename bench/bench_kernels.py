@@ -8,7 +8,8 @@ For the real shapes of the default model (SmolLM2-135M) and an 8B Llama:
     tile, warps), at batch 1 / 16 / 64 and contexts 256 / 1024 / 4096;
   - the same kernel over the verify rows of EAGLE draft trees (64 or 128 rows per sequence
     after its context, each under its tree mask) at batch 1 and 8, with the same rows as plain
-    causal rows beside (what the mask itself costs); `--trees-only` runs just these.
+    causal rows beside (what the mask itself costs) and through the tree kernel (each tree's
+    rows together, `DecodeMetadata.tree_rows`); `--trees-only` runs just these.
 Each number is the mean of 20 back-to-back launches captured in one graph, replayed 10 times;
 GEMVs cycle through copies of their weights 4x the L2 size, so that each reads HBM.
 
@@ -21,6 +22,7 @@ import argparse
 import itertools
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -148,6 +150,10 @@ def bench_attention(
         result["same_rows_no_mask_us"] = graph_us(
             lambda i: attention.decode_attention(q, k_cache, v_cache, causal)
         )
+        whole = replace(meta, tree_rows=tree)
+        result["tree_kernel_us"] = graph_us(
+            lambda i: attention.decode_attention(q, k_cache, v_cache, whole)
+        )
     sweep = {}
     for splits, tile, warps in itertools.product((1, 4, 16, 32, 64), (16, 32, 64), (2, 4, 8)):
         launch = (splits, tile, warps)
@@ -176,7 +182,8 @@ def main() -> None:
         results[f"smollm2-135m/attention/tree{tree}_batch{batch}_context{context}"] = r
         print(f"smollm2-135m attention, trees of {tree} rows, batch {batch}, context {context}: "
               f"shipped {r['shipped_us']} us (no mask {r['same_rows_no_mask_us']}), best "
-              f"{r['best_us']} ({r['best_launch']})", flush=True)  # fmt: skip
+              f"{r['best_us']} ({r['best_launch']}), tree kernel {r['tree_kernel_us']} us",
+              flush=True)  # fmt: skip
     for model, products in GEMVS.items():
         if args.trees_only:
             break

@@ -1,9 +1,11 @@
-"""EAGLE trees in the device loop on the GPU: the Triton decode kernel under tree masks against
-the torch reference, and tree cycles as CUDA graphs decoding exactly what AR does in fp32
+"""EAGLE trees in the device loop on the GPU: the Triton decode kernel under tree masks and the
+tree kernel over whole trees (`DecodeMetadata.tree_rows`) against the torch reference, and tree
+cycles as CUDA graphs decoding exactly what AR does in fp32
 (and what the same cycles do eagerly)."""
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import replace
 
 import pytest
@@ -74,6 +76,73 @@ def test_the_kernel_under_tree_masks_equals_the_reference(dtype, launch):
         decode_attention(q, k_cache, v_cache, plain, launch).float(),
         **tol,
     )
+
+
+def _trees(
+    rows: int, batch: int, prefix: int, heads: int, kv_heads: int, dim: int, dtype: torch.dtype
+) -> tuple:
+    """`batch` random trees of `rows` rows (parents first) after prefixes of `prefix` tokens, as
+    the verify step lays them out: q, caches and whole-tree metadata on the GPU."""
+    gen = torch.Generator().manual_seed(rows * 7 + batch * 3 + prefix)
+    block, dev = 16, torch.device("cuda")
+    per_seq = -(-(prefix + rows) // block)
+    blocks = batch * per_seq + 5
+    k_cache = torch.randn(blocks * block, kv_heads, dim, generator=gen).to(dev, dtype)
+    v_cache = torch.randn(blocks * block, kv_heads, dim, generator=gen).to(dev, dtype)
+    tables = torch.randperm(blocks, generator=gen)[: batch * per_seq].view(batch, per_seq)
+    sees = []
+    for _ in range(batch):
+        parents = [int(torch.randint(-1, i, (1,), generator=gen)) if i else -1
+                   for i in range(rows - 1)]  # fmt: skip
+        sees.append(Tree([0] * (rows - 1), parents).mask())
+    meta = DecodeMetadata(
+        slot_mapping=torch.zeros(batch * rows, dtype=torch.long, device=dev),
+        block_tables=tables.to(torch.int32).repeat_interleave(rows, 0).to(dev),
+        context_lens=(prefix + 1 + torch.arange(rows)).repeat(batch).to(dev, torch.int32),
+        block_size=block,
+        tree_start=torch.full((batch * rows,), prefix, device=dev),
+        tree_mask=torch.cat(sees).to(dev),
+        tree_rows=rows,
+    )
+    q = torch.randn(batch * rows, heads, dim, generator=gen).to(dev, dtype)
+    return q, k_cache, v_cache, meta
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dim", [64, 128])
+@pytest.mark.parametrize("heads,kv_heads", [(12, 3), (8, 2)])
+@pytest.mark.parametrize("rows", [16, 64, 128])
+def test_the_tree_kernel_equals_the_reference(rows, heads, kv_heads, dim, dtype):
+    """Whole trees (each prefix read once for all of a tree's rows) at batch 1 and 3, after
+    prefixes of 1 to 1000 tokens, with the engine's launch shape, split and unsplit."""
+    tol = dict(atol=2e-2, rtol=2e-2) if dtype == torch.bfloat16 else dict(atol=1e-4, rtol=1e-4)
+    for batch, prefix in itertools.product((1, 3), (1, 100, 1000)):
+        q, k_cache, v_cache, meta = _trees(rows, batch, prefix, heads, kv_heads, dim, dtype)
+        want = decode_attention_reference(q.float(), k_cache.float(), v_cache.float(), meta)
+        for launch in (None, (4, 16, 2), (1, 32, 4)):
+            got = decode_attention(q, k_cache, v_cache, meta, launch)
+            torch.testing.assert_close(got.float(), want, **tol)
+
+
+def test_the_tree_kernel_replays_in_a_graph_over_other_prefixes():
+    """Captured once, the kernel follows the prefix length, masks and tables of each replay."""
+    long = _trees(64, 2, 1000, 9, 3, 64, torch.bfloat16)
+    q, k_cache, v_cache, meta = (x.clone() if torch.is_tensor(x) else x for x in long)
+    decode_attention(q, k_cache, v_cache, meta)  # compiled outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = decode_attention(q, k_cache, v_cache, meta)
+    for prefix in (1000, 100, 1, 999):
+        src_q, src_k, src_v, src = _trees(64, 2, prefix, 9, 3, 64, torch.bfloat16)
+        for dst, x in [(q, src_q), (meta.context_lens, src.context_lens),
+                       (meta.tree_start, src.tree_start), (meta.tree_mask, src.tree_mask)]:
+            dst.copy_(x)  # fmt: skip
+        meta.block_tables[:, : src.block_tables.shape[1]].copy_(src.block_tables)
+        k_cache[: len(src_k)].copy_(src_k)
+        v_cache[: len(src_v)].copy_(src_v)
+        graph.replay()
+        want = decode_attention_reference(src_q.float(), src_k.float(), src_v.float(), src)
+        torch.testing.assert_close(out.float(), want, atol=2e-2, rtol=2e-2)
 
 
 def _core(model: str, head: str) -> EngineCore:

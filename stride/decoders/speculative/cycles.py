@@ -196,10 +196,15 @@ class EagleCycles:
         return tables.gather(1, positions // bs).long() * bs + positions % bs
 
     def _meta(
-        self, slots_at: torch.Tensor, tables: torch.Tensor, tree: tuple | None = None
+        self,
+        slots_at: torch.Tensor,
+        tables: torch.Tensor,
+        tree: tuple | None = None,
+        tree_rows: int = 0,
     ) -> DecodeMetadata:
         """Decode rows writing the slots of context index `slots_at` [R] (their own context
-        ends there), under `tree` = (tree_start [R], tree_mask [R, N]) if given."""
+        ends there), under `tree` = (tree_start [R], tree_mask [R, N]) if given; `tree_rows`:
+        the rows are whole trees of that many rows (`DecodeMetadata.tree_rows`)."""
         return DecodeMetadata(
             slot_mapping=self._slots(slots_at[:, None], tables)[:, 0],
             block_tables=tables,
@@ -207,6 +212,7 @@ class EagleCycles:
             block_size=self.block_size,
             tree_start=None if tree is None else tree[0],
             tree_mask=None if tree is None else tree[1].contiguous(),
+            tree_rows=tree_rows,
         )
 
     def _head_rows(self, tokens, hidden, positions, tables) -> torch.Tensor:
@@ -264,8 +270,9 @@ class EagleCycles:
         # 2. verify every row in the N slots from the tail's, each at its parent's position + 1
         slots_at = (base[:, None] + torch.arange(n_rows, device=base.device)).flatten()
         row_tables = tables.repeat_interleave(n_rows, 0)
+        # (a tree's rows share its prefix: the kernel reads it once for all of them)
         mask = None if shape.is_chain else (base.repeat_interleave(n_rows), tree.sees.flatten(0, 1))
-        meta = self._meta(slots_at, row_tables, mask)
+        meta = self._meta(slots_at, row_tables, mask, 0 if shape.is_chain else n_rows)
         positions = (base[:, None] + tree.depths).flatten()
         kv = (self.runner.cache.k, self.runner.cache.v)
         aux_layers = self.head.config.aux_layers

@@ -1,7 +1,8 @@
 """Paged decode attention in Triton (flash-decoding): one query token per sequence against its
 KV blocks, the context split among programs whose partial softmax sums a second kernel merges.
 The verify rows of draft trees take a kernel of their own (`_tree_kernel`): a tree's rows share
-their prefix, which it reads once for all of them. CPU-only installs have no Triton: the kernel is not offered there (`decode_kernel_supported`)."""
+their prefix, which it reads once for all of them. CPU-only installs have no Triton: the kernels
+are not offered there (`decode_kernel_supported`)."""
 
 from __future__ import annotations
 
