@@ -5,6 +5,9 @@ query, longest context]) for one masked SDPA call per layer: a boolean mask says
 each query token may see, so a decoder may hand its own mask over its query tokens (lookahead's
 n-gram branches). That is why the general path is masked SDPA and not a causal kernel.
 
+cuDNN's SDPA backend is left out on GPUs (`use_planless_sdpa`): it builds a plan for every new
+shape (about half a second on an H200), and here every prompt length is a new shape.
+
 Decode steps (one new token per sequence, causal) on a GPU take a paged decode kernel instead
 (`kernels.decode_attention`): it reads each sequence's keys straight from its blocks, with no
 gather and no padded mask, and its inputs (`DecodeMetadata`: block tables, context lengths) live
@@ -32,6 +35,12 @@ class AttentionMetadata:
     q_rows: torch.Tensor  # [T] each token's row in the padded [B * Qmax] query layout
     kv_slots: torch.Tensor  # [B, Lmax] flat cache slots of each sequence's context
     mask: torch.Tensor  # [B, 1, Qmax, Lmax] True where a query may attend
+
+
+def use_planless_sdpa(device: torch.device) -> None:
+    """Keep SDPA off cuDNN's backend on CUDA (a process-wide switch, set by every runner)."""
+    if device.type == "cuda":
+        torch.backends.cuda.enable_cudnn_sdp(False)
 
 
 def paged_attention(

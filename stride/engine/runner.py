@@ -32,7 +32,7 @@ import torch
 
 from stride.engine import fused
 from stride.engine.adapter import MASK_TOKEN, MaskAdapter
-from stride.engine.attention import AttentionMetadata
+from stride.engine.attention import AttentionMetadata, use_planless_sdpa
 from stride.engine.cuda_graphs import DecodeGraphs
 from stride.engine.kernels.decode_attention import decode_kernel_supported
 from stride.engine.kv_cache import KVCache
@@ -99,6 +99,7 @@ class ModelRunner:
         self.model = model
         self.cache = cache
         self.device = device
+        use_planless_sdpa(device)
         self.forward_fn = model
         if fused_kernels and fused.supported(model, device):
             self.forward_fn = fused.FusedForward(model)

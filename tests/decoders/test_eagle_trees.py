@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from stride.decoders.speculative import cycles as cycles_module
-from stride.decoders.speculative.device_tree import TreeShape, ancestors
+from stride.decoders.speculative.device_tree import TreeShape, ancestors, top_k
 from stride.decoders.speculative.tree import Tree
 from stride.decoders.speculative.verify import accept_greedy, verify_greedy
 from stride.engine.attention import attend
@@ -106,6 +106,16 @@ def test_ancestors_from_parents_are_the_tree_mask():
         n = len(tree) + 1
         assert torch.equal(sees[i, :n, :n], tree.mask())
         assert not sees[i, n:, 1:n].any()  # (padding rows: under the root)
+
+
+@pytest.mark.parametrize("shape", [(3, 8192), (2, 4, 1024), (5, 300), (1, 49152)])
+def test_two_pass_top_k_is_torch_topk(shape):
+    """Chunked (and short rows plainly): the same sorted values and indices, ties aside."""
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(len(shape)))
+    for k in (1, 8, 16):
+        values, index = top_k(x, k)
+        want = x.topk(k, -1)
+        assert torch.equal(values, want.values) and torch.equal(index, want.indices)
 
 
 def test_verify_greedy_over_several_trees_and_chains():

@@ -91,7 +91,7 @@ def draft_tree(
     `logprobs(h)`: draft-vocabulary log-probabilities of head outputs; `draft_ids`: the target
     token of each draft id."""
     b, k, depth, dev = len(g), shape.topk, shape.depth, g.device
-    score, index = logprobs(g).topk(k, -1)  # the first level: the root's children
+    score, index = top_k(logprobs(g), k)  # the first level: the root's children
     ids = torch.arange(k, device=dev).expand(b, k)
     path = torch.full((b, k, depth), -1, dtype=torch.long, device=dev)  # ids down to each one
     path[:, :, 0] = ids
@@ -109,7 +109,7 @@ def draft_tree(
         f_tok, f_score, f_path, f_hidden = frontier
         sees = sees | own[level - 1]  # and its own row
         h = expand(level, f_tok.flatten(), f_hidden.flatten(0, 1), sees.flatten(0, 1))
-        lp, index = logprobs(h).topk(k, -1)
+        lp, index = top_k(logprobs(h), k)
         below = torch.nextafter(f_score, floor)
         c_score = torch.minimum(f_score[..., None] + lp.view(b, k, k), below[..., None])
         c_ids = child + (k + (level - 1) * k * k)
@@ -129,6 +129,19 @@ def draft_tree(
     return _select(shape, tail, torch.cat(tokens, 1), torch.cat(scores, 1), torch.cat(paths, 1))
 
 
+def top_k(x: torch.Tensor, k: int, chunk: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """`x.topk(k, -1)` (sorted, the same values and indices where no values tie) in two short
+    passes: the top k of every `chunk` columns, then the top k of those. A row of thousands of
+    columns is one block's radix select for torch; chunks spread it over many blocks."""
+    n = x.shape[-1]
+    if n % chunk or n < 4 * chunk or k > chunk:
+        return x.topk(k, -1)
+    values, index = x.unflatten(-1, (n // chunk, chunk)).topk(k, -1)  # [..., n / chunk, k]
+    index = index + torch.arange(0, n, chunk, device=x.device)[:, None]
+    values, pick = values.flatten(-2).topk(k, -1)
+    return values, index.flatten(-2).gather(-1, pick)
+
+
 def _select(
     shape: TreeShape,
     tail: torch.Tensor,
@@ -139,8 +152,8 @@ def _select(
     """The best `nodes - 1` candidates (tokens, scores [B, C]; paths [B, C, depth]: the
     candidate ids from the first level down to each, -1 below it), parents first."""
     b, n, dev = len(tail), shape.nodes, tail.device
-    # Strictly falling scores put parents first. (A sort of the few hundred candidates is one
-    # block's work; topk for hundreds of them runs a radix select several times slower.)
+    # Strictly falling scores put parents first. (A sort of a few hundred candidates is one
+    # block's work, as a topk of hundreds of them is not.)
     chosen = scores.sort(-1, descending=True).indices[:, : n - 1]
     path = paths.gather(1, chosen[..., None].expand(b, n - 1, shape.depth))  # [B, N-1, depth]
     depth = (path >= 0).sum(-1)  # 1 for the first level
