@@ -127,6 +127,7 @@ class DrawSettings:
 
     seqs: list[Sequence]  # whose rows these are
     bases: np.ndarray  # [B] int64: the rows' key bases (`counter.bases`), on the host
+    floats: torch.Tensor  # [B, 5] float32: the five columns below, which are views of it
     temperature: torch.Tensor  # [B, 1] float32; greedy rows: 1
     top_p: torch.Tensor  # [B, 1] float32
     log_min_p: torch.Tensor  # [B, 1] float32: log(min_p), -inf without one
@@ -165,17 +166,25 @@ def settings(
     return DrawSettings(
         seqs=seqs,
         bases=bases,
-        temperature=floats_t[:, 0:1],
-        top_p=floats_t[:, 1:2],
-        log_min_p=floats_t[:, 2:3],
-        greedy=floats_t[:, 3] > 0,
-        top_k=floats_t[:, 4:5],
+        **columns(floats_t),
         keys=keys_t[..., None],
         all_greedy=bool(greedy.all()),
         any_greedy=bool(greedy.any()),
         k_max=int(top_k) if top_k < NO_TOP_K else 0,
         any_top_p=bool((sampled[:, 1] < 1.0).any()),
         any_min_p=bool((sampled[:, 2] > -math.inf).any()),
+    )
+
+
+def columns(floats: torch.Tensor) -> dict[str, torch.Tensor]:
+    """`DrawSettings`' tensors of rows whose settings are `floats` [B, 5] (`draw_row`'s)."""
+    return dict(
+        floats=floats,
+        temperature=floats[:, 0:1],
+        top_p=floats[:, 1:2],
+        log_min_p=floats[:, 2:3],
+        greedy=floats[:, 3] > 0,
+        top_k=floats[:, 4:5],
     )
 
 
@@ -311,14 +320,15 @@ class DrawnLogprobs:
         vals, ids = lp.topk(self.k, dim=-1) if self.k else (lp[:, :0], lp[:, :0].long())
         self._steps.append((lp.gather(1, tokens[:, None])[:, 0], vals, ids))
 
-    def copy(self) -> None:
-        """Queue the copy to the host (after the launch's last step)."""
+    def copied(self) -> DrawnLogprobs:
+        """Queue the copy to the host (after the launch's last step); returns itself."""
         parts = [torch.stack(part) for part in zip(*self._steps, strict=True)]
         if parts[0].is_cuda:
             parts = [p.to("cpu", non_blocking=True) for p in parts]
             self._copied = torch.cuda.Event()
             self._copied.record()
         self._host = parts
+        return self
 
     def per_sequence(self, tokens: list[list[int]]) -> list[list[TokenLogprob | None]]:
         """Each row's logprobs step by step, for its drawn `tokens` (waits for the copy)."""

@@ -205,11 +205,7 @@ class ModelRunner:
         """
         offsets = offsets or [0] * len(seqs)
         graphs = self.graphs
-        if (
-            graphs is not None
-            and len(seqs) <= graphs.max_batch
-            and all(len(s.block_table) <= graphs.max_blocks for s in seqs)
-        ):
+        if graphs is not None and self.decodes_in_graphs(seqs):
             tables = [s.block_table for s in seqs]
             starts = [s.num_cached + o for s, o in zip(seqs, offsets, strict=True)]
             lengths = [s + 1 for s in starts]
@@ -223,6 +219,16 @@ class ModelRunner:
             tokens = sample(torch.cat(self._forward_eager(spans, None, tokens)), s)
             sampled.append(tokens)
         return SampledTokens(torch.stack(sampled))
+
+    def decodes_in_graphs(self, seqs: list[Sequence]) -> bool:
+        """Do `decode_steps` of these sequences replay the decode graphs (their `sample` then
+        reads a view of the graphs' logits buffer: the same memory at every step)?"""
+        graphs = self.graphs
+        return (
+            graphs is not None
+            and len(seqs) <= graphs.max_batch
+            and all(len(s.block_table) <= graphs.max_blocks for s in seqs)
+        )
 
     def _graphable(self, c: Span) -> bool:
         """Short causal spans replay as graph rows: a decode token, K drafts, a Jacobi window."""

@@ -37,6 +37,7 @@ import torch
 
 from stride.decoders import sampling
 from stride.decoders.base import Burst, Proposal, Scored
+from stride.decoders.draw_graphs import DrawGraphs
 from stride.engine.engine import Engine
 from stride.engine.kv_cache import OutOfBlocks
 from stride.engine.roofline import StepLoad
@@ -138,6 +139,7 @@ class Executor:
         self.engine = engine
         self.decoders = decoders
         self.burst_steps = burst_steps
+        self._draw_graphs = DrawGraphs()
         self.overlap = engine.runner.graphs is not None
         self.load = StepLoad()  # the current step's work on the device (roofline metrics)
         self._in_flight: Launch | None = None
@@ -185,9 +187,11 @@ class Executor:
         tokens = self._first_tokens(plan)
         draws = self._draw_settings(seqs, steps)
         logprobs = sampling.DrawnLogprobs.of(seqs)
+        graphed = self.engine.runner.decodes_in_graphs(seqs)  # (then its draws are graphed too)
+        draw = self._draw_graphs if graphed else sampling.device_sample
 
         def sample(logits: torch.Tensor, step: int) -> torch.Tensor:
-            drawn = sampling.device_sample(logits, draws, step)
+            drawn = draw(logits, draws, step)
             if logprobs is not None:
                 logprobs.take(logits, drawn)
             return drawn
@@ -195,9 +199,7 @@ class Executor:
         made = self.engine.runner.decode_steps(seqs, tokens, steps, sample, offsets)
         self.load.add_decode_steps(seqs, steps, offsets)
         launch = BurstLaunch(batch, made, continuable)
-        launch.logprobs = logprobs
-        if logprobs is not None:
-            logprobs.copy()
+        launch.logprobs = logprobs and logprobs.copied()
         launch.sampled, launch.sampling, launch.draws = made.on_device[-1], seqs, draws
         self._started(launch, [steps] * len(plan))
         return launch
@@ -229,9 +231,8 @@ class Executor:
                 tokens = SampledTokens(drawn[None])
                 if logprobs is not None:
                     logprobs.take(stacked, drawn)
-                    logprobs.copy()
         launch = ForwardLaunch(kept, logits, tokens)
-        launch.logprobs = logprobs
+        launch.logprobs = logprobs and logprobs.copied()
         launch.result.prompt_rows = rows
         launch.result.failed = [(plan[i].seq, error, "scoring") for i, error in failed.items()]
         if tokens is not None:
@@ -241,9 +242,8 @@ class Executor:
         return launch
 
     def _draw_settings(self, seqs: list[Sequence], steps: int) -> sampling.DrawSettings:
-        """The sampling settings of rows drawing `steps` tokens each for `seqs`, on the device:
-        each row's first draw is the token after its pending ones. Those of the launch in
-        flight are reused where its rows are the same."""
+        """`seqs`' settings for `steps` draws on the device, from the token after their pending
+        ones (the in-flight launch's reused where its rows are the same)."""
         positions = [len(s.token_ids) + s.pending for s in seqs]
         last = None if self._in_flight is None else self._in_flight.draws
         return sampling.settings(seqs, positions, self.engine.device, steps, last)
@@ -447,4 +447,3 @@ def _span(item: Scheduled, prop: Proposal | None) -> Span:
     if prop.positions is not None:
         positions = list(range(start, start + len(tail))) + prop.positions
     return Span(seq, tail + prop.tokens, 1 + len(prop.tokens), positions, prop.mask)
-
