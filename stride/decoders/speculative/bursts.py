@@ -1,8 +1,10 @@
 """EAGLE's device loop as the speculative decoder's bursts: which steps may run as cycles on
-the device (`cycles.EagleCycles`), and their commits."""
+the device (`cycles.EagleCycles`), in which shape (a request's fixed one, or for adaptive
+requests the loop policy's choice, `loop_policy`), and their commits."""
 
 from __future__ import annotations
 
+import time
 from typing import Protocol
 
 from stride.decoders import sampling
@@ -11,6 +13,7 @@ from stride.decoders.catalog import EAGLE
 from stride.decoders.speculative.cycles import CycleResult, reach
 from stride.decoders.speculative.device_tree import TreeShape
 from stride.decoders.speculative.eagle import EagleDrafter
+from stride.decoders.speculative.loop_policy import LoopPolicy, menu
 from stride.decoders.speculative.policy import AdaptivePolicy
 from stride.decoders.speculative.state import SeqState
 from stride.engine.engine import Engine
@@ -24,8 +27,11 @@ class Speculative(Protocol):
     engine: Engine
     eagle: EagleDrafter | None
     policy: AdaptivePolicy
+    loop: LoopPolicy
 
     def state(self, seq: Sequence) -> SeqState: ...
+
+    def in_loop(self, seq: Sequence) -> bool: ...
 
     def record(self, seq: Sequence, state: SeqState, drafted: int, accepted: int) -> None: ...
 
@@ -43,19 +49,39 @@ def loop_shape(seq: Sequence, state: SeqState) -> TreeShape | None:
     return TreeShape.of(nodes, state.depth, options["tree_topk"])
 
 
+def _loop_choice(spec: Speculative, seqs: list[Sequence]) -> TreeShape | None:
+    """The loop policy's shape for a batch of adaptive EAGLE requests with the same options."""
+    options = seqs[0].decoder_options
+    if any(s.decoder_options != options for s in seqs):
+        return None
+    policy, batch = spec.policy, len(seqs)
+    timings = policy.timings_at(batch)
+    plain_s = None
+    if timings.plain_s and timings.plain_steps >= policy.PLAIN_WARMUP:
+        plain_s = timings.plain_s * (1 + batch / policy.saturation)
+    return spec.loop.choose(batch, menu(options), plain_s, policy.steps)
+
+
 def start_burst(spec: Speculative, seqs: list[Sequence], passes: int) -> Burst | None:
     """Cycles on the device for `seqs`, when every one drafts the same chain or tree shape with
-    the head this step and decodes plainly greedily (acceptance is the argmax, on the device);
-    None: the step runs as usual."""
+    the head this step (adaptive requests: the loop policy's choice for all) and decodes
+    plainly greedily (acceptance is the argmax, on the device); None: the step runs as usual."""
     eagle = spec.eagle
     if eagle is None or eagle.cycles is None or passes < 2:
         return None
-    states = [spec.state(s) for s in seqs]
-    shapes = {loop_shape(s, st) for s, st in zip(seqs, states, strict=True)}
-    shape = shapes.pop() if len(shapes) == 1 else None
-    if shape is None or not all(
+    if not all(
         s.params.greedy and s.params.logprobs is None and sampling.on_device(s) for s in seqs
     ):
+        return None
+    states = [spec.state(s) for s in seqs]
+    if all(spec.in_loop(s) for s in seqs):
+        # (after plain steps that handed out no features the head cannot draft: a plain step)
+        ready = all(eagle.available(s, 1) for s in seqs)
+        shape = _loop_choice(spec, seqs) if ready else None
+    else:
+        shapes = {loop_shape(s, st) for s, st in zip(seqs, states, strict=True)}
+        shape = shapes.pop() if len(shapes) == 1 else None
+    if shape is None:
         return None
     left = max(s.params.max_tokens - s.num_output_tokens for s in seqs)
     room = min(spec.engine.max_model_len - s.num_tokens for s in seqs) - shape.span
@@ -68,7 +94,9 @@ def start_burst(spec: Speculative, seqs: list[Sequence], passes: int) -> Burst |
     except OutOfBlocks:
         return None  # what was reserved goes back at commit (the core trims)
     spec.policy.burst_started()
-    return _EagleBurst(spec, seqs, states, shape, eagle.burst(seqs, shape, cycles))
+    # (a burst that captures its graph is not timed: the capture would price the shape)
+    started = time.perf_counter() if eagle.cycles.warm(len(seqs), shape) else None
+    return _EagleBurst(spec, seqs, states, shape, eagle.burst(seqs, shape, cycles), started)
 
 
 class _EagleBurst(Burst):
@@ -81,16 +109,22 @@ class _EagleBurst(Burst):
         states: list[SeqState],
         shape: TreeShape,
         result: CycleResult,
+        started: float | None,
     ) -> None:
         self.spec, self.seqs, self.states, self.shape = spec, seqs, states, shape
-        self.result = result
+        self.result, self.started = result, started
 
     def commits(self) -> list[Commit]:
         spec, depth, policy = self.spec, self.shape.depth, self.spec.policy
         assert spec.eagle is not None
         out = []
         per_seq = self.result.per_sequence()
-        policy.steps += len(per_seq[0]) if per_seq else 0
+        cycles = len(per_seq[0]) if per_seq else 0
+        if cycles and self.started is not None:
+            made = sum(len(c) for cycles_of in per_seq for c in cycles_of)
+            seconds = time.perf_counter() - self.started
+            spec.loop.measured(len(self.seqs), self.shape, cycles, seconds, made, policy.steps)
+        policy.steps += cycles
         for i, (seq, st, cycles) in enumerate(zip(self.seqs, self.states, per_seq, strict=True)):
             tokens = [t for cycle in cycles for t in cycle]
             if seq.status is Status.FINISHED:  # aborted meanwhile: released, nothing to count
@@ -100,8 +134,13 @@ class _EagleBurst(Burst):
                 spec.record(seq, st, depth, len(cycle) - 1)
             spec.eagle.burst_done(seq, len(tokens), self.result.roots[i])
             out.append(
-                Commit(tokens, [None] * len(tokens), kv_keep=len(tokens) - 1,
-                       forward_passes=len(cycles), per_pass=[len(c) for c in cycles])  # fmt: skip
+                Commit(
+                    tokens,
+                    [None] * len(tokens),
+                    kv_keep=len(tokens) - 1,
+                    forward_passes=len(cycles),
+                    per_pass=[len(c) for c in cycles],
+                )  # fmt: skip
             )
         policy.end_step()
         return out

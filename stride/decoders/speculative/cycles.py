@@ -112,6 +112,10 @@ class EagleCycles:
         blocks = -(-(max(s.num_cached for s in seqs) + reach(shape, cycles)) // self.block_size)
         return blocks <= self.tables.shape[1]
 
+    def warm(self, batch: int, shape: TreeShape) -> bool:
+        """Has a burst of `batch` sequences in `shape` run here before (its graph captured)?"""
+        return not self.graphs or (next(b for b in BUCKETS if b >= batch), shape) in self._graphs
+
     def run(self, seqs, roots: torch.Tensor, shape: TreeShape, cycles: int) -> CycleResult:
         """`cycles` cycles of `shape` for `seqs` (each with KV slots reserved for
         `num_cached + reach(shape, cycles)` tokens), from their roots `g` [B, H]."""

@@ -4,10 +4,13 @@ Request options (`{"type": "speculative", ...}`):
     draft: "ngram" | "early_exit" | "eagle" (with an EAGLE head) | the server's draft model name
         (default: the EAGLE head if the server has one, else its draft model, else "ngram")
     num_speculative_tokens: the most drafts per step, K (default: the server's setting)
-    adaptive: let the policy pick K per step (default true); false always drafts K
+    adaptive: let the policy pick K per step (default true); false always drafts K. On a GPU an
+        adaptive eagle request drafts only in the device loop, which picks per batch among a
+        chain of K, a tree and plain decoding (`loop_policy`)
     exit_layer: early_exit only, how many target layers draft (default: half of them)
     ngram_max: ngram only, the longest suffix looked up (default 3)
-    tree_nodes, tree_topk: eagle only, draft a tree (greedy requests) instead of a chain
+    tree_nodes, tree_topk: eagle only, draft a tree (greedy requests) instead of a chain (0: a
+        chain; unset: a chain, or in the device loop `loop_policy.DEFAULT_TREE` as well)
 
 Step by step: `extra_tokens` asks the policy (`policy.AdaptivePolicy`) for the sequence's K (the
 scheduler reserves KV for it); `propose` drafts for all speculative sequences of the step in
@@ -45,6 +48,7 @@ from stride.decoders.base import (
 )
 from stride.decoders.catalog import EAGLE, EARLY_EXIT, NGRAM, SPECULATIVE
 from stride.decoders.speculative.bursts import start_burst
+from stride.decoders.speculative.cycles import BUCKETS
 from stride.decoders.speculative.drafters import (
     Draft,
     Drafter,
@@ -53,6 +57,7 @@ from stride.decoders.speculative.drafters import (
     NgramDrafter,
 )
 from stride.decoders.speculative.eagle import EagleDrafter
+from stride.decoders.speculative.loop_policy import LoopPolicy, menu
 from stride.decoders.speculative.policy import MAX_K, AdaptivePolicy
 from stride.decoders.speculative.state import SeqState
 from stride.decoders.speculative.tree import Tree
@@ -103,6 +108,10 @@ class Speculative(Decoder):
         self.policy = AdaptivePolicy(saturation, measure_costs)
         self.draft_model = DraftModelDrafter(engine, draft_model) if draft_model else None
         self.eagle = EagleDrafter(engine, Path(draft_head)) if draft_head else None
+        # Adaptive EAGLE requests draft in the device loop only, where it runs as CUDA graphs.
+        cycles = self.eagle.cycles if self.eagle else None
+        self.device_loop = cycles is not None and cycles.graphs
+        self.loop = LoopPolicy()
         self.drafters: dict[tuple, Drafter] = {}  # ngram and early-exit drafters by settings
 
     @classmethod
@@ -147,9 +156,8 @@ class Speculative(Decoder):
         elif opts.ngram_max is not None:
             raise DecoderError("ngram_max applies to draft 'ngram' only")
         if draft == EAGLE:
-            nodes = opts.tree_nodes or 0
             # Trees verify greedy requests; a sampled one drafts chains (exact rejection rule).
-            out["tree_nodes"] = nodes if params.greedy else 0
+            out["tree_nodes"] = opts.tree_nodes if params.greedy else 0
             out["tree_topk"] = 8 if opts.tree_topk is None else opts.tree_topk
         elif opts.tree_nodes is not None or opts.tree_topk is not None:
             raise DecoderError("tree_nodes and tree_topk apply to draft 'eagle' only")
@@ -186,8 +194,21 @@ class Speculative(Decoder):
 
     # ---- propose and commit ---------------------------------------------------------------
 
+    def in_loop(self, seq: Sequence) -> bool:
+        """Does `seq` draft only in the device loop (`loop_policy`)?"""
+        options = seq.decoder_options
+        return (
+            self.device_loop
+            and options["draft"] == EAGLE
+            and options["adaptive"]
+            and options["num_speculative_tokens"] > 0
+        )
+
     def extra_tokens(self, seq: Sequence, cap: int) -> int:
         policy, state = self.policy, seq.decoder_state
+        if self.in_loop(seq):  # the loop reserves its own slots (`bursts.start_burst`)
+            self.state(seq).reserved = 0
+            return 0
         if policy.quiet and state is not None and seq.decoder_options["adaptive"]:
             state.reserved = 0  # the O(1) path of a quiet step
             return 0
@@ -248,6 +269,11 @@ class Speculative(Decoder):
                 adaptive = True
         if not adaptive:
             return Proposal(plain_steps=UNLIMITED)
+        if all(self.in_loop(s) for s in seqs):
+            if len(seqs) > BUCKETS[-1]:  # more than the loop takes: asked again now and then
+                return Proposal(plain_steps=LoopPolicy.RETRY_EVERY)
+            shapes = menu(seqs[0].decoder_options)
+            return Proposal(plain_steps=self.loop.plain_steps(len(seqs), shapes, self.policy.steps))
         return Proposal(plain_steps=self.policy.quiet_steps(len(seqs)))
 
     def _draft(

@@ -152,9 +152,7 @@ def _select(
     """The best `nodes - 1` candidates (tokens, scores [B, C]; paths [B, C, depth]: the
     candidate ids from the first level down to each, -1 below it), parents first."""
     b, n, dev = len(tail), shape.nodes, tail.device
-    # Strictly falling scores put parents first. (A sort of a few hundred candidates is one
-    # block's work, as a topk of hundreds of them is not.)
-    chosen = scores.sort(-1, descending=True).indices[:, : n - 1]
+    _, chosen = scores.topk(n - 1, -1)  # sorted: strictly falling scores put parents first
     path = paths.gather(1, chosen[..., None].expand(b, n - 1, shape.depth))  # [B, N-1, depth]
     depth = (path >= 0).sum(-1)  # 1 for the first level
     # row r sees row c (both drafts) if c's candidate is on r's path at c's depth

@@ -1,0 +1,96 @@
+"""Which draft shape EAGLE's device loop runs for a batch of adaptive requests, or none.
+
+Where the loop serves EAGLE (a GPU with graphs), an adaptive EAGLE request drafts only there:
+a step that drafts on the host pays a round trip per pass and loses to plain decoding on such
+a device. The candidates of a batch are its requests' `menu`: a chain of K drafts and a tree
+(the requests' own, else `DEFAULT_TREE`). Each has a rate measured per batch-size bucket
+(`costs.bucket`): tokens the batch commits per second of its bursts, launch to commit. Plain
+decoding has its own, from the plain steps the speculative policy times. The batch runs the
+fastest, and plain decoding unless a shape beats it by `MIN_GAIN`.
+
+What is not measured yet at a bucket is tried once plain decoding has been timed there; every
+`RETRY_EVERY` steps a bucket tries again the candidate it tried longest ago, so that a rate
+measured on other prompts cannot pin the choice. A rate is a moving average over bursts
+(`costs.ema`) of seconds and tokens per cycle: both drift with the traffic.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from stride.decoders.speculative.costs import MIN_GAIN, bucket, ema
+from stride.decoders.speculative.device_tree import TreeShape
+
+DEFAULT_TREE = TreeShape.of(64, 7, 8)  # EAGLE-2's tree: 64 drafts, 7 levels, 8 children a node
+
+
+def menu(options: dict) -> tuple[TreeShape, ...]:
+    """The shapes an adaptive EAGLE request may draft in the loop: a chain of its K drafts, and
+    its tree (`tree_nodes` drafts, K levels) or `DEFAULT_TREE` if it named none (0: no tree)."""
+    k, nodes = options["num_speculative_tokens"], options.get("tree_nodes")
+    if nodes is None:
+        return (TreeShape.chain(k), DEFAULT_TREE)
+    if nodes == 0:
+        return (TreeShape.chain(k),)
+    return (TreeShape.chain(k), TreeShape.of(nodes, k, options["tree_topk"]))
+
+
+@dataclass
+class Rate:
+    """A shape's measured cycles at one bucket: per cycle, seconds and tokens per sequence."""
+
+    seconds: float
+    tokens: float
+
+    def per_second(self, batch: int) -> float:
+        return batch * self.tokens / self.seconds
+
+
+class LoopPolicy:
+    """The device loop's choice per batch (see the module docstring)."""
+
+    RETRY_EVERY = 64  # steps between two tries of a candidate not chosen at a bucket
+
+    def __init__(self) -> None:
+        self.rates: dict[tuple[int, TreeShape], Rate] = {}
+        self.tried: dict[tuple[int, TreeShape], int] = {}  # step of each candidate's last try
+
+    def choose(
+        self, batch: int, shapes: tuple[TreeShape, ...], plain_s: float | None, step: int
+    ) -> TreeShape | None:
+        """The shape for `batch` sequences at `step` (None: plain decoding), where a plain step
+        at this batch size takes `plain_s` seconds (None: not timed yet)."""
+        if plain_s is None:
+            return None  # what speculation must beat comes first
+        key = bucket(batch)
+        best, best_rate = None, MIN_GAIN * batch / plain_s
+        for shape in shapes:
+            rate = self.rates.get((key, shape))
+            if rate is None:
+                return shape
+            if rate.per_second(batch) > best_rate:
+                best, best_rate = shape, rate.per_second(batch)
+        stale = min(shapes, key=lambda s: self.tried.get((key, s), -1))
+        if stale != best and step - self.tried.get((key, stale), -1) >= self.RETRY_EVERY:
+            return stale
+        return best
+
+    def plain_steps(self, batch: int, shapes: tuple[TreeShape, ...], step: int) -> int:
+        """Plain steps to promise `batch` sequences from `step` on: until a candidate is due."""
+        key = bucket(batch)
+        due = min(self.tried.get((key, s), step - self.RETRY_EVERY) for s in shapes)
+        return max(1, due + self.RETRY_EVERY - step)
+
+    def measured(
+        self, batch: int, shape: TreeShape, cycles: int, seconds: float, tokens: int, step: int
+    ) -> None:
+        """A burst of `cycles` cycles of `shape` over `batch` sequences committed `tokens` in
+        `seconds`, starting at `step`."""
+        key = (bucket(batch), shape)
+        old = self.rates.get(key)
+        per_cycle, made = seconds / cycles, tokens / (cycles * batch)
+        if old is None:
+            self.rates[key] = Rate(per_cycle, made)
+        else:
+            self.rates[key] = Rate(ema(old.seconds, per_cycle), ema(old.tokens, made))
+        self.tried[key] = step

@@ -1,0 +1,85 @@
+"""The device loop's choice for adaptive EAGLE requests (`loop_policy`): from measured rates,
+plain decoding unless a shape pays, every candidate tried, retried now and then; and requests
+under it decode exactly what `ar` does, drafting only in the loop (run eagerly on the CPU)."""
+
+from __future__ import annotations
+
+from stride.decoders.speculative.costs import MIN_GAIN
+from stride.decoders.speculative.device_tree import TreeShape
+from stride.decoders.speculative.loop_policy import DEFAULT_TREE, LoopPolicy, menu
+from stride.scheduler.outputs import GenerateRequest
+from tests.helpers.cores import PROMPTS, greedy, run
+from tests.helpers.eagle import eagle_core, free
+
+CHAIN, TREE = TreeShape.chain(4), TreeShape.of(32, 4, 4)
+SHAPES = (CHAIN, TREE)
+
+
+def test_menus_follow_the_requests_tree_options():
+    options = {"num_speculative_tokens": 4, "tree_nodes": None, "tree_topk": 8}
+    assert menu(options) == (CHAIN, DEFAULT_TREE)
+    assert menu({**options, "tree_nodes": 0}) == (CHAIN,)
+    assert menu({**options, "tree_nodes": 32, "tree_topk": 4}) == (CHAIN, TREE)
+
+
+def test_plain_first_then_each_shape_then_the_fastest():
+    loop = LoopPolicy()
+    assert loop.choose(1, SHAPES, None, 0) is None  # plain decoding not timed yet
+    assert loop.choose(1, SHAPES, 1e-3, 4) == CHAIN  # untried: tried in order
+    loop.measured(1, CHAIN, 8, 8 * 2e-3, 8 * 3, 4)  # 1,500 tok/s against 1,000 plain
+    assert loop.choose(1, SHAPES, 1e-3, 12) == TREE
+    loop.measured(1, TREE, 8, 8 * 3e-3, 8 * 6, 12)  # 2,000 tok/s
+    assert loop.choose(1, SHAPES, 1e-3, 20) == TREE
+    assert loop.choose(8, SHAPES, 1e-3, 20) == CHAIN  # another bucket measures its own
+
+
+def test_plain_unless_a_shape_beats_it_by_the_margin():
+    loop = LoopPolicy()
+    plain_s = 1e-3  # 8 sequences: 8,000 tok/s
+    loop.measured(8, CHAIN, 8, 8 * 2e-3, 8 * 8 * 2 * MIN_GAIN * 0.99, 0)
+    loop.measured(8, TREE, 8, 8 * 4e-3, 8 * 8 * 3, 0)  # 6,000 tok/s
+    assert loop.choose(8, SHAPES, plain_s, 10) is None
+    assert loop.plain_steps(8, SHAPES, 10) == LoopPolicy.RETRY_EVERY - 10
+
+
+def test_a_candidate_not_chosen_is_retried_and_its_rate_follows():
+    loop = LoopPolicy()
+    loop.measured(1, CHAIN, 8, 8 * 1e-3, 8 * 3, 0)  # 3,000 tok/s
+    loop.measured(1, TREE, 8, 8 * 4e-3, 8 * 4, 0)  # 1,000
+    step = 0
+    for step in range(8, LoopPolicy.RETRY_EVERY, 8):
+        assert loop.choose(1, SHAPES, 1e-3, step) == CHAIN
+        loop.measured(1, CHAIN, 8, 8 * 1e-3, 8 * 3, step)
+    assert loop.choose(1, SHAPES, 1e-3, step + 8) == TREE  # due again
+    for _ in range(12):  # its cycles got cheaper: it wins once its average follows
+        loop.measured(1, TREE, 8, 8 * 1e-3, 8 * 4, step + 8)
+    assert loop.choose(1, SHAPES, 1e-3, step + 16) == TREE
+
+
+def test_adaptive_eagle_requests_draft_only_in_the_loop_and_decode_exactly(
+    eagle_target, eagle_head
+):
+    prompts = PROMPTS[:3]
+    plain = [GenerateRequest(str(i), p, greedy(40)) for i, p in enumerate(prompts)]
+    ref, _ = run(eagle_core(eagle_target, None), plain)
+    core = eagle_core(eagle_target, eagle_head, fused_decode_steps=4)
+    spec = core.decoders["speculative"]
+    spec.device_loop = True  # (the loop, run eagerly: what a GPU runs as graphs)
+    shapes, hosted = [], []
+    real_run, real_draft = spec.eagle.cycles.run, spec.eagle.draft
+    spec.eagle.cycles.run = lambda seqs, roots, shape, n: (
+        shapes.append(shape) or real_run(seqs, roots, shape, n)
+    )
+    spec.eagle.draft = lambda *a: hosted.append(a) or real_draft(*a)
+    options = {"draft": "eagle", "num_speculative_tokens": 3}
+    for i, p in enumerate(prompts):
+        tokens, _ = run(core, [GenerateRequest(str(i), p, greedy(40), "speculative", options)])
+        assert tokens[str(i)] == ref[str(i)]
+    batch = [GenerateRequest(str(i), p, greedy(40), "speculative", options)
+             for i, p in enumerate(prompts)]  # fmt: skip
+    tokens, _ = run(core, batch)
+    assert tokens == ref
+    assert not hosted  # no step drafted on the host
+    assert set(shapes) <= {TreeShape.chain(3), DEFAULT_TREE} and shapes
+    assert spec.loop.rates  # the loop measured its bursts
+    assert free(core)
