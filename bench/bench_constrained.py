@@ -31,12 +31,14 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_engine import decode, prompts  # noqa: E402
 
 from stride.engine.config import EngineConfig  # noqa: E402
 from stride.engine.engine import Engine  # noqa: E402
 from stride.engine.sequence import Constraint, SamplingParams  # noqa: E402
 from stride.scheduler.core import EngineCore  # noqa: E402
-from stride.scheduler.outputs import GenerateRequest  # noqa: E402
 
 STRINGS = {"strings": {"type": "string"}, "bounded": {"type": "string", "maxLength": 12}}
 
@@ -47,32 +49,6 @@ def schema(new: int, kind: str) -> Constraint:
     notes = {"type": "array", "items": STRINGS[kind], "minItems": new}
     spec = {"type": "object", "properties": {"notes": notes}, "required": ["notes"]}
     return Constraint("json_schema", json.dumps(spec))
-
-
-def prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(3, vocab, (n, length), generator=g).tolist()
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def decode(core: EngineCore, batch: list[list[int]], params: SamplingParams) -> tuple[int, float]:
-    """All of `batch` at once, stepped to the end: (output tokens, seconds)."""
-    sync(core.engine.device)
-    t0 = time.perf_counter()
-    for i, ids in enumerate(batch):
-        core.add(GenerateRequest(f"r{i}-{t0}", ids, params))
-    tokens = 0
-    while core.has_work:
-        for out in core.step():
-            if out.error is not None:
-                raise RuntimeError(f"request failed: {out.error}")
-            tokens += len(out.token_ids)
-    sync(core.engine.device)
-    return tokens, time.perf_counter() - t0
 
 
 def main() -> None:

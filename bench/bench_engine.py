@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -35,6 +36,24 @@ def prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def decode(core: EngineCore, batch: list[list[int]], params: SamplingParams) -> tuple[int, float]:
+    """All of `batch` at once, stepped to the end: (output tokens, seconds). Seeded requests
+    get seed + i (as a request's `n` choices do)."""
+    sync(core.engine.device)
+    t0 = time.perf_counter()
+    for i, ids in enumerate(batch):
+        mine = params if params.seed is None else replace(params, seed=params.seed + i)
+        core.add(GenerateRequest(f"r{i}-{t0}", ids, mine))
+    tokens = 0
+    while core.has_work:
+        for out in core.step():
+            if out.error is not None:
+                raise RuntimeError(f"request failed: {out.error}")
+            tokens += len(out.token_ids)
+    sync(core.engine.device)
+    return tokens, time.perf_counter() - t0
 
 
 def stride_tok_s(core: EngineCore, batch: list[list[int]], new: int) -> float:

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -33,14 +32,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_gpu as gpu  # noqa: E402
-from bench_engine import prompts, sync  # noqa: E402
+from bench_engine import decode, prompts  # noqa: E402
 from bench_tp import model_dir  # noqa: E402
 
 from stride.engine.config import EngineConfig  # noqa: E402
 from stride.engine.engine import Engine  # noqa: E402
 from stride.engine.sequence import SamplingParams  # noqa: E402
 from stride.scheduler.core import EngineCore  # noqa: E402
-from stride.scheduler.outputs import GenerateRequest  # noqa: E402
 
 TOP = {"temperature": 1.0, "top_k": 50, "top_p": 0.95}
 VARIANTS = {
@@ -51,24 +49,6 @@ VARIANTS = {
     "top-p": {"temperature": 1.0, "top_p": 0.95, "seed": 0},
     "logprobs": {**TOP, "seed": 0, "logprobs": 5},
 }
-
-
-def decode(core: EngineCore, batch: list[list[int]], params: SamplingParams) -> tuple[int, float]:
-    """All of `batch` at once, stepped to the end: (output tokens, seconds). Seeded requests
-    get seed + i (as a request's `n` choices do)."""
-    sync(core.engine.device)
-    t0 = time.perf_counter()
-    for i, ids in enumerate(batch):
-        mine = params if params.seed is None else replace(params, seed=params.seed + i)
-        core.add(GenerateRequest(f"r{i}-{t0}", ids, mine))
-    tokens = 0
-    while core.has_work:
-        for out in core.step():
-            if out.error is not None:
-                raise RuntimeError(f"request failed: {out.error}")
-            tokens += len(out.token_ids)
-    sync(core.engine.device)
-    return tokens, time.perf_counter() - t0
 
 
 def main() -> None:
