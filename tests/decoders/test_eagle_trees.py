@@ -19,7 +19,7 @@ from stride.engine.attention import attend
 from stride.engine.kernels.decode_attention import DecodeMetadata
 from stride.scheduler.outputs import GenerateRequest
 from tests.helpers.cores import PROMPTS, greedy, run
-from tests.helpers.eagle import eagle_core, free
+from tests.helpers.eagle import eagle_core, free, record_bursts
 
 TREE = dict(draft="eagle", num_speculative_tokens=3, adaptive=False, tree_nodes=8, tree_topk=3)
 TOKENS = 16
@@ -204,20 +204,10 @@ def _ar(target, prompts: list[list[int]]) -> dict[str, list[int]]:
     return tokens
 
 
-def _burst_lengths(core) -> list:
-    cycles = core.decoders["speculative"].eagle.cycles
-    ran = []
-    real = cycles.run
-    cycles.run = lambda seqs, roots, shape, n: ran.append((len(seqs), shape, n)) or real(
-        seqs, roots, shape, n
-    )
-    return ran
-
-
 def test_tree_bursts_decode_exactly_alone_and_in_a_batch(eagle_target, eagle_head, batch_prompts):
     ref = _ar(eagle_target, batch_prompts)
     core = eagle_core(eagle_target, eagle_head, fused_decode_steps=4)
-    ran = _burst_lengths(core)
+    ran = record_bursts(core)
     tokens, _ = run(core, [GenerateRequest("a", batch_prompts[0], greedy(TOKENS),
                                            "speculative", TREE)])  # fmt: skip
     assert tokens["a"] == ref["0"]

@@ -25,7 +25,7 @@ from stride.scheduler.core import EngineCore
 from stride.scheduler.outputs import GenerateRequest
 from stride.scheduler.policy import SchedulerConfig
 from tests.helpers.cores import PROMPTS, greedy, run
-from tests.helpers.eagle import random_head
+from tests.helpers.eagle import random_head, record_bursts
 from tests.helpers.models import make_model_dir
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
@@ -161,9 +161,7 @@ def test_tree_cycles_in_cuda_graphs_decode_exactly(tmp_path):
     assert cycles.graphs
     prompts = PROMPTS + [list(range(60, 77)), [3, 4], list(range(200, 230)), [9] * 11]
     ref, _ = run(core, [GenerateRequest(str(i), p, greedy(32)) for i, p in enumerate(prompts)])
-    shapes = []
-    real = cycles.run
-    cycles.run = lambda seqs, roots, shape, n: shapes.append(shape) or real(seqs, roots, shape, n)
+    ran = record_bursts(core)
     for i, prompt in enumerate(prompts[:2]):
         tokens, _ = run(core, [GenerateRequest(str(i), prompt, greedy(32), "speculative", TREE)])
         assert tokens[str(i)] == ref[str(i)]
@@ -171,6 +169,7 @@ def test_tree_cycles_in_cuda_graphs_decode_exactly(tmp_path):
                 for i, p in enumerate(prompts)]  # fmt: skip
     tokens, _ = run(core, requests)
     assert tokens == ref
+    shapes = [shape for _, shape, _ in ran]
     assert shapes and not any(s.is_chain for s in shapes)
     assert any(key[1] == s for s in shapes for key in cycles._graphs)  # captured, replayed
     cycles.graphs = False  # the same cycles, eagerly

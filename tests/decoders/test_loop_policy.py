@@ -9,7 +9,7 @@ from stride.decoders.speculative.device_tree import TreeShape
 from stride.decoders.speculative.loop_policy import DEFAULT_TREE, LoopPolicy, menu
 from stride.scheduler.outputs import GenerateRequest
 from tests.helpers.cores import PROMPTS, greedy, run
-from tests.helpers.eagle import eagle_core, free
+from tests.helpers.eagle import eagle_core, free, record_bursts
 
 CHAIN, TREE = TreeShape.chain(4), TreeShape.of(32, 4, 4)
 SHAPES = (CHAIN, TREE)
@@ -65,11 +65,8 @@ def test_adaptive_eagle_requests_draft_only_in_the_loop_and_decode_exactly(
     core = eagle_core(eagle_target, eagle_head, fused_decode_steps=4)
     spec = core.decoders["speculative"]
     spec.device_loop = True  # (the loop, run eagerly: what a GPU runs as graphs)
-    shapes, hosted = [], []
-    real_run, real_draft = spec.eagle.cycles.run, spec.eagle.draft
-    spec.eagle.cycles.run = lambda seqs, roots, shape, n: (
-        shapes.append(shape) or real_run(seqs, roots, shape, n)
-    )
+    ran, hosted = record_bursts(core), []
+    real_draft = spec.eagle.draft
     spec.eagle.draft = lambda *a: hosted.append(a) or real_draft(*a)
     options = {"draft": "eagle", "num_speculative_tokens": 3}
     for i, p in enumerate(prompts):
@@ -80,6 +77,7 @@ def test_adaptive_eagle_requests_draft_only_in_the_loop_and_decode_exactly(
     tokens, _ = run(core, batch)
     assert tokens == ref
     assert not hosted  # no step drafted on the host
-    assert set(shapes) <= {TreeShape.chain(3), DEFAULT_TREE} and shapes
+    shapes = {shape for _, shape, _ in ran}
+    assert shapes <= {TreeShape.chain(3), DEFAULT_TREE} and shapes
     assert spec.loop.rates  # the loop measured its bursts
     assert free(core)

@@ -48,3 +48,16 @@ def eagle_core(model: Path, head: Path | None, kv_bytes: int = 8 << 20, **sched)
 def free(core: EngineCore) -> bool:
     cache = core.engine.cache
     return cache.num_free_blocks == cache.num_usable_blocks
+
+
+def record_bursts(core: EngineCore) -> list[tuple]:
+    """Every run of `core`'s EAGLE device loop from now on: (sequences, shape, cycles)."""
+    cycles = core.decoders["speculative"].eagle.cycles
+    ran, real = [], cycles.run
+
+    def recorded(seqs, roots, shape, n):
+        ran.append((len(seqs), shape, n))
+        return real(seqs, roots, shape, n)
+
+    cycles.run = recorded
+    return ran
