@@ -23,7 +23,7 @@ def test_menus_follow_the_requests_tree_options():
 
 
 def test_plain_first_then_each_shape_then_the_fastest():
-    loop = LoopPolicy()
+    loop = LoopPolicy(max_batch=8)
     assert loop.choose(1, SHAPES, None, 0) is None  # plain decoding not timed yet
     assert loop.choose(1, SHAPES, 1e-3, 4) == CHAIN  # untried: tried in order
     loop.measured(1, CHAIN, 8, 8 * 2e-3, 8 * 3, 4)  # 1,500 tok/s against 1,000 plain
@@ -34,16 +34,17 @@ def test_plain_first_then_each_shape_then_the_fastest():
 
 
 def test_plain_unless_a_shape_beats_it_by_the_margin():
-    loop = LoopPolicy()
+    loop = LoopPolicy(max_batch=8)
     plain_s = 1e-3  # 8 sequences: 8,000 tok/s
     loop.measured(8, CHAIN, 8, 8 * 2e-3, 8 * 8 * 2 * MIN_GAIN * 0.99, 0)
     loop.measured(8, TREE, 8, 8 * 4e-3, 8 * 8 * 3, 0)  # 6,000 tok/s
     assert loop.choose(8, SHAPES, plain_s, 10) is None
     assert loop.plain_steps(8, SHAPES, 10) == LoopPolicy.RETRY_EVERY - 10
+    assert loop.plain_steps(9, SHAPES, 10) == LoopPolicy.RETRY_EVERY  # past the loop
 
 
 def test_a_candidate_not_chosen_is_retried_and_its_rate_follows():
-    loop = LoopPolicy()
+    loop = LoopPolicy(max_batch=8)
     loop.measured(1, CHAIN, 8, 8 * 1e-3, 8 * 3, 0)  # 3,000 tok/s
     loop.measured(1, TREE, 8, 8 * 4e-3, 8 * 4, 0)  # 1,000
     step = 0

@@ -111,7 +111,7 @@ class Speculative(Decoder):
         # Adaptive EAGLE requests draft in the device loop only, where it runs as CUDA graphs.
         cycles = self.eagle.cycles if self.eagle else None
         self.device_loop = cycles is not None and cycles.graphs
-        self.loop = LoopPolicy()
+        self.loop = LoopPolicy(BUCKETS[-1])
         self.drafters: dict[tuple, Drafter] = {}  # ngram and early-exit drafters by settings
 
     @classmethod
@@ -270,8 +270,6 @@ class Speculative(Decoder):
         if not adaptive:
             return Proposal(plain_steps=UNLIMITED)
         if all(self.in_loop(s) for s in seqs):
-            if len(seqs) > BUCKETS[-1]:  # more than the loop takes: asked again now and then
-                return Proposal(plain_steps=LoopPolicy.RETRY_EVERY)
             shapes = menu(seqs[0].decoder_options)
             return Proposal(plain_steps=self.loop.plain_steps(len(seqs), shapes, self.policy.steps))
         return Proposal(plain_steps=self.policy.quiet_steps(len(seqs)))

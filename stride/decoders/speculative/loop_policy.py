@@ -51,7 +51,8 @@ class LoopPolicy:
 
     RETRY_EVERY = 64  # steps between two tries of a candidate not chosen at a bucket
 
-    def __init__(self) -> None:
+    def __init__(self, max_batch: int) -> None:
+        self.max_batch = max_batch  # the most sequences a burst of the loop takes
         self.rates: dict[tuple[int, TreeShape], Rate] = {}
         self.tried: dict[tuple[int, TreeShape], int] = {}  # step of each candidate's last try
 
@@ -76,7 +77,10 @@ class LoopPolicy:
         return best
 
     def plain_steps(self, batch: int, shapes: tuple[TreeShape, ...], step: int) -> int:
-        """Plain steps to promise `batch` sequences from `step` on: until a candidate is due."""
+        """Plain steps to promise `batch` sequences from `step` on: until a candidate is due
+        (more sequences than the loop takes: `RETRY_EVERY`, the batch may shrink meanwhile)."""
+        if batch > self.max_batch:
+            return self.RETRY_EVERY
         key = bucket(batch)
         due = min(self.tried.get((key, s), step - self.RETRY_EVERY) for s in shapes)
         return max(1, due + self.RETRY_EVERY - step)
