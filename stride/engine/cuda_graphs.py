@@ -150,9 +150,11 @@ class DecodeGraphs:
         tables: list[list[int]],
         steps: int,
         sample: Callable[[torch.Tensor, int], torch.Tensor],
+        aux_out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """`steps` decode steps in a row with no host sync: step s+1's input tokens are step s's
         `sample(logits, s)`, copied on the device. Returns the sampled tokens [steps, B] (device).
+        `aux_out` [steps, B, width]: where each step leaves its rows' `aux` hidden states.
 
         Step 0's tokens are host ints, or a device tensor (holding the last samples of a launch
         still in flight: copied like a later step's, so nothing waits for that launch).
@@ -181,12 +183,14 @@ class DecodeGraphs:
         self._copied.record()
         inputs = inputs.view(steps, bucket, width)
         sampled = torch.empty(steps, n, dtype=torch.long, device=self._inputs.device)
-        graph = self._graphs[bucket, False]
+        graph = self._graphs[bucket, aux_out is not None]
         for s in range(steps):
             self._inputs[:bucket].copy_(inputs[s])
             if fed is not None:
                 self._inputs[:n, TOKEN].copy_(fed)
             graph.replay()
+            if aux_out is not None:
+                aux_out[s].copy_(self.aux[:n])
             sampled[s] = sample(self._logits[:n], s)
             fed = sampled[s]
         return sampled

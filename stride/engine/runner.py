@@ -209,7 +209,15 @@ class ModelRunner:
             tables = [s.block_table for s in seqs]
             starts = [s.num_cached + o for s, o in zip(seqs, offsets, strict=True)]
             lengths = [s + 1 for s in starts]
-            return SampledTokens(graphs.run_steps(tokens, starts, lengths, tables, steps, sample))
+            aux = None
+            if self.aux_layers and any(s.features is not None for s in seqs):
+                aux = graphs.aux.new_empty(steps, len(seqs), graphs.aux.shape[1])
+            made = graphs.run_steps(tokens, starts, lengths, tables, steps, sample, aux)
+            if aux is not None:  # each step's rows, as the eager steps below hand them out
+                for i, seq in enumerate(seqs):
+                    if seq.features is not None:
+                        seq.features.append(aux[:, i])
+            return SampledTokens(made)
         if not isinstance(tokens, torch.Tensor):
             tokens = torch.tensor(tokens, dtype=torch.long, device=self.device)
         sampled = []

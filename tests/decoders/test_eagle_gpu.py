@@ -20,9 +20,11 @@ from tests.helpers.models import make_model_dir
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 
 
-def cuda_core(model: str | None, head: str | None) -> EngineCore:
+def cuda_core(model: str | None, head: str | None, **config) -> EngineCore:
     engine = Engine(
-        EngineConfig(model=model, device="cuda", dtype="float32", kv_cache_memory=256 << 20)
+        EngineConfig(
+            model=model, device="cuda", dtype="float32", kv_cache_memory=256 << 20, **config
+        )
     )
     return EngineCore(engine, decoders=build_decoders(engine, DecodersConfig(draft_head=head)))
 
@@ -64,3 +66,33 @@ def test_the_shipped_head_on_the_default_model_decodes_exactly_and_accepts(tmp_p
     )
     assert tokens == ref
     assert all(s["accepted_tokens"] > 0 for s in stats.values())
+
+
+def test_adaptive_requests_loop_on_graphed_features_and_decode_exactly(tmp_path):
+    """The default options on a GPU: plain graphed steps, then the loop policy's bursts, whose
+    head catch-ups find the target's features for every position the plain steps decoded."""
+    model = make_model_dir(tmp_path / "target", layers=4)
+    head = random_head(model, tmp_path / "head")
+    core = cuda_core(str(model), str(head), enable_prefix_caching=False)  # (whole prefills)
+    spec = core.decoders["speculative"]
+    assert spec.device_loop
+    eagle, missing = spec.eagle, []
+    real = eagle._catch_up
+
+    def catch_up(seqs):
+        for seq in seqs:
+            cur = eagle.cursors.get(seq.request_id)
+            n = seq.num_cached - (cur.done if cur else 0)
+            held = sum(len(f) for f in seq.features or [])
+            if (cur is None or cur.root is None or n) and held < n:
+                missing.append((seq.request_id, n, held))
+        return real(seqs)
+
+    eagle._catch_up = catch_up
+    ref, _ = run(core, [GenerateRequest(str(i), p, greedy(64)) for i, p in enumerate(PROMPTS)])
+    options = {"draft": "eagle"}
+    for _ in range(2):  # (the second time, the policy has measured its candidates)
+        tokens, _ = run(core, [GenerateRequest(str(i), p, greedy(64), "speculative", options)
+                               for i, p in enumerate(PROMPTS)])  # fmt: skip
+        assert tokens == ref
+    assert spec.loop.rates and not missing

@@ -4,8 +4,13 @@ under it decode exactly what `ar` does, drafting only in the loop (run eagerly o
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
+import torch
+
 from stride.decoders.speculative.costs import MIN_GAIN
 from stride.decoders.speculative.device_tree import TreeShape
+from stride.decoders.speculative.eagle import keep_recent
 from stride.decoders.speculative.loop_policy import DEFAULT_TREE, LoopPolicy, menu
 from stride.scheduler.outputs import GenerateRequest
 from tests.helpers.cores import PROMPTS, greedy, run
@@ -82,3 +87,13 @@ def test_adaptive_eagle_requests_draft_only_in_the_loop_and_decode_exactly(
     assert shapes <= {TreeShape.chain(3), DEFAULT_TREE} and shapes
     assert spec.loop.rates  # the loop measured its bursts
     assert free(core)
+
+
+def test_features_held_while_not_drafting_are_bounded_to_the_latest():
+    rows = torch.arange(3000.0)[:, None]
+    seq = SimpleNamespace(features=list(rows.split(1)))
+    keep_recent(seq, rows=1024)
+    assert len(seq.features) == 1 and torch.equal(seq.features[0], rows[-1024:])
+    few = SimpleNamespace(features=list(rows[:40].split(1)))
+    keep_recent(few, rows=1024)
+    assert len(few.features) == 40

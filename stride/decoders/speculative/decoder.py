@@ -56,7 +56,7 @@ from stride.decoders.speculative.drafters import (
     EarlyExitDrafter,
     NgramDrafter,
 )
-from stride.decoders.speculative.eagle import EagleDrafter
+from stride.decoders.speculative.eagle import EagleDrafter, keep_recent
 from stride.decoders.speculative.loop_policy import LoopPolicy, menu
 from stride.decoders.speculative.policy import MAX_K, AdaptivePolicy
 from stride.decoders.speculative.state import SeqState
@@ -317,6 +317,9 @@ class Speculative(Decoder):
         policy = self.policy
         if all(p.plain for p in proposals):  # nothing to verify: what plain decoding does
             commits = commit_plain(seqs, scored, ctx)
+            for seq in seqs:  # (graphed plain steps hand out features too)
+                if self.in_loop(seq):
+                    keep_recent(seq)
             passes = max(c.forward_passes for c in commits)
             policy.measured(len(seqs), len(seqs), False, ctx, passes)
             policy.advance(passes)

@@ -272,3 +272,11 @@ class EagleDrafter(Drafter):
         self.cursors.pop(seq.request_id, None)
         if seq.features is not None:
             seq.features = []
+
+
+def keep_recent(seq: Sequence, rows: int = 1024) -> None:
+    """Bound the features a sequence holds while it decodes without drafting: keep its last
+    `rows` (a later catch-up reads those; the head's older context stays as it was)."""
+    features = seq.features
+    if features and len(features) > 16 and sum(len(f) for f in features) > 2 * rows:
+        features[:] = [torch.cat(features)[-rows:]]
