@@ -11,8 +11,9 @@ a whole cycle is tensor work on the device, replayed as one CUDA graph per (batc
    each seeing the prefix and its ancestors' rows;
 2. verify: the target scores [tail, drafts] (N rows per sequence, in the N slots from the
    tail's, each a decode row at the position after its parent's that sees the prefix, its
-   ancestors and itself: `DecodeMetadata.tree_mask`; a chain needs no mask) and hands out
-   their hidden states;
+   ancestors and itself: `DecodeMetadata.tree_mask`, a chain's the causal one; the rows of a
+   sequence are one tree for the attention kernel, which reads their prefix once) and hands
+   out their hidden states;
 3. accept (`verify.accept_greedy`): the longest path of drafts equal to the target's argmax
    after their parents; the target's argmax after it is the bonus token; the committed tokens
    of the cycle go to an output buffer; a tree's accepted rows then move their keys and values
@@ -219,9 +220,10 @@ class EagleCycles:
             tree_rows=tree_rows,
         )
 
-    def _head_rows(self, tokens, hidden, positions, tables) -> torch.Tensor:
+    def _head_rows(self, tokens, hidden, positions, tables, tree=None, tree_rows=0) -> torch.Tensor:
         kv = (self.heads.k, self.heads.v)
-        return self.head_forward(tokens, hidden, positions, kv, self._meta(positions, tables))
+        meta = self._meta(positions, tables, tree, tree_rows)
+        return self.head_forward(tokens, hidden, positions, kv, meta)
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary logits of head outputs."""
@@ -274,9 +276,9 @@ class EagleCycles:
         # 2. verify every row in the N slots from the tail's, each at its parent's position + 1
         slots_at = (base[:, None] + torch.arange(n_rows, device=base.device)).flatten()
         row_tables = tables.repeat_interleave(n_rows, 0)
-        # (a tree's rows share its prefix: the kernel reads it once for all of them)
-        mask = None if shape.is_chain else (base.repeat_interleave(n_rows), tree.sees.flatten(0, 1))
-        meta = self._meta(slots_at, row_tables, mask, 0 if shape.is_chain else n_rows)
+        # (a tree's rows, a chain's too, share its prefix: the kernel reads it once for all)
+        mask = (base.repeat_interleave(n_rows), tree.sees.flatten(0, 1))
+        meta = self._meta(slots_at, row_tables, mask, n_rows)
         positions = (base[:, None] + tree.depths).flatten()
         kv = (self.runner.cache.k, self.runner.cache.v)
         aux_layers = self.head.config.aux_layers
@@ -300,8 +302,10 @@ class EagleCycles:
         catch_up = (base[:, None] + steps).flatten()
         if n_rows != depth + 1:
             row_tables = tables.repeat_interleave(depth + 1, 0)
+        causal = torch.ones(depth + 1, depth + 1, dtype=torch.bool, device=base.device).tril()
+        path_rows = (base.repeat_interleave(depth + 1), causal.repeat(b, 1))  # a chain's mask
         outs = self._head_rows(after.flatten(), self.head.project(features.flatten(0, 1)),
-                               catch_up, row_tables)  # fmt: skip
+                               catch_up, row_tables, path_rows, depth + 1)  # fmt: skip
         g.copy_(outs.view(b, depth + 1, -1)[torch.arange(b, device=n.device), n])
         tail.copy_(bonus)
         base.add_(n + 1)
