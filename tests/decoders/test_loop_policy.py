@@ -91,7 +91,7 @@ def test_adaptive_eagle_requests_draft_only_in_the_loop_and_decode_exactly(
 
 def test_features_held_while_not_drafting_are_bounded_to_the_latest():
     rows = torch.arange(3000.0)[:, None]
-    seq = SimpleNamespace(features=list(rows.split(1)))
+    seq = SimpleNamespace(features=[rows[:2000], *rows[2000:].split(1)])
     keep_recent(seq, rows=1024)
     assert len(seq.features) == 1 and torch.equal(seq.features[0], rows[-1024:])
     few = SimpleNamespace(features=list(rows[:40].split(1)))

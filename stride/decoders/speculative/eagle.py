@@ -274,9 +274,11 @@ class EagleDrafter(Drafter):
             seq.features = []
 
 
-def keep_recent(seq: Sequence, rows: int = 1024) -> None:
-    """Bound the features a sequence holds while it decodes without drafting: keep its last
-    `rows` (a later catch-up reads those; the head's older context stays as it was)."""
+def keep_recent(seq: Sequence, rows: int = 1024, pieces: int = 64) -> None:
+    """Bound the features a sequence holds while it decodes without drafting: once they are
+    more than `pieces` tensors (a step hands out one), keep their last `rows` as one. A later
+    catch-up reads those; the head's older context stays as it was. (Checked every step, so
+    it costs a length check there, a concatenation every `pieces` steps.)"""
     features = seq.features
-    if features and len(features) > 16 and sum(len(f) for f in features) > 2 * rows:
+    if features and len(features) > pieces:
         features[:] = [torch.cat(features)[-rows:]]
