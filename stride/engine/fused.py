@@ -7,22 +7,27 @@ gate/up weights are concatenated once, and the model's own parameters become vie
 concatenation, so nothing is stored twice and the module forward still works.
 
 Two layer shapes, by the number of rows:
-  - one row (a single stream's decode step, where the weights' bandwidth is the whole cost): a
-    Triton GEMV folds the work around each product into it: RMSNorm before the QKV and gate/up
-    products, rotary and the KV-cache write after QKV, SiLU*up after gate/up, the residual add
-    after the O and down products. With attention (and its split merge) that is six kernels per
-    layer. The GEMV streams weights at cuBLAS's rate or above (bench/bench_kernels.py;
-    bench/bench_gpu.py measures the whole step; docs/BENCHMARKS.md).
+  - up to `FEW_ROWS` rows (decode steps of a few streams, a chain's verification, where the
+    weights' bandwidth and the launches are the whole cost): a Triton GEMV folds the work around
+    each product into it: RMSNorm before the QKV and gate/up products, rotary and the KV-cache
+    write after QKV, SiLU*up after gate/up, the residual add after the O and down products. With
+    attention (and its split merge) that is six kernels per layer. The GEMV streams weights at
+    cuBLAS's rate or above (bench/bench_kernels.py; bench/bench_gpu.py measures the whole step;
+    docs/BENCHMARKS.md); each row is its own programs' work, reading the weight tiles the
+    other rows' programs read too (from L2 after the first), so a row's result is the same
+    whatever rows share its step.
   - more rows: cuBLAS GEMMs with add+RMSNorm, rotary+KV write and SiLU*up as Triton kernels.
     (A tensor-core variant of the fused GEMV for a few rows costs more in-loop norm work than
     the launches it saves: docs/BENCHMARKS.md, "Design choices".)
 Under tensor parallelism (`parallel`) each rank runs the same kernels over its share of the heads
-and columns, with an all-reduce after the O and the down products (the one-row GEMV then writes
+and columns, with an all-reduce after the O and the down products (the fused GEMV then writes
 its partial product apart, and the sum joins the residual).
 Rotary angles come from a table built once for every position, not from a dozen kernels per
-step. Apart from the one-row GEMV's norm (see `gemv`), each kernel rounds where the module forward
+step. Apart from the fused GEMV's norm (see `gemv`), each kernel rounds where the module forward
 rounds (bf16 after every op).
 """
+
+FEW_ROWS = 8  # rows up to which a layer takes the fused GEMV (docs/BENCHMARKS.md)
 
 from __future__ import annotations
 
@@ -100,9 +105,9 @@ class FusedForward:
             positions = torch.arange(len(positions), device=positions.device)
         rope = (cos, sin, positions)
         captured: dict[int, torch.Tensor] = {}  # the residual stream after the `aux` layers
-        if residual.shape[0] == 1:
+        if residual.shape[0] <= FEW_ROWS:
             for i, layer in enumerate(layers):
-                self._one_row_layer(i, layer, residual, rope, kv, meta)
+                self._few_rows_layer(i, layer, residual, rope, kv, meta)
                 if i in aux:
                     captured[i] = residual.clone()
             out = rms_norm(residual, model.model.norm, None)
@@ -130,10 +135,10 @@ class FusedForward:
         captured[len(model.model.layers)] = h
         return (h, torch.cat([captured[i] for i in aux], -1)) if aux else h
 
-    def _one_row_layer(
+    def _few_rows_layer(
         self, i: int, layer: torch.nn.Module, residual: torch.Tensor, rope, kv, meta
     ) -> None:
-        """One row's layer in six kernels; `residual` is updated in place."""
+        """A few rows' layer in six kernels; `residual` is updated in place."""
         a = layer.self_attn
         k_cache, v_cache = kv[0][a.layer], kv[1][a.layer]
         weight, bias = self.qkv[i]

@@ -241,11 +241,14 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 @needs_cuda
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 @pytest.mark.parametrize(
-    "lengths", [[1], [-9], [5, 3], [30, 9]], ids=["one-row", "decode-row", "rows", "prefill"]
+    "lengths",
+    [[1], [-9], [-9, -4, -6], [5, 3], [30, 9]],
+    ids=["one-row", "decode-row", "decode-rows", "few-rows", "prefill"],
 )
 def test_fused_forward_matches_module_forward(tiny_dirs, arch, lengths):
-    """Both fused layer shapes (for one row, Triton GEMVs with norm, rotary + KV write, SiLU and
-    residual folded in; for more, cuBLAS GEMMs beside fused elementwise kernels) against the
+    """Both fused layer shapes (for up to `fused.FEW_ROWS` rows, Triton GEMVs with norm, rotary +
+    KV write, SiLU and residual folded in; for more, cuBLAS GEMMs beside fused elementwise
+    kernels) against the
     module forward: equal in fp32, and in bf16 as close to the fp32 result as the module forward
     itself is. The decode row sits at position 8, so rotary is not the identity."""
     engines = {}  # caches of as many blocks, so that both dtypes write the same slots

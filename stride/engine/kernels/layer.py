@@ -1,11 +1,14 @@
 """The fused kernels of one Llama-family layer in Triton (`fused.FusedForward` runs them).
 
-- `gemv`: the one-row product x [1, K] @ W^T, with RMSNorm before it, SiLU*up or a residual add
-  after it folded in; `qkv_rope_cache` adds rotary and the KV-cache write after the QKV product.
+- `gemv`: the product of a few rows x [M, K] @ W^T, with RMSNorm before it, SiLU*up or a
+  residual add after it folded in; `qkv_rope_cache` adds rotary and the KV-cache write after the
+  QKV product. Each row is its own programs' work, so a row's result does not depend on the
+  rows beside it; the programs of different rows read the same weight tiles, from L2 after the
+  first.
 - `rms_norm` (with the residual add), `rope_and_cache`, `silu_and_mul`: the elementwise work
-  around the cuBLAS GEMMs of several rows.
+  around the cuBLAS GEMMs of more rows.
 
-Each rounds where the module forward rounds (bf16 after every op), apart from the one-row GEMV's
+Each rounds where the module forward rounds (bf16 after every op), apart from the fused GEMV's
 norm (see `gemv`). CPU-only installs have no Triton (`triton` is None then).
 """
 
@@ -32,7 +35,7 @@ def gemv(
     add_to: torch.Tensor | None = None,
     tile: dict[str, int] | None = None,
 ) -> torch.Tensor:
-    """x [1, K] @ weight[N, K]^T, with what surrounds it fused in.
+    """x [M, K] @ weight[N, K]^T for a few rows, with what surrounds it fused in.
 
     `norm`: RMSNorm x first. `silu_mul`: weight is gate and up stacked; return SiLU(gate) * up.
     `add_to`: add the product into this tensor in place (the residual stream) and return it.
@@ -42,7 +45,6 @@ def gemv(
     `tile` overrides the tile shape (bench/bench_kernels.py sweeps it).
     """
     m, k = x.shape
-    assert m == 1, "more rows take cuBLAS"
     n = weight.shape[0] // 2 if silu_mul else weight.shape[0]
     out = add_to if add_to is not None else torch.empty(m, n, dtype=x.dtype, device=x.device)
     tile = tile or _gemv_tile(n, k, silu_mul)
@@ -62,11 +64,11 @@ def qkv_rope_cache(
     slots: torch.Tensor,
     attn: torch.nn.Module,
 ) -> torch.Tensor:
-    """One row's RMSNorm, QKV product, rotary and KV-cache write in one kernel; returns q
-    [1, H, D]. Each program computes output columns in rotary pairs (d, d + D/2) of a head, so it
+    """A few rows' RMSNorm, QKV product, rotary and KV-cache write in one kernel; returns q
+    [M, H, D]. Each program computes output columns in rotary pairs (d, d + D/2) of a head, so it
     holds both halves that rotating needs; the rounding is `rope_and_cache`'s."""
     n, k = weight.shape
-    q = torch.empty(1, attn.num_heads, attn.head_dim, dtype=x.dtype, device=x.device)
+    q = torch.empty(len(x), attn.num_heads, attn.head_dim, dtype=x.dtype, device=x.device)
     tile = _gemv_tile(n, k, False)
     tile["BN"] = max(1, tile["BN"] // 2)  # pairs of columns
     cos, sin, positions = rope
@@ -89,9 +91,11 @@ def _launch_gemv(
     rope: tuple[torch.Tensor, ...] | None = None,
     attn: torch.nn.Module | None = None,
 ) -> None:
-    """Launch `_gemv_row_kernel`; operands a variant does not use get `weight` as a pointer."""
-    k = x.shape[1]
-    _gemv_row_kernel[(programs,)](
+    """Launch `_gemv_row_kernel` (`programs` per row of x, which must be contiguous, as `out`
+    is); operands a variant does not use get `weight` as a pointer."""
+    m, k = x.shape
+    assert x.is_contiguous() and out.is_contiguous()
+    _gemv_row_kernel[(m, programs)](
         x,
         weight,
         bias if bias is not None else weight,
@@ -116,7 +120,7 @@ def _launch_gemv(
 
 
 def _gemv_tile(n: int, k: int, silu_mul: bool) -> dict[str, int]:
-    """Tile shape of the one-row GEMV: the fastest of bench/bench_kernels.py's sweep for each
+    """Tile shape of the fused GEMV: the fastest of bench/bench_kernels.py's sweep for each
     product of SmolLM2-135M and Llama-8B, as one rule (docs/BENCHMARKS.md, "Design choices").
 
     Narrow column blocks keep every SM streaming; x is read in one tile when it fits (then the
@@ -333,21 +337,30 @@ if triton is not None:
         BK: tl.constexpr,
         PDL: tl.constexpr,
     ):
-        """Output columns [BN * pid, BN * (pid + 1)) of one row. Products are summed in registers
-        across the K loop and reduced once at the end. RMSNorm, when asked: if x fits one K tile,
+        """Output columns [BN * pid, BN * (pid + 1)) (pid: `program_id(1)`) of row
+        `program_id(0)`. Products are summed in registers across the K loop and reduced once at
+        the end. RMSNorm, when asked: if x fits one K tile,
         it is applied to x as the module applies it; else it is split in two, its gain on x as it
         is loaded and 1/rms (from the sum of squares of the same loads) on the output.
         With SILU_MUL or ROPE each column comes with a second one (its up row; the other half of
         its rotary pair), whose product is summed beside it in `up`."""
         dtype = out_ptr.dtype.element_ty
+        row = tl.program_id(0)  # (rows vary fastest: a tile's readers run close together)
+        x_ptr += row * K
+        if ROPE:  # q rows [HEADS * HEAD_DIM]; each row its own position and cache slot
+            out_ptr += row * (HEADS * HEAD_DIM)
+            pos_ptr += row
+            slot_ptr += row
+        else:
+            out_ptr += row * N
         if ROPE:
-            pairs = tl.program_id(0) * BN + tl.arange(0, BN)
+            pairs = tl.program_id(1) * BN + tl.arange(0, BN)
             col_ok = pairs < N // 2
             head = pairs // (HEAD_DIM // 2)
             cols = head * HEAD_DIM + pairs % (HEAD_DIM // 2)
             second = HEAD_DIM // 2 * K
         else:
-            cols = tl.program_id(0) * BN + tl.arange(0, BN)
+            cols = tl.program_id(1) * BN + tl.arange(0, BN)
             col_ok = cols < N
             second = N * K  # SILU_MUL: the up rows follow the gate rows
         ks = tl.arange(0, BK)
