@@ -27,8 +27,6 @@ step. Apart from the fused GEMV's norm (see `gemv`), each kernel rounds where th
 rounds (bf16 after every op).
 """
 
-FEW_ROWS = 8  # rows up to which a layer takes the fused GEMV (docs/BENCHMARKS.md)
-
 from __future__ import annotations
 
 import torch
@@ -47,6 +45,8 @@ from stride.engine.kernels.layer import (
 )
 from stride.engine.model import CausalLM
 from stride.engine.parallel import RowParallelLinear
+
+FEW_ROWS = 8  # rows up to which a layer takes the fused GEMV (docs/BENCHMARKS.md)
 
 
 def supported(model: CausalLM, device: torch.device) -> bool:
