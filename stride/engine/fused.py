@@ -7,7 +7,7 @@ gate/up weights are concatenated once, and the model's own parameters become vie
 concatenation, so nothing is stored twice and the module forward still works.
 
 Two layer shapes, by the number of rows:
-  - up to `FEW_ROWS` rows (decode steps of a few streams, a chain's verification, where the
+  - up to `few_rows` rows (decode steps of a few streams, a chain's verification, where the
     weights' bandwidth and the launches are the whole cost): a Triton GEMV folds the work around
     each product into it: RMSNorm before the QKV and gate/up products, rotary and the KV-cache
     write after QKV, SiLU*up after gate/up, the residual add after the O and down products. With
@@ -15,7 +15,9 @@ Two layer shapes, by the number of rows:
     cuBLAS's rate or above (bench/bench_kernels.py; bench/bench_gpu.py measures the whole step;
     docs/BENCHMARKS.md); each row is its own programs' work, reading the weight tiles the
     other rows' programs read too (from L2 after the first), so a row's result is the same
-    whatever rows share its step.
+    whatever rows share its step. Each row past the first costs its programs' reads of the
+    weights from L2, so only models whose layer fits in L2 take more than one row this way
+    (`few_rows`; an 8B layer streamed again per row from memory costs 3x cuBLAS at 8 rows).
   - more rows: cuBLAS GEMMs with add+RMSNorm, rotary+KV write and SiLU*up as Triton kernels.
     (A tensor-core variant of the fused GEMV for a few rows costs more in-loop norm work than
     the launches it saves: docs/BENCHMARKS.md, "Design choices".)
@@ -46,7 +48,9 @@ from stride.engine.kernels.layer import (
 from stride.engine.model import CausalLM
 from stride.engine.parallel import RowParallelLinear
 
-FEW_ROWS = 8  # rows up to which a layer takes the fused GEMV (docs/BENCHMARKS.md)
+# Rows up to which a layer whose weights fit in L2 takes the fused GEMV: past it cuBLAS is
+# faster (SmolLM2 on an H200: docs/BENCHMARKS.md).
+FEW_ROWS = 4
 
 
 def supported(model: CausalLM, device: torch.device) -> bool:
@@ -81,6 +85,7 @@ class FusedForward:
                 _concat_params([layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight])
             )
         self.rope_table = _rope_table(model)
+        self.few_rows = few_rows(model)
         # Split over ranks (`parallel`): the O and down products are partial sums, all-reduced
         # before they join the residual stream.
         self.parallel = isinstance(model.model.layers[0].mlp.down_proj, RowParallelLinear)
@@ -105,7 +110,7 @@ class FusedForward:
             positions = torch.arange(len(positions), device=positions.device)
         rope = (cos, sin, positions)
         captured: dict[int, torch.Tensor] = {}  # the residual stream after the `aux` layers
-        if residual.shape[0] <= FEW_ROWS:
+        if residual.shape[0] <= self.few_rows:
             for i, layer in enumerate(layers):
                 self._few_rows_layer(i, layer, residual, rope, kv, meta)
                 if i in aux:
@@ -157,6 +162,17 @@ class FusedForward:
         part = gemv(x, weight)
         dist.all_reduce(part)
         residual.add_(part)
+
+
+def few_rows(model: CausalLM) -> int:
+    """Rows up to which `model`'s layers take the fused GEMV: `FEW_ROWS` where a layer's
+    weights take at most half the L2 cache (the rows' programs share them there), else one."""
+    weight = model.lm_head.weight
+    if weight.device.type != "cuda":
+        return 1
+    layer = sum(p.numel() * p.element_size() for p in model.model.layers[0].parameters())
+    l2 = torch.cuda.get_device_properties(weight.device).L2_cache_size
+    return FEW_ROWS if 2 * layer <= l2 else 1
 
 
 def _rope_table(model: CausalLM) -> tuple[torch.Tensor, torch.Tensor] | None:

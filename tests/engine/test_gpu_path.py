@@ -242,8 +242,8 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 @pytest.mark.parametrize(
     "lengths",
-    [[1], [-9], [-9, -4, -6], [5, 3], [30, 9]],
-    ids=["one-row", "decode-row", "decode-rows", "few-rows", "prefill"],
+    [[1], [-9], [-9, -4, -6], [2, -3], [5, 3], [30, 9]],
+    ids=["one-row", "decode-row", "decode-rows", "few-rows", "rows", "prefill"],
 )
 def test_fused_forward_matches_module_forward(tiny_dirs, arch, lengths):
     """Both fused layer shapes (for up to `fused.FEW_ROWS` rows, Triton GEMVs with norm, rotary +
@@ -258,6 +258,7 @@ def test_fused_forward_matches_module_forward(tiny_dirs, arch, lengths):
         engines[dtype] = Engine(config)
     for engine in engines.values():
         assert isinstance(engine.runner.forward_fn, fused.FusedForward)
+        assert engine.runner.forward_fn.few_rows == fused.FEW_ROWS  # (a tiny model fits L2)
     exact = engines["float32"]
     spans = _spans(exact, lengths)
     ref, ref_k = _hidden(exact, exact.model, spans)

@@ -105,6 +105,7 @@ def _launch_gemv(
         k,
         norm.eps if norm is not None else 0.0,
         *(rope or [weight] * 6),  # cos, sin, positions, slots, k cache, v cache
+        rope[2].stride(0) if rope else 0,  # positions: a column of the CUDA graphs' inputs
         NORM=norm is not None,
         BIAS=bias is not None,
         SILU_MUL=silu_mul,
@@ -324,6 +325,7 @@ if triton is not None:
         slot_ptr,
         k_cache_ptr,
         v_cache_ptr,
+        stride_pos,
         NORM: tl.constexpr,
         BIAS: tl.constexpr,
         SILU_MUL: tl.constexpr,
@@ -349,7 +351,7 @@ if triton is not None:
         x_ptr += row * K
         if ROPE:  # q rows [HEADS * HEAD_DIM]; each row its own position and cache slot
             out_ptr += row * (HEADS * HEAD_DIM)
-            pos_ptr += row
+            pos_ptr += row * stride_pos
             slot_ptr += row
         else:
             out_ptr += row * N
