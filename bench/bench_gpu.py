@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import copy
 import json
 import os
 import subprocess
@@ -81,6 +82,7 @@ PROMPT, NEW = 128, 128
 
 RESULTS: dict = {}
 DTYPE = {"cuda": torch.bfloat16, "cpu": torch.float32}
+REPLAY_BATCHES = (1, 2, 4, 8, 64, 256)  # decode graphs timed alone
 
 
 def sync() -> None:
@@ -256,7 +258,7 @@ def bench_stride(core: EngineCore, vocab: int, shape: str, bytes_read: int, bw: 
         record(f"{shape}/stride/concurrent_{n}_tok_s", round(r["tok_s"], 1))
     if runner.graphs is None:
         return
-    for b in (1, 8, 64, 256):
+    for b in REPLAY_BATCHES:
         record(f"{shape}/stride/graph_replay_ms_batch{b}", round(replay_ms(runner, b), 3))
     if ARGS.no_ablations:
         return
@@ -282,6 +284,15 @@ def bench_stride(core: EngineCore, vocab: int, shape: str, bytes_read: int, bw: 
         no_pdl.graphs = DecodeGraphs(engine.model, g.forward, g.cache, g.max_batch, g.max_blocks)
         del os.environ["STRIDE_PDL"]
         variants["stride_no_pdl"] = no_pdl
+        if runner.forward_fn.few_rows > 1:  # the fused GEMV for one row only, cuBLAS for more
+            one_row = ModelRunner(
+                engine.model, engine.cache, engine.device, cuda_graphs=False, fused_kernels=False
+            )
+            one_row.forward_fn = copy.copy(runner.forward_fn)
+            one_row.forward_fn.few_rows = 1
+            one_row.graphs = DecodeGraphs(engine.model, one_row.forward_fn, g.cache, g.max_batch,
+                                          g.max_blocks)  # fmt: skip
+            variants["stride_one_row_gemv"] = one_row
     for name, variant in variants.items():
         engine.runner = variant
         run_core(core, prompts(2, vocab, seed=2), new=8)
@@ -291,7 +302,9 @@ def bench_stride(core: EngineCore, vocab: int, shape: str, bytes_read: int, bw: 
         r = run_core(core, prompts(n, vocab, seed=n))
         record(f"{shape}/{name}/concurrent_{n}_tok_s", round(r["tok_s"], 1))
         if variant.graphs is not None:
-            record(f"{shape}/{name}/graph_replay_ms_batch1", round(replay_ms(variant, 1), 3))
+            for b in REPLAY_BATCHES[:4]:
+                ms = round(replay_ms(variant, b), 3)
+                record(f"{shape}/{name}/graph_replay_ms_batch{b}", ms)
         del variant
     engine.runner = runner
 
