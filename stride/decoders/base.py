@@ -214,8 +214,11 @@ class Decoder:
 class Burst:
     """Passes a decoder started on the device (`Decoder.burst`)."""
 
-    def commits(self) -> list[Commit]:
-        """One commit per sequence of the burst, in order (waits for the device)."""
+    def commits(self, since: float) -> list[Commit]:
+        """One commit per sequence of the burst, in order (waits for the device). `since`: when
+        the launch before it finished (`time.perf_counter()`), where the host's work for this
+        burst began; a burst that prices itself counts from there, as the executor counts
+        launches that overlap (the host's work between bursts is the burst's cost too)."""
         raise NotImplementedError
 
 

@@ -291,7 +291,7 @@ class Executor:
         result, plan = launch.result, launch.batch.plan
         seqs = [item.seq for item in plan]
         before = [s.stats.draft_tokens for s in seqs]
-        commits = launch.burst.commits()
+        commits = launch.burst.commits(self._finished_at)
         now = time.perf_counter()
         result.seconds = now - max(launch.started, self._finished_at)
         self._finished_at = now

@@ -95,8 +95,8 @@ def start_burst(spec: Speculative, seqs: list[Sequence], passes: int) -> Burst |
         return None  # what was reserved goes back at commit (the core trims)
     spec.policy.burst_started()
     # (a burst that captures its graph is not timed: the capture would price the shape)
-    started = time.perf_counter() if eagle.cycles.warm(len(seqs), shape) else None
-    return _EagleBurst(spec, seqs, states, shape, eagle.burst(seqs, shape, cycles), started)
+    timed = eagle.cycles.warm(len(seqs), shape)
+    return _EagleBurst(spec, seqs, states, shape, eagle.burst(seqs, shape, cycles), timed)
 
 
 class _EagleBurst(Burst):
@@ -109,20 +109,20 @@ class _EagleBurst(Burst):
         states: list[SeqState],
         shape: TreeShape,
         result: CycleResult,
-        started: float | None,
+        timed: bool,
     ) -> None:
         self.spec, self.seqs, self.states, self.shape = spec, seqs, states, shape
-        self.result, self.started = result, started
+        self.result, self.timed = result, timed
 
-    def commits(self) -> list[Commit]:
+    def commits(self, since: float) -> list[Commit]:
         spec, depth, policy = self.spec, self.shape.depth, self.spec.policy
         assert spec.eagle is not None
         out = []
         per_seq = self.result.per_sequence()
         cycles = len(per_seq[0]) if per_seq else 0
-        if cycles and self.started is not None:
+        if cycles and self.timed:
             made = sum(len(c) for cycles_of in per_seq for c in cycles_of)
-            seconds = time.perf_counter() - self.started
+            seconds = time.perf_counter() - since
             spec.loop.measured(len(self.seqs), self.shape, cycles, seconds, made, policy.steps)
         policy.steps += cycles
         for i, (seq, st, cycles) in enumerate(zip(self.seqs, self.states, per_seq, strict=True)):

@@ -4,8 +4,10 @@ Where the loop serves EAGLE (a GPU with graphs), an adaptive EAGLE request draft
 a step that drafts on the host pays a round trip per pass and loses to plain decoding on such
 a device. The candidates of a batch are its requests' `menu`: a chain of K drafts and a tree
 (the requests' own, else `DEFAULT_TREE`). Each has a rate measured per batch-size bucket
-(`costs.bucket`): tokens the batch commits per second of its bursts, launch to commit. Plain
-decoding has its own, from the plain steps the speculative policy times. The batch runs the
+(`costs.bucket`): tokens the batch commits per second of its bursts, each timed from the
+previous launch's end to its commit, so that the host's work between bursts (which plain steps
+in flight hide) counts against the loop. Plain decoding has its own, from the plain steps the
+speculative policy times. The batch runs the
 fastest, and plain decoding unless a shape beats it by `MIN_GAIN`.
 
 What is not measured yet at a bucket is tried once plain decoding has been timed there; every
