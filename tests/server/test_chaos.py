@@ -2,7 +2,7 @@
 (twice in a row) and the server ends with SIGTERM; the contract of every answer is in
 `tests/helpers/chaos.py`.
 
-Two servers, about 15 s of traffic each, plus what starting, restarting and stopping take:
+Two servers, about 10 s of traffic each, plus what starting, restarting and stopping take:
 
 - `--engine-process` on a tiny model: every decoder (ar, speculative with n-gram and early-exit
   drafts, refine with Jacobi and lookahead), completions and chat, streamed or not, greedy or
@@ -60,8 +60,8 @@ from tests.helpers.servers import (
     wait_healthy,
 )
 
-RUN_S = 12.0  # of traffic, before the end
-KILL_AT_S = 5.0
+RUN_S = 9.0  # of traffic, before the end
+KILL_AT_S = 4.0
 AFTER_S = 3.0  # of traffic at least after the middle (which may outlast RUN_S: restarts)
 WORKERS = 5  # valid traffic; one more sends the hostile corpus
 TINY_PROMPTS = [[5, 17, 42, 99, 7], [3, 1, 4, 1, 5, 9, 2, 6], [200, 100, 50, 25]]
@@ -271,7 +271,7 @@ def test_chaos_in_process_on_the_default_model(mask_adapter):
         records = chaos.records
         check_answers(records, {"engine_dead", "queue_full", "server_draining"})
         valid = [r for r in records if not r.label.startswith("hostile")]
-        assert sum(r.status == 200 and not r.stream_error for r in valid) > 20
+        assert sum(r.status == 200 and not r.stream_error for r in valid) > 10
         for decoder in ('"eagle"', '"introspective"'):
             assert any(decoder in r.label and r.status == 200 for r in valid), decoder
         assert any(r.error_code == "queue_full" for r in valid)  # the queue filled
