@@ -100,6 +100,22 @@ def timed(core, groups: list[list[list[int]]], tokens: int, decoder: str, option
     return made / seconds, outs, stats
 
 
+def policy_view(core: EngineCore) -> dict:
+    """What the speculative policies know after a run, per batch-size bucket (`costs.bucket`):
+    the plain step the loop is priced against, and each loop shape's measured cycle (ms, and
+    tokens per sequence): where an adaptive request's choices come from."""
+    spec = core.decoders.decoders["speculative"]
+    view: dict = {}
+    for key, timings in sorted(spec.policy.timings.items()):
+        if timings.plain_s is not None:
+            view.setdefault(f"bucket {key}", {})["plain_ms"] = round(timings.plain_s * 1e3, 3)
+    for (key, shape), rate in sorted(spec.loop.rates.items(), key=lambda kv: kv[0][0]):
+        name = f"chain K={shape.depth}" if shape.is_chain else f"tree {shape.nodes} rows"
+        view.setdefault(f"bucket {key}", {})[name] = {
+            "cycle_ms": round(rate.seconds * 1e3, 3), "tokens": round(rate.tokens, 2)}  # fmt: skip
+    return view
+
+
 def speed(core, encoded, conc: int, tokens: int, requests: int, configs: list[str]) -> dict:
     """Output tok/s of each configuration against AR (run before and after) at `conc`."""
     runs = max(1, requests // conc)
@@ -120,6 +136,9 @@ def speed(core, encoded, conc: int, tokens: int, requests: int, configs: list[st
             "same_as_ar": all(o == r for o, r in zip(outs, ref, strict=True)),
         }
         print(f"c={conc} {name}: {entry['configs'][name]} (ar {base:.1f} tok/s)", flush=True)
+    if any(CONFIGS[name].get("adaptive", True) for name in configs):
+        entry["policy"] = policy_view(core)  # (after every configuration: a shared policy)
+        print(f"c={conc} policy: {entry['policy']}", flush=True)
     return entry
 
 
