@@ -13,11 +13,11 @@ Two layer shapes, by the number of rows:
     write after QKV, SiLU*up after gate/up, the residual add after the O and down products. With
     attention (and its split merge) that is six kernels per layer. The GEMV streams weights at
     cuBLAS's rate or above (bench/bench_kernels.py; bench/bench_gpu.py measures the whole step;
-    docs/BENCHMARKS.md); each row is its own programs' work, reading the weight tiles the
-    other rows' programs read too (from L2 after the first), so a row's result is the same
-    whatever rows share its step. Each row past the first costs its programs' reads of the
-    weights from L2, so only models whose layer fits in L2 take more than one row this way
-    (`few_rows`; an 8B layer streamed again per row from memory costs 3x cuBLAS at 8 rows).
+    docs/BENCHMARKS.md). Each row is its own programs' work (a row's result is the same
+    whatever rows share its step), reading the weights again, from L2 where the layer fits
+    there: so only such models take more than one row this way (`few_rows`; an 8B layer,
+    streamed from memory once per row, costs 3x cuBLAS at 8 rows; programs that each take
+    several rows measured slower still).
   - more rows: cuBLAS GEMMs with add+RMSNorm, rotary+KV write and SiLU*up as Triton kernels.
     (A tensor-core variant of the fused GEMV for a few rows costs more in-loop norm work than
     the launches it saves: docs/BENCHMARKS.md, "Design choices".)

@@ -7,8 +7,8 @@ a device. The candidates of a batch are its requests' `menu`: a chain of K draft
 (`costs.bucket`): tokens the batch commits per second of its bursts, each timed from the
 previous launch's end to its commit, so that the host's work between bursts (which plain steps
 in flight hide) counts against the loop. Plain decoding has its own, from the plain steps the
-speculative policy times. The batch runs the
-fastest, and plain decoding unless a shape beats it by `MIN_GAIN`.
+speculative policy times. The batch runs the fastest, and plain decoding unless a shape beats
+it by `MIN_GAIN`.
 
 What is not measured yet at a bucket is tried once plain decoding has been timed there; every
 `RETRY_EVERY` steps a bucket tries again the candidate it tried longest ago, so that a rate
