@@ -6,7 +6,6 @@ cycles as CUDA graphs decoding exactly what AR does in fp32
 from __future__ import annotations
 
 import itertools
-from dataclasses import replace
 
 import pytest
 import torch
@@ -24,7 +23,7 @@ from stride.engine.kernels.decode_attention import (
 from stride.scheduler.core import EngineCore
 from stride.scheduler.outputs import GenerateRequest
 from stride.scheduler.policy import SchedulerConfig
-from tests.helpers.cores import PROMPTS, greedy, run
+from tests.helpers.cores import PROMPTS, alone_then_together, greedy, run
 from tests.helpers.eagle import random_head, record_bursts
 from tests.helpers.models import make_model_dir
 
@@ -162,19 +161,15 @@ def test_tree_cycles_in_cuda_graphs_decode_exactly(tmp_path):
     prompts = PROMPTS + [list(range(60, 77)), [3, 4], list(range(200, 230)), [9] * 11]
     ref, _ = run(core, [GenerateRequest(str(i), p, greedy(32)) for i, p in enumerate(prompts)])
     ran = record_bursts(core)
-    for i, prompt in enumerate(prompts[:2]):
-        tokens, _ = run(core, [GenerateRequest(str(i), prompt, greedy(32), "speculative", TREE)])
-        assert tokens[str(i)] == ref[str(i)]
-    requests = [GenerateRequest(str(i), p, greedy(32), "speculative", TREE)
-                for i, p in enumerate(prompts)]  # fmt: skip
-    tokens, _ = run(core, requests)
-    assert tokens == ref
+    alone, together = alone_then_together(core, prompts, greedy(32), "speculative", TREE, alone=2)
+    assert alone == {i: ref[i] for i in alone}
+    assert together == ref
     shapes = [shape for _, shape, _ in ran]
     assert shapes and not any(s.is_chain for s in shapes)
     assert any(key[1] == s for s in shapes for key in cycles._graphs)  # captured, replayed
     cycles.graphs = False  # the same cycles, eagerly
-    tokens, _ = run(core, [replace(r) for r in requests])
-    assert tokens == ref
+    _, together = alone_then_together(core, prompts, greedy(32), "speculative", TREE, alone=0)
+    assert together == ref
     cycles.graphs = True
     for shape in (TreeShape.of(63, 6, 8), TreeShape.of(127, 8, 10)):
         assert cycles.replay_ms(1, shape) > 0 and cycles.replay_ms(8, shape, context=200) > 0

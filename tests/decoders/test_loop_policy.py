@@ -13,7 +13,7 @@ from stride.decoders.speculative.device_tree import TreeShape
 from stride.decoders.speculative.eagle import keep_recent
 from stride.decoders.speculative.loop_policy import DEFAULT_TREE, LoopPolicy, menu
 from stride.scheduler.outputs import GenerateRequest
-from tests.helpers.cores import PROMPTS, greedy, run
+from tests.helpers.cores import PROMPTS, alone_then_together, greedy, run
 from tests.helpers.eagle import eagle_core, free, record_bursts
 
 CHAIN, TREE = TreeShape.chain(4), TreeShape.of(32, 4, 4)
@@ -75,13 +75,9 @@ def test_adaptive_eagle_requests_draft_only_in_the_loop_and_decode_exactly(
     real_draft = spec.eagle.draft
     spec.eagle.draft = lambda *a: hosted.append(a) or real_draft(*a)
     options = {"draft": "eagle", "num_speculative_tokens": 3}
-    for i, p in enumerate(prompts):
-        tokens, _ = run(core, [GenerateRequest(str(i), p, greedy(40), "speculative", options)])
-        assert tokens[str(i)] == ref[str(i)]
-    batch = [GenerateRequest(str(i), p, greedy(40), "speculative", options)
-             for i, p in enumerate(prompts)]  # fmt: skip
-    tokens, _ = run(core, batch)
-    assert tokens == ref
+    alone, together = alone_then_together(core, prompts, greedy(40), "speculative", options)
+    assert alone == ref
+    assert together == ref
     assert not hosted  # no step drafted on the host
     shapes = {shape for _, shape, _ in ran}
     assert shapes <= {TreeShape.chain(3), DEFAULT_TREE} and shapes

@@ -60,6 +60,21 @@ def run(core: EngineCore, requests: list[GenerateRequest], late: list[GenerateRe
     return tokens, stats
 
 
+def alone_then_together(
+    core: EngineCore, prompts: list[list[int]], params: SamplingParams, decoder: str,
+    options: dict, alone: int | None = None,
+) -> tuple[dict[str, list[int]], dict[str, list[int]]]:
+    """Each of the first `alone` prompts (all by default) decoded by itself, then all of them
+    in one batch: (tokens alone, tokens together), by request id (the prompt's index)."""
+    by_itself: dict[str, list[int]] = {}
+    for i, p in enumerate(prompts[:alone]):
+        tokens, _ = run(core, [GenerateRequest(str(i), p, params, decoder, options)])
+        by_itself[str(i)] = tokens[str(i)]
+    batch = [GenerateRequest(str(i), p, params, decoder, options) for i, p in enumerate(prompts)]
+    together, _ = run(core, batch)
+    return by_itself, together
+
+
 def chi2_pvalue(observed: torch.Tensor, probs: torch.Tensor) -> float:
     expected = probs.double() / probs.double().sum() * observed.sum()
     return chisquare(observed.numpy(), expected.numpy()).pvalue

@@ -140,7 +140,7 @@ class _EagleBurst(Burst):
                     kv_keep=len(tokens) - 1,
                     forward_passes=len(cycles),
                     per_pass=[len(c) for c in cycles],
-                )  # fmt: skip
+                )
             )
         policy.end_step()
         return out
