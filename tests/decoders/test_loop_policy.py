@@ -1,5 +1,6 @@
 """The device loop's choice for adaptive EAGLE requests (`loop_policy`): from measured rates,
-plain decoding unless a shape pays, every candidate tried, retried now and then; and requests
+plain decoding unless a shape pays, every candidate tried, retried ever less often while it
+loses (a few cycles a try); and requests
 under it decode exactly what `ar` does, drafting only in the loop (run eagerly on the CPU)."""
 
 from __future__ import annotations
@@ -11,13 +12,14 @@ import torch
 from stride.decoders.speculative.costs import MIN_GAIN
 from stride.decoders.speculative.device_tree import TreeShape
 from stride.decoders.speculative.eagle import keep_recent
-from stride.decoders.speculative.loop_policy import DEFAULT_TREE, LoopPolicy, menu
+from stride.decoders.speculative.loop_policy import DEFAULT_TREE, Choice, LoopPolicy, menu
 from stride.scheduler.outputs import GenerateRequest
 from tests.helpers.cores import PROMPTS, alone_then_together, greedy, run
 from tests.helpers.eagle import eagle_core, free, record_bursts
 
 CHAIN, TREE = TreeShape.chain(4), TreeShape.of(32, 4, 4)
 SHAPES = (CHAIN, TREE)
+TRY, BURST = LoopPolicy.TRY_CYCLES, 8  # the cycles of a try, and of the chosen shape's bursts
 
 
 def test_menus_follow_the_requests_tree_options():
@@ -28,18 +30,18 @@ def test_menus_follow_the_requests_tree_options():
 
 
 def test_plain_first_then_each_shape_then_the_fastest():
-    loop = LoopPolicy(max_batch=8)
+    loop = LoopPolicy(max_batch=8, max_cycles=BURST)
     assert loop.choose(1, SHAPES, None, 0) is None  # plain decoding not timed yet
-    assert loop.choose(1, SHAPES, 1e-3, 4) == CHAIN  # untried: tried in order
-    loop.measured(1, CHAIN, 8, 8 * 2e-3, 8 * 3, 4)  # 1,500 tok/s against 1,000 plain
-    assert loop.choose(1, SHAPES, 1e-3, 12) == TREE
-    loop.measured(1, TREE, 8, 8 * 3e-3, 8 * 6, 12)  # 2,000 tok/s
-    assert loop.choose(1, SHAPES, 1e-3, 20) == TREE
-    assert loop.choose(8, SHAPES, 1e-3, 20) == CHAIN  # another bucket measures its own
+    assert loop.choose(1, SHAPES, 1e-3, 4) == Choice(CHAIN, TRY)  # untried: tried in order
+    loop.measured(1, CHAIN, 4, 4 * 2e-3, 4 * 3, 4)  # 1,500 tok/s against 1,000 plain
+    assert loop.choose(1, SHAPES, 1e-3, 8) == Choice(TREE, TRY)
+    loop.measured(1, TREE, 4, 4 * 3e-3, 4 * 6, 8)  # 2,000 tok/s
+    assert loop.choose(1, SHAPES, 1e-3, 12) == Choice(TREE, BURST)
+    assert loop.choose(8, SHAPES, 1e-3, 12) == Choice(CHAIN, TRY)  # a bucket measures its own
 
 
 def test_plain_unless_a_shape_beats_it_by_the_margin():
-    loop = LoopPolicy(max_batch=8)
+    loop = LoopPolicy(max_batch=8, max_cycles=BURST)
     plain_s = 1e-3  # 8 sequences: 8,000 tok/s
     loop.measured(8, CHAIN, 8, 8 * 2e-3, 8 * 8 * 2 * MIN_GAIN * 0.99, 0)
     loop.measured(8, TREE, 8, 8 * 4e-3, 8 * 8 * 3, 0)  # 6,000 tok/s
@@ -49,17 +51,36 @@ def test_plain_unless_a_shape_beats_it_by_the_margin():
 
 
 def test_a_candidate_not_chosen_is_retried_and_its_rate_follows():
-    loop = LoopPolicy(max_batch=8)
+    loop = LoopPolicy(max_batch=8, max_cycles=BURST)
     loop.measured(1, CHAIN, 8, 8 * 1e-3, 8 * 3, 0)  # 3,000 tok/s
     loop.measured(1, TREE, 8, 8 * 4e-3, 8 * 4, 0)  # 1,000
     step = 0
     for step in range(8, LoopPolicy.RETRY_EVERY, 8):
-        assert loop.choose(1, SHAPES, 1e-3, step) == CHAIN
+        assert loop.choose(1, SHAPES, 1e-3, step) == Choice(CHAIN, BURST)
         loop.measured(1, CHAIN, 8, 8 * 1e-3, 8 * 3, step)
-    assert loop.choose(1, SHAPES, 1e-3, step + 8) == TREE  # due again
+    assert loop.choose(1, SHAPES, 1e-3, step + 8) == Choice(TREE, TRY)  # due again
     for _ in range(12):  # its cycles got cheaper: it wins once its average follows
         loop.measured(1, TREE, 8, 8 * 1e-3, 8 * 4, step + 8)
-    assert loop.choose(1, SHAPES, 1e-3, step + 16) == TREE
+    assert loop.choose(1, SHAPES, 1e-3, step + 16) == Choice(TREE, BURST)
+
+
+def test_a_candidate_that_keeps_losing_is_retried_ever_less_often():
+    loop = LoopPolicy(max_batch=8, max_cycles=BURST)
+    plain_s = 1e-3  # 1,000 tok/s; neither shape pays
+    loop.measured(1, CHAIN, TRY, TRY * 2e-3, TRY * 1, 0)
+    loop.measured(1, TREE, TRY, TRY * 4e-3, TRY * 2, 0)
+    tries: dict[TreeShape, list[int]] = {CHAIN: [0], TREE: [0]}
+    for step in range(1, 4000):
+        choice = loop.choose(1, SHAPES, plain_s, step)
+        if choice is not None:
+            assert choice.cycles == TRY
+            tries[choice.shape].append(step)
+            loop.measured(1, choice.shape, TRY, TRY * 4e-3, TRY * 2, step)  # it loses again
+        assert loop.plain_steps(1, SHAPES, step) >= 1
+    for steps in tries.values():
+        gaps = [b - a for a, b in zip(steps, steps[1:], strict=False)]
+        assert gaps[0] - LoopPolicy.RETRY_EVERY in (0, 1)  # (one try a step: one waits a step)
+        assert gaps[1:5] == [128, 256, 512, 1024] and set(gaps[5:]) == {LoopPolicy.MAX_WAIT}
 
 
 def test_adaptive_eagle_requests_draft_only_in_the_loop_and_decode_exactly(

@@ -13,7 +13,7 @@ from stride.decoders.catalog import EAGLE
 from stride.decoders.speculative.cycles import CycleResult, reach
 from stride.decoders.speculative.device_tree import TreeShape
 from stride.decoders.speculative.eagle import EagleDrafter
-from stride.decoders.speculative.loop_policy import LoopPolicy, menu
+from stride.decoders.speculative.loop_policy import Choice, LoopPolicy, menu
 from stride.decoders.speculative.policy import AdaptivePolicy
 from stride.decoders.speculative.state import SeqState
 from stride.engine.engine import Engine
@@ -49,7 +49,7 @@ def loop_shape(seq: Sequence, state: SeqState) -> TreeShape | None:
     return TreeShape.of(nodes, state.depth, options["tree_topk"])
 
 
-def _loop_choice(spec: Speculative, seqs: list[Sequence]) -> TreeShape | None:
+def _loop_choice(spec: Speculative, seqs: list[Sequence]) -> Choice | None:
     """The loop policy's shape for a batch of adaptive EAGLE requests with the same options."""
     options = seqs[0].decoder_options
     if any(s.decoder_options != options for s in seqs):
@@ -77,15 +77,17 @@ def start_burst(spec: Speculative, seqs: list[Sequence], passes: int) -> Burst |
     if all(spec.in_loop(s) for s in seqs):
         # (after plain steps that handed out no features the head cannot draft: a plain step)
         ready = all(eagle.available(s, 1) for s in seqs)
-        shape = _loop_choice(spec, seqs) if ready else None
+        choice = _loop_choice(spec, seqs) if ready else None
     else:
         shapes = {loop_shape(s, st) for s, st in zip(seqs, states, strict=True)}
-        shape = shapes.pop() if len(shapes) == 1 else None
-    if shape is None:
+        one = shapes.pop() if len(shapes) == 1 else None
+        choice = None if one is None else Choice(one, eagle.cycles.max_cycles)
+    if choice is None:
         return None
+    shape = choice.shape
     left = max(s.params.max_tokens - s.num_output_tokens for s in seqs)
     room = min(spec.engine.max_model_len - s.num_tokens for s in seqs) - shape.span
-    cycles = min(passes, eagle.cycles.max_cycles, -(-left // shape.advance), room // shape.advance)
+    cycles = min(passes, choice.cycles, -(-left // shape.advance), room // shape.advance)
     if cycles < 1 or not eagle.cycles.fits(seqs, cycles, shape):
         return None
     try:

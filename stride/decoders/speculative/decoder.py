@@ -111,7 +111,7 @@ class Speculative(Decoder):
         # Adaptive EAGLE requests draft in the device loop only, where it runs as CUDA graphs.
         cycles = self.eagle.cycles if self.eagle else None
         self.device_loop = cycles is not None and cycles.graphs
-        self.loop = LoopPolicy(BUCKETS[-1])
+        self.loop = LoopPolicy(BUCKETS[-1], cycles.max_cycles if cycles else 0)
         self.drafters: dict[tuple, Drafter] = {}  # ngram and early-exit drafters by settings
 
     @classmethod

@@ -10,15 +10,19 @@ in flight hide) counts against the loop. Plain decoding has its own, from the pl
 speculative policy times. The batch runs the fastest, and plain decoding unless a shape beats
 it by `MIN_GAIN`.
 
-What is not measured yet at a bucket is tried once plain decoding has been timed there; every
-`RETRY_EVERY` steps a bucket tries again the candidate it tried longest ago, so that a rate
-measured on other prompts cannot pin the choice. A rate is a moving average over bursts
-(`costs.ema`) of seconds and tokens per cycle: both drift with the traffic.
+What is not measured yet at a bucket is tried once plain decoding has been timed there; a
+candidate not chosen is tried again after `RETRY_EVERY` steps, so that a rate measured on
+other prompts cannot pin the choice, and each time such a retry loses again its wait doubles,
+up to `MAX_WAIT` steps: a shape that does not pay at a batch size costs a few cycles now and
+then, not a share of every minute. A try runs `TRY_CYCLES` cycles, the chosen shape as many as
+a burst takes. A rate is a moving average over bursts (`costs.ema`) of seconds and tokens per
+cycle: both drift with the traffic.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from stride.decoders.speculative.costs import MIN_GAIN, bucket, ema
 from stride.decoders.speculative.device_tree import TreeShape
@@ -48,19 +52,30 @@ class Rate:
         return batch * self.tokens / self.seconds
 
 
+class Choice(NamedTuple):
+    """The shape a burst drafts, and the most cycles it runs (fewer for a try)."""
+
+    shape: TreeShape
+    cycles: int
+
+
 class LoopPolicy:
     """The device loop's choice per batch (see the module docstring)."""
 
-    RETRY_EVERY = 64  # steps between two tries of a candidate not chosen at a bucket
+    RETRY_EVERY = 64  # steps before a candidate not chosen at a bucket is tried again, at first
+    MAX_WAIT = 1024  # the longest that wait grows to
+    TRY_CYCLES = 4
 
-    def __init__(self, max_batch: int) -> None:
+    def __init__(self, max_batch: int, max_cycles: int) -> None:
         self.max_batch = max_batch  # the most sequences a burst of the loop takes
+        self.max_cycles = max_cycles  # the most cycles a burst runs
         self.rates: dict[tuple[int, TreeShape], Rate] = {}
         self.tried: dict[tuple[int, TreeShape], int] = {}  # step of each candidate's last try
+        self.waits: dict[tuple[int, TreeShape], int] = {}  # steps until its next retry is due
 
     def choose(
         self, batch: int, shapes: tuple[TreeShape, ...], plain_s: float | None, step: int
-    ) -> TreeShape | None:
+    ) -> Choice | None:
         """The shape for `batch` sequences at `step` (None: plain decoding), where a plain step
         at this batch size takes `plain_s` seconds (None: not timed yet)."""
         if plain_s is None:
@@ -70,13 +85,17 @@ class LoopPolicy:
         for shape in shapes:
             rate = self.rates.get((key, shape))
             if rate is None:
-                return shape
+                return Choice(shape, self.TRY_CYCLES)
             if rate.per_second(batch) > best_rate:
                 best, best_rate = shape, rate.per_second(batch)
+        if best is not None:
+            self.waits.pop((key, best), None)  # a retry that won: its next loss waits least
         stale = min(shapes, key=lambda s: self.tried.get((key, s), -1))
-        if stale != best and step - self.tried.get((key, stale), -1) >= self.RETRY_EVERY:
-            return stale
-        return best
+        wait = self.waits.get((key, stale), self.RETRY_EVERY)
+        if stale != best and step - self.tried.get((key, stale), -1) >= wait:
+            self.waits[(key, stale)] = min(2 * wait, self.MAX_WAIT)  # (if it loses again)
+            return Choice(stale, self.TRY_CYCLES)
+        return None if best is None else Choice(best, self.max_cycles)
 
     def plain_steps(self, batch: int, shapes: tuple[TreeShape, ...], step: int) -> int:
         """Plain steps to promise `batch` sequences from `step` on: until a candidate is due
@@ -84,8 +103,12 @@ class LoopPolicy:
         if batch > self.max_batch:
             return self.RETRY_EVERY
         key = bucket(batch)
-        due = min(self.tried.get((key, s), step - self.RETRY_EVERY) for s in shapes)
-        return max(1, due + self.RETRY_EVERY - step)
+        due = min(
+            self.tried.get((key, s), step - self.RETRY_EVERY)
+            + self.waits.get((key, s), self.RETRY_EVERY)
+            for s in shapes
+        )
+        return max(1, due - step)
 
     def measured(
         self, batch: int, shape: TreeShape, cycles: int, seconds: float, tokens: int, step: int
