@@ -185,29 +185,30 @@ class Jacobi(Decoder):
         ctx: StepContext,
     ) -> list[Commit]:
         if scored.tokens is not None:
-            return self.commit_plain(scored)
+            return self.commit_plain(scored, ctx)
         paths = [[list(range(len(p.tokens)))] for p in proposals]
         verdicts, lps = verify(seqs, proposals, paths, scored.logits, ctx)
         commits = []
         for seq, prop, v, lp in zip(seqs, proposals, verdicts, lps, strict=True):
             self.refine(seq, prop, v)
             commits.append(Commit(v.tokens, lp, kv_keep=v.accepted))
-        self.measure(seqs, commits)
+        self.measure(seqs, commits, ctx)
         return commits
 
-    def commit_plain(self, scored: Scored) -> list[Commit]:
+    def commit_plain(self, scored: Scored, ctx: StepContext) -> list[Commit]:
         """Plain steps of adaptive sequences, sampled on the device: counted for `payoff`."""
         commits = plain_commits(scored)
         steps = max(c.forward_passes for c in commits)
-        self.payoff.record(len(commits), sum(len(c.tokens) for c in commits), steps)
+        made = sum(len(c.tokens) for c in commits)
+        self.payoff.record(len(commits), made, ctx.timing, steps)
         return commits
 
-    def measure(self, seqs: list[Sequence], commits: list[Commit]) -> None:
+    def measure(self, seqs: list[Sequence], commits: list[Commit], ctx: StepContext) -> None:
         """The step's tokens of adaptive sequences, for `payoff`."""
         made = [len(c.tokens) for s, c in zip(seqs, commits, strict=True)
                 if s.decoder_options.get("adaptive") and c.tokens]  # fmt: skip
         if made:
-            self.payoff.record(len(made), sum(made))
+            self.payoff.record(len(made), sum(made), ctx.timing)
 
     def refine(self, seq: Sequence, prop: Proposal, v: Verdict) -> None:
         """Keep the window's predictions past the committed tokens as the next guesses."""

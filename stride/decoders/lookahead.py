@@ -153,7 +153,7 @@ class Lookahead(Jacobi):
         ctx: StepContext,
     ) -> list[Commit]:
         if scored.tokens is not None:
-            return self.commit_plain(scored)
+            return self.commit_plain(scored, ctx)
         paths = [self._paths(s) for s in seqs]
         verdicts, lps = verify(seqs, proposals, paths, scored.logits, ctx)
         commits = []
@@ -161,7 +161,7 @@ class Lookahead(Jacobi):
             self._harvest(seq, prop, v)
             self.refine(seq, prop, v)
             commits.append(Commit(v.tokens, lp, kv_keep=self._contiguous(seq, prop, v)))
-        self.measure(seqs, commits)
+        self.measure(seqs, commits, ctx)
         return commits
 
     def _contiguous(self, seq: Sequence, prop: Proposal, v: Verdict) -> int:

@@ -18,7 +18,10 @@ Epochs start plain: the first refining epoch is then a probe against a measured 
 Wall time is what is measured, so whatever a mode costs counts, on any device: its forwards,
 its host work, the bursts it allows. An epoch's clock starts at the step that ended the epoch
 before (the first step ever only starts it), and an epoch interrupted by a pause (no adaptive
-sequence for a while) is dropped, not measured.
+sequence for a while) is dropped, not measured. A pause is a gap between two records far longer
+(`PAUSE` times) than the mode's steps take: the epoch's mean step so far, else the mode's mean
+in its last epoch, and never less than the launch's own time (`StepContext.timing`), so that a
+mode whose steps are slow is measured as slow, not taken for an idle server.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ EPOCH = 16  # steps per measured epoch
 PROBE = 4  # steps after which a probe of the mode out of favour may end, already losing
 EXPLORE_EVERY = 8  # epochs of the faster mode before the slower one is measured again
 MAX_WAIT = 64  # the longest that wait grows to
-PAUSE = 20.0  # a step this many times the epoch's mean step time apart: the epoch is dropped
+PAUSE = 20.0  # records this many times a step's time apart: the epoch is dropped
 
 
 class Payoff:
@@ -52,19 +55,23 @@ class Payoff:
         self._steps = 0
         self._tokens = 0
         self._rows = 0  # sequence-steps in the epoch
-        self._step_s: float | None = None  # the last epoch's mean step time
+        self._step_s: dict[bool, float] = {}  # each mode's mean step time in its last epoch
 
     def steps_left(self) -> int:
         """Steps before the epoch ends (a greedy burst must not run past it)."""
         return max(1, EPOCH - self._steps)
 
-    def record(self, batch: int, tokens: int, steps: int = 1) -> None:
+    def record(self, batch: int, tokens: int, launch_s: float | None, steps: int = 1) -> None:
         """`steps` steps of `batch` adaptive sequences committed `tokens` in all (one step, or a
-        greedy burst of plain ones)."""
+        greedy burst of plain ones), in a launch of `launch_s` seconds (None: not known)."""
         now = self.clock()
         if self._start is not None:
-            mean = (self._last - self._start) / self._steps if self._steps else self._step_s
-            if mean is not None and now - self._last > PAUSE * steps * max(mean, 1e-6):
+            if self._steps:
+                mean: float | None = (self._last - self._start) / self._steps
+            else:
+                mean = self._step_s.get(self.refining)
+            step_s = max(mean or 0.0, (launch_s or 0.0) / steps)
+            if step_s > 0 and now - self._last > PAUSE * steps * step_s:
                 self._start = None  # a pause: this epoch measures nothing
         if self._start is None:
             self._restart(now)
@@ -95,7 +102,7 @@ class Payoff:
         return _refining_wins({**rates, self.refining: measured[1]}) != self.refining
 
     def _end_epoch(self, now: float) -> None:
-        self._step_s = (now - self._start) / self._steps
+        self._step_s[self.refining] = (now - self._start) / self._steps
         measured = self._measured(now)
         if measured is not None:
             key, rate = measured

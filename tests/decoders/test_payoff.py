@@ -22,9 +22,18 @@ class Clock:
         return self.now
 
 
+class Clocked(Payoff):
+    """A payoff whose launches take what its `Clock` says a step of its mode takes (not what a
+    CPU run measured)."""
+
+    def record(self, batch: int, tokens: int, launch_s: float | None, steps: int = 1) -> None:
+        launch_s = None if launch_s is None else self.clock.cost[self.refining]
+        super().record(batch, tokens, launch_s, steps)
+
+
 def clocked(refine_s: float, plain_s: float) -> Payoff:
     clock = Clock(refine_s, plain_s)
-    clock.payoff = p = Payoff(clock)
+    clock.payoff = p = Clocked(clock)
     return p
 
 
@@ -32,20 +41,23 @@ def modes(p: Payoff, epochs: int, tokens: dict[bool, int], batch: int = 4):
     """Run `epochs` epochs of steps committing `tokens[mode]` per sequence: each epoch's mode
     and its length in steps."""
     seen: list[tuple[bool, int]] = []
-    p.record(batch, 0)  # the first step only starts the clock
+    p.record(batch, 0, 0.0)  # the first step only starts the clock
     for epoch in range(epochs):
         mode, steps = p.refining, 0
         while p.epochs == epoch:
-            p.record(batch, batch * tokens[p.refining])
+            p.record(batch, batch * tokens[p.refining], 0.0)
             steps += 1
         seen.append((mode, steps))
     return seen
 
 
-def test_refining_that_does_not_pay_gives_way_to_plain_steps_and_is_tried_ever_less_often():
-    # One token per refining pass at twice a plain step's time: plain is faster.
+@pytest.mark.parametrize("refine_s", [2.0, 40.0])  # (40: far slower than PAUSE plain steps)
+def test_refining_that_does_not_pay_gives_way_to_plain_steps_and_is_tried_ever_less_often(
+    refine_s,
+):
+    # One token per refining pass at 2 (or 40) plain steps' time: plain is faster.
     epochs = 4 + 3 * EXPLORE_EVERY
-    seen = modes(clocked(refine_s=2.0, plain_s=1.0), epochs, {True: 1, False: 1})
+    seen = modes(clocked(refine_s, plain_s=1.0), epochs, {True: 1, False: 1})
     first = 2 + EXPLORE_EVERY  # plain first, refining probed and dropped, plain kept ...
     second = first + 1 + 2 * EXPLORE_EVERY  # ... refining loses again: twice as long a wait
     assert [i for i, (refining, _) in enumerate(seen) if refining] == [1, first, second]
@@ -66,25 +78,26 @@ def test_refining_that_pays_keeps_refining():
 def test_a_probe_that_is_winning_runs_its_whole_epoch():
     # Refining is as fast as plain for its first steps, then faster: ahead at PROBE, it runs on.
     p = clocked(refine_s=1.0, plain_s=1.0)
-    p.record(1, 0)
+    p.record(1, 0, 1.0)
     for _ in range(EPOCH):
-        p.record(1, 1)
+        p.record(1, 1, 1.0)
     assert p.refining
     for step in range(EPOCH):
-        p.record(1, 1 if step < PROBE - 1 else 4)
+        p.record(1, 1 if step < PROBE - 1 else 4, 1.0)
     assert p.epochs == 2 and p.refining  # measured in full, and it pays
 
 
 @pytest.mark.parametrize("at", [EPOCH - 1, 0], ids=["mid-epoch", "between-epochs"])
 def test_a_pause_is_not_measured(at):
-    p = clocked(refine_s=1.0, plain_s=1.0)
-    p.record(1, 0)
+    clock = Clock(refine_s=1.0, plain_s=1.0)
+    clock.payoff = p = Payoff(clock)  # (its launches take 1.0 whatever the clock says)
+    p.record(1, 0, 1.0)
     for _ in range(EPOCH):  # one epoch of plain steps, measured: then refining
-        p.record(1, 1)
+        p.record(1, 1, 1.0)
     assert p.refining
     for step in range(EPOCH):
-        p.clock.cost[True] = 1000.0 if step == at else 1.0  # the server idled before it
-        p.record(1, 2)  # (refining pays: the probe runs its whole epoch)
+        clock.cost[True] = 1000.0 if step == at else 1.0  # the server idled before it
+        p.record(1, 2, 1.0)  # (a launch of a step's time; refining pays: a whole epoch)
     assert set(p.rates[0]) == {False} and p.refining  # dropped: the clock restarted there
 
 
