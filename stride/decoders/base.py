@@ -91,6 +91,13 @@ class Proposal:
 PLAIN = Proposal()  # one plain step (shared: nobody mutates a proposal)
 
 
+def causal_mask(n: int) -> torch.Tensor:
+    """The [n, n] causal mask a masked proposal starts from (positions compared: `tril` of a
+    boolean tensor takes far longer on the CPU, on a decoder's critical path every step)."""
+    at = torch.arange(n)
+    return at[:, None] >= at
+
+
 @dataclass
 class Scored:
     """What the target made of a decoder's sequences in one launch: each sequence's logits rows

@@ -35,6 +35,7 @@ from stride.decoders.base import (
     Proposal,
     Scored,
     StepContext,
+    causal_mask,
     parse_options,
 )
 from stride.decoders.catalog import INTROSPECTIVE
@@ -99,7 +100,7 @@ class Introspective(Decoder):
         t, base = len(seq.tail), seq.num_tokens  # base: the first proposal's position
         positions = list(range(base, base + m))
         n = t + len(tokens)
-        mask = torch.ones(n, n, dtype=torch.bool).tril_()
+        mask = causal_mask(n)
         for a in range(m + 1):
             start = t + m + a * k
             positions += range(base + a, base + a + k)

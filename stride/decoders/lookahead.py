@@ -17,11 +17,17 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 from pydantic import Field
 
 from stride.decoders import grammar
-from stride.decoders.base import Commit, Proposal, Scored, StepContext, parse_options
+from stride.decoders.base import (
+    Commit,
+    Proposal,
+    Scored,
+    StepContext,
+    causal_mask,
+    parse_options,
+)
 from stride.decoders.catalog import LOOKAHEAD
 from stride.decoders.jacobi import (
     Jacobi,
@@ -129,7 +135,7 @@ class Lookahead(Jacobi):
         base, t = seq.num_tokens, len(seq.tail)
         tokens, positions = list(window), [base + i for i in range(len(window))]
         n = t + len(window) + sum(len(c) for c in st.candidates)
-        mask = torch.ones(n, n, dtype=torch.bool).tril_()
+        mask = causal_mask(n)
         for cand in st.candidates:
             start = t + len(tokens)
             mask[start : start + len(cand), t:start] = False  # a branch sees no other guesses
