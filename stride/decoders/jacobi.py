@@ -134,7 +134,9 @@ class Jacobi(Decoder):
     options_model = JacobiOptions
 
     def __init__(self) -> None:
-        self.payoff = Payoff()
+        # (adaptive requests have default options: a refining step commits at most a window
+        # and the token after it; a lookahead branch is no longer than the window)
+        self.payoff = Payoff(most=self.default_window + 1)
 
     def validate(self, params: SamplingParams, options: dict[str, Any]) -> dict[str, Any]:
         check_greedy(params, self.name)

@@ -8,12 +8,18 @@ that named a method without tuning it should not pay for that. So a method's ada
 run in epochs of `EPOCH` steps, all in one mode: plain (they decode as `ar` does, greedy bursts
 included) or refining. Each epoch measures what its mode delivered, tokens committed per second
 per sequence, at its batch-size bucket; the faster mode runs next, refining only if it beats
-plain by `MIN_GAIN`. The other mode is measured again after `EXPLORE_EVERY` epochs, since what
-it measured goes stale (the batch changes, the text gets more predictable); each time it loses
-again the wait doubles, up to `MAX_WAIT` epochs, so that a mode that never pays costs little.
-Such a probe of the mode out of favour (or its first try) ends after `PROBE` steps if it is
-already losing, so a method that never pays costs a few slow steps each time, not an epoch.
-Epochs start plain: the first refining epoch is then a probe against a measured plain rate.
+plain by `MIN_GAIN`. The other mode is tried again later, since what it measured goes stale
+(the batch changes, the text gets more predictable). What a try of a losing mode costs is kept
+to a small share of the time, however slow that mode is:
+  - a try ends after `PROBE` steps if it is already losing, and a try of refining after its
+    first step if even the most tokens a refining step can commit (`most`) would lose at the
+    time that step took;
+  - the wait until the next try, in epochs, is at least `EXPLORE_EVERY` times how many times
+    slower the mode measured, and doubles each time it loses again, up to `MAX_WAIT`;
+  - a bucket that has measured one mode and not the other borrows the other's rate from the
+    nearest bucket that measured both (scaled by the ratio there), instead of trying it at once:
+    a batch that shrinks as its requests finish passes through every bucket below it.
+Epochs start plain: the first refining epoch is then a try against a measured plain rate.
 
 Wall time is what is measured, so whatever a mode costs counts, on any device: its forwards,
 its host work, the bursts it allows. An epoch's clock starts at the step that ended the epoch
@@ -33,23 +39,24 @@ from stride.decoders.speculative.costs import MIN_GAIN, bucket, ema
 
 EPOCH = 16  # steps per measured epoch
 PROBE = 4  # steps after which a probe of the mode out of favour may end, already losing
-EXPLORE_EVERY = 8  # epochs of the faster mode before the slower one is measured again
-MAX_WAIT = 64  # the longest that wait grows to
+EXPLORE_EVERY = 8  # epochs of the faster mode before a slower one is tried again (at least)
+MAX_WAIT = 64  # the longest that wait grows to, in epochs
 PAUSE = 20.0  # records this many times a step's time apart: the epoch is dropped
 
 
 class Payoff:
     """One method's choice between refining and plain steps, shared by its adaptive sequences."""
 
-    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
+    def __init__(self, most: int, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.most = most  # the most tokens a refining step commits per sequence
         self.clock = clock
         self.refining = False
         self.rates: dict[int, dict[bool, float]] = {}  # bucket -> mode -> tokens/s/sequence
         self.epochs = 0  # epochs measured so far
         self._since_explore = 0
-        self._wait = EXPLORE_EVERY
-        self._exploring = False  # this epoch measures the slower mode again
-        self._probing = False  # this epoch runs the mode out of favour (or not yet measured)
+        self._wait = EXPLORE_EVERY  # epochs before the mode out of favour is tried again
+        self._losses = 0  # tries it lost in a row
+        self._probing = False  # this epoch tries the mode out of favour (or not yet measured)
         self._start: float | None = None  # when the epoch's clock started
         self._last = 0.0
         self._steps = 0
@@ -92,12 +99,19 @@ class Payoff:
         return bucket(round(batch)), self._tokens / seconds / batch
 
     def _probe_lost(self, now: float) -> bool:
-        """A probe that has run `PROBE` steps and is already slower than the other mode."""
-        if not self._probing or self._steps < PROBE:
+        """A try that has run `PROBE` steps and is already slower than the other mode, or a
+        try of refining that could not win even committing `most` tokens a step."""
+        if not self._probing:
             return False
         measured = self._measured(now)
         rates = {} if measured is None else self.rates.get(measured[0], {})
-        if (not self.refining) not in rates:
+        if measured is None or (not self.refining) not in rates:
+            return False
+        if self.refining:
+            best = measured[1] * self.most * self._rows / self._tokens if self._tokens else 0.0
+            if not _refining_wins({**rates, True: best}):
+                return True
+        if self._steps < PROBE:
             return False
         return _refining_wins({**rates, self.refining: measured[1]}) != self.refining
 
@@ -108,6 +122,7 @@ class Payoff:
             key, rate = measured
             rates = self.rates.setdefault(key, {})
             rates[self.refining] = ema(rates.get(self.refining), rate, 0.5)
+            self._borrow(key)
             self.epochs += 1
             self.refining = self._next(rates)
         self._restart(now)
@@ -117,22 +132,36 @@ class Payoff:
         self._start = self._last = now
         self._steps = self._tokens = self._rows = 0
 
+    def _borrow(self, key: int) -> None:
+        """The mode bucket `key` has not measured, from the nearest bucket that measured both
+        (its ratio there, applied to the rate measured here)."""
+        rates, other = self.rates[key], not self.refining
+        both = [k for k, r in self.rates.items() if len(r) == 2 and k != key]
+        if other in rates or not both:
+            return
+        near = self.rates[min(both, key=lambda k: abs(k - key))]
+        rates[other] = rates[self.refining] * near[other] / near[self.refining]
+
     def _next(self, rates: dict[bool, float]) -> bool:
-        other = not self.refining
+        """The next epoch's mode, now that this one's mode has a rate in `rates`."""
+        other, tried = not self.refining, self._probing
         self._probing = other not in rates
         if self._probing:
             return other
         faster = _refining_wins(rates)
-        explored, self._exploring = self._exploring, False
-        if explored:  # the slower mode was measured again: did it lose again?
-            lost = faster != self.refining
-            self._wait = min(2 * self._wait, MAX_WAIT) if lost else EXPLORE_EVERY
-        if explored or faster != self.refining:  # (or the mode in use measured slower now)
+        if tried and faster == other:  # the try lost (again): wait longer before the next
+            self._losses += 1
+            slower = rates[other] / rates[self.refining]
+            wait = max(EXPLORE_EVERY << (self._losses - 1), round(EXPLORE_EVERY * slower))
+            self._wait = min(wait, MAX_WAIT)
+        elif tried:  # it won: its epoch is the first of the mode now in favour
+            self._losses, self._wait = 0, EXPLORE_EVERY
+        if faster != self.refining:
             self._since_explore = 0
             return faster
         self._since_explore += 1
         if self._since_explore >= self._wait:
-            self._since_explore, self._exploring, self._probing = 0, True, True
+            self._since_explore, self._probing = 0, True
             return other
         return faster
 

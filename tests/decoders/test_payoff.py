@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from stride.decoders import payoff
-from stride.decoders.payoff import EPOCH, EXPLORE_EVERY, PROBE, Payoff
+from stride.decoders.payoff import EPOCH, EXPLORE_EVERY, MAX_WAIT, PROBE, Payoff
+from stride.decoders.speculative.costs import bucket
 from tests.helpers.cores import run
 from tests.helpers.refine import make_refine_core, reqs
 
@@ -31,9 +32,12 @@ class Clocked(Payoff):
         super().record(batch, tokens, launch_s, steps)
 
 
+MOST = 9  # the most tokens a refining step commits per sequence (Jacobi's default window + 1)
+
+
 def clocked(refine_s: float, plain_s: float) -> Payoff:
     clock = Clock(refine_s, plain_s)
-    clock.payoff = p = Clocked(clock)
+    clock.payoff = p = Clocked(MOST, clock)
     return p
 
 
@@ -51,19 +55,38 @@ def modes(p: Payoff, epochs: int, tokens: dict[bool, int], batch: int = 4):
     return seen
 
 
-@pytest.mark.parametrize("refine_s", [2.0, 40.0])  # (40: far slower than PAUSE plain steps)
+E, W = EXPLORE_EVERY, MAX_WAIT
+
+
+@pytest.mark.parametrize(
+    "refine_s, probe, tries",
+    [
+        # 2x slower: a try of PROBE steps; waits of 2E (twice as slow), 2E, then doubling.
+        (2.0, PROBE, [1, 2 + 2 * E, 3 + 4 * E, 4 + 8 * E]),
+        # 40x (far more than PAUSE plain steps): could not win with MOST tokens a step, so a
+        # try ends after its first step; the waits start at the longest.
+        (40.0, 1, [1, 2 + W, 3 + 2 * W]),
+    ],
+)
 def test_refining_that_does_not_pay_gives_way_to_plain_steps_and_is_tried_ever_less_often(
-    refine_s,
+    refine_s, probe, tries
 ):
     # One token per refining pass at 2 (or 40) plain steps' time: plain is faster.
-    epochs = 4 + 3 * EXPLORE_EVERY
-    seen = modes(clocked(refine_s, plain_s=1.0), epochs, {True: 1, False: 1})
-    first = 2 + EXPLORE_EVERY  # plain first, refining probed and dropped, plain kept ...
-    second = first + 1 + 2 * EXPLORE_EVERY  # ... refining loses again: twice as long a wait
-    assert [i for i, (refining, _) in enumerate(seen) if refining] == [1, first, second]
-    # Each refining probe stops as soon as it may: a method that never pays costs PROBE steps.
-    assert {steps for refining, steps in seen if refining} == {PROBE}
+    seen = modes(clocked(refine_s, plain_s=1.0), tries[-1] + 2, {True: 1, False: 1})
+    assert [i for i, (refining, _) in enumerate(seen) if refining] == tries
+    # A try of refining stops as soon as it may: a method that never pays costs a few steps.
+    assert {steps for refining, steps in seen if refining} == {probe}
     assert {steps for refining, steps in seen if not refining} == {EPOCH}
+
+
+def test_a_bucket_borrows_the_mode_it_has_not_measured_from_the_nearest_one():
+    p = clocked(refine_s=3.0, plain_s=1.0)
+    modes(p, 2, {True: 1, False: 1}, batch=1)  # at 1 sequence: refining tried, 3x slower
+    assert p.rates[bucket(1)][True] == pytest.approx(p.rates[bucket(1)][False] / 3)
+    for _ in range(EPOCH):  # an epoch of plain steps at 8 sequences ...
+        p.record(8, 8, 0.0)
+    assert p.epochs == 3 and not p.refining  # ... and no try of refining there after it
+    assert p.rates[bucket(8)][True] == pytest.approx(p.rates[bucket(8)][False] / 3)
 
 
 def test_refining_that_pays_keeps_refining():
@@ -90,7 +113,7 @@ def test_a_probe_that_is_winning_runs_its_whole_epoch():
 @pytest.mark.parametrize("at", [EPOCH - 1, 0], ids=["mid-epoch", "between-epochs"])
 def test_a_pause_is_not_measured(at):
     clock = Clock(refine_s=1.0, plain_s=1.0)
-    clock.payoff = p = Payoff(clock)  # (its launches take 1.0 whatever the clock says)
+    clock.payoff = p = Payoff(MOST, clock)  # (its launches take 1.0 whatever the clock says)
     p.record(1, 0, 1.0)
     for _ in range(EPOCH):  # one epoch of plain steps, measured: then refining
         p.record(1, 1, 1.0)
