@@ -173,8 +173,8 @@ class Jacobi(Decoder):
         return guesses + [pad] * (st.size - len(guesses))
 
     def plain_proposal(self) -> Proposal:
-        """An adaptive sequence in a plain epoch decodes as `ar` until the epoch ends."""
-        return Proposal(plain_steps=self.payoff.steps_left())
+        """An adaptive sequence in a plain epoch decodes as `ar` until refining is tried again."""
+        return Proposal(plain_steps=self.payoff.plain_steps())
 
     def propose(self, seqs: list[Sequence], ctx: StepContext) -> list[Proposal]:
         return [self.plain_proposal() if self.plain(s) else Proposal(self.window(s)) for s in seqs]
@@ -194,7 +194,7 @@ class Jacobi(Decoder):
         for seq, prop, v, lp in zip(seqs, proposals, verdicts, lps, strict=True):
             self.refine(seq, prop, v)
             commits.append(Commit(v.tokens, lp, kv_keep=v.accepted))
-        self.measure(seqs, commits, ctx)
+        self.measure(seqs, proposals, commits, ctx)
         return commits
 
     def commit_plain(self, scored: Scored, ctx: StepContext) -> list[Commit]:
@@ -202,15 +202,26 @@ class Jacobi(Decoder):
         commits = plain_commits(scored)
         steps = max(c.forward_passes for c in commits)
         made = sum(len(c.tokens) for c in commits)
-        self.payoff.record(len(commits), made, ctx.timing, steps)
+        self.payoff.record(len(commits), made, ctx.timing, False, steps)
         return commits
 
-    def measure(self, seqs: list[Sequence], commits: list[Commit], ctx: StepContext) -> None:
-        """The step's tokens of adaptive sequences, for `payoff`."""
-        made = [len(c.tokens) for s, c in zip(seqs, commits, strict=True)
-                if s.decoder_options.get("adaptive") and c.tokens]  # fmt: skip
-        if made:
-            self.payoff.record(len(made), sum(made), ctx.timing)
+    def measure(
+        self,
+        seqs: list[Sequence],
+        proposals: list[Proposal],
+        commits: list[Commit],
+        ctx: StepContext,
+    ) -> None:
+        """The step's tokens of adaptive sequences, for `payoff`: a step that refined any is a
+        refining step (its time is a refining pass's), and counts those that refined."""
+        adaptive = [(bool(p.tokens), len(c.tokens))
+                    for s, p, c in zip(seqs, proposals, commits, strict=True)
+                    if s.decoder_options.get("adaptive") and c.tokens]  # fmt: skip
+        if not adaptive:
+            return
+        refining = any(refined for refined, _ in adaptive)
+        made = [n for refined, n in adaptive if refined == refining]
+        self.payoff.record(len(made), sum(made), ctx.timing, refining)
 
     def refine(self, seq: Sequence, prop: Proposal, v: Verdict) -> None:
         """Keep the window's predictions past the committed tokens as the next guesses."""

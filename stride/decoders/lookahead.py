@@ -167,7 +167,7 @@ class Lookahead(Jacobi):
             self._harvest(seq, prop, v)
             self.refine(seq, prop, v)
             commits.append(Commit(v.tokens, lp, kv_keep=self._contiguous(seq, prop, v)))
-        self.measure(seqs, commits, ctx)
+        self.measure(seqs, proposals, commits, ctx)
         return commits
 
     def _contiguous(self, seq: Sequence, prop: Proposal, v: Verdict) -> int:

@@ -20,6 +20,9 @@ to a small share of the time, however slow that mode is:
     nearest bucket that measured both (scaled by the ratio there), instead of trying it at once:
     a batch that shrinks as its requests finish passes through every bucket below it.
 Epochs start plain: the first refining epoch is then a try against a measured plain rate.
+A sequence in a plain epoch is promised plain steps up to the next try (`plain_steps`), not to
+the epoch's end, so that the executor keeps its launches in flight as it does for `ar`; steps
+promised before the mode changed are the measure of neither mode.
 
 Wall time is what is measured, so whatever a mode costs counts, on any device: its forwards,
 its host work, the bursts it allows. An epoch's clock starts at the step that ended the epoch
@@ -64,14 +67,26 @@ class Payoff:
         self._rows = 0  # sequence-steps in the epoch
         self._step_s: dict[bool, float] = {}  # each mode's mean step time in its last epoch
 
-    def steps_left(self) -> int:
-        """Steps before the epoch ends (a greedy burst must not run past it)."""
-        return max(1, EPOCH - self._steps)
+    def plain_steps(self) -> int:
+        """Plain steps a sequence may be promised now: to the end of this epoch, and on through
+        the plain epochs after it, up to the next try of refining. (A promise the executor sees
+        beyond its launch keeps that launch in flight: epochs are no reason to wait for one.)"""
+        left = max(1, EPOCH - self._steps)
+        if self.refining or self._probing:
+            return left
+        return left + EPOCH * max(0, self._wait - self._since_explore - 1)
 
-    def record(self, batch: int, tokens: int, launch_s: float | None, steps: int = 1) -> None:
+    def record(
+        self, batch: int, tokens: int, launch_s: float | None, refining: bool, steps: int = 1
+    ) -> None:
         """`steps` steps of `batch` adaptive sequences committed `tokens` in all (one step, or a
-        greedy burst of plain ones), in a launch of `launch_s` seconds (None: not known)."""
+        greedy burst of plain ones), in a launch of `launch_s` seconds (None: not known), in the
+        mode `refining` says: steps of the other one were promised before this epoch began and
+        are not its measure (its clock starts after them)."""
         now = self.clock()
+        if refining != self.refining:
+            self._restart(now)
+            return
         if self._start is not None:
             if self._steps:
                 mean: float | None = (self._last - self._start) / self._steps

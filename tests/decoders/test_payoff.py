@@ -27,9 +27,11 @@ class Clocked(Payoff):
     """A payoff whose launches take what its `Clock` says a step of its mode takes (not what a
     CPU run measured)."""
 
-    def record(self, batch: int, tokens: int, launch_s: float | None, steps: int = 1) -> None:
+    def record(
+        self, batch: int, tokens: int, launch_s: float | None, refining: bool, steps: int = 1
+    ) -> None:
         launch_s = None if launch_s is None else self.clock.cost[self.refining]
-        super().record(batch, tokens, launch_s, steps)
+        super().record(batch, tokens, launch_s, refining, steps)
 
 
 MOST = 9  # the most tokens a refining step commits per sequence (Jacobi's default window + 1)
@@ -45,11 +47,11 @@ def modes(p: Payoff, epochs: int, tokens: dict[bool, int], batch: int = 4):
     """Run `epochs` epochs of steps committing `tokens[mode]` per sequence: each epoch's mode
     and its length in steps."""
     seen: list[tuple[bool, int]] = []
-    p.record(batch, 0, 0.0)  # the first step only starts the clock
+    p.record(batch, 0, 0.0, p.refining)  # the first step only starts the clock
     for epoch in range(epochs):
         mode, steps = p.refining, 0
         while p.epochs == epoch:
-            p.record(batch, batch * tokens[p.refining], 0.0)
+            p.record(batch, batch * tokens[p.refining], 0.0, p.refining)
             steps += 1
         seen.append((mode, steps))
     return seen
@@ -84,9 +86,31 @@ def test_a_bucket_borrows_the_mode_it_has_not_measured_from_the_nearest_one():
     modes(p, 2, {True: 1, False: 1}, batch=1)  # at 1 sequence: refining tried, 3x slower
     assert p.rates[bucket(1)][True] == pytest.approx(p.rates[bucket(1)][False] / 3)
     for _ in range(EPOCH):  # an epoch of plain steps at 8 sequences ...
-        p.record(8, 8, 0.0)
+        p.record(8, 8, 0.0, False)
     assert p.epochs == 3 and not p.refining  # ... and no try of refining there after it
     assert p.rates[bucket(8)][True] == pytest.approx(p.rates[bucket(8)][False] / 3)
+
+
+def test_plain_steps_are_promised_up_to_the_next_try_of_refining():
+    p = clocked(refine_s=2.0, plain_s=1.0)
+    modes(p, 2, {True: 1, False: 1})  # plain, then a try of refining that lost
+    promise = p.plain_steps()
+    assert promise == EPOCH * 2 * E  # (the wait after a 2x loss: 2E epochs of plain steps)
+    for _ in range(promise):
+        assert not p.refining
+        p.record(4, 4, 0.0, False)
+    assert p.refining  # tried just where the promise ended
+
+
+def test_steps_promised_before_a_switch_are_not_the_new_modes_measure():
+    p = clocked(refine_s=1.0, plain_s=1.0)
+    modes(p, 1, {True: 1, False: 1})
+    assert p.refining  # refining is tried now, while some sequences finish plain promises
+    for _ in range(5):
+        p.record(4, 4, 0.0, False)
+    for _ in range(EPOCH):
+        p.record(4, 8, 0.0, True)  # 2 tokens a sequence per refining step of 1 s
+    assert p.rates[bucket(4)][True] == pytest.approx(2.0)
 
 
 def test_refining_that_pays_keeps_refining():
@@ -101,12 +125,12 @@ def test_refining_that_pays_keeps_refining():
 def test_a_probe_that_is_winning_runs_its_whole_epoch():
     # Refining is as fast as plain for its first steps, then faster: ahead at PROBE, it runs on.
     p = clocked(refine_s=1.0, plain_s=1.0)
-    p.record(1, 0, 1.0)
+    p.record(1, 0, 1.0, p.refining)
     for _ in range(EPOCH):
-        p.record(1, 1, 1.0)
+        p.record(1, 1, 1.0, p.refining)
     assert p.refining
     for step in range(EPOCH):
-        p.record(1, 1 if step < PROBE - 1 else 4, 1.0)
+        p.record(1, 1 if step < PROBE - 1 else 4, 1.0, p.refining)
     assert p.epochs == 2 and p.refining  # measured in full, and it pays
 
 
@@ -114,13 +138,13 @@ def test_a_probe_that_is_winning_runs_its_whole_epoch():
 def test_a_pause_is_not_measured(at):
     clock = Clock(refine_s=1.0, plain_s=1.0)
     clock.payoff = p = Payoff(MOST, clock)  # (its launches take 1.0 whatever the clock says)
-    p.record(1, 0, 1.0)
+    p.record(1, 0, 1.0, p.refining)
     for _ in range(EPOCH):  # one epoch of plain steps, measured: then refining
-        p.record(1, 1, 1.0)
+        p.record(1, 1, 1.0, p.refining)
     assert p.refining
     for step in range(EPOCH):
         clock.cost[True] = 1000.0 if step == at else 1.0  # the server idled before it
-        p.record(1, 2, 1.0)  # (a launch of a step's time; refining pays: a whole epoch)
+        p.record(1, 2, 1.0, p.refining)  # (a launch of a step's time; refining pays: a whole epoch)
     assert set(p.rates[0]) == {False} and p.refining  # dropped: the clock restarted there
 
 
