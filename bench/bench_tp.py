@@ -9,7 +9,10 @@ random_weights`: each rank draws only its own share, so a 70B shape needs no che
     start-up copy measurement, and the datasheet's when the card is known);
   - the collectives' share of a batch-1 decode step: rank 0's all-reduce (and all-gather and
     broadcast) time over the wall time of a profiled run (torch.profiler: NCCL kernels on a GPU,
-    the c10d ops on the CPU, a smoke test only: gloo waits for its peers outside them).
+    the c10d ops on the CPU, a smoke test only: gloo waits for its peers outside them);
+  - with `--timeline` (GPU): rank 0's batch-1 decode step by kernel kind, in µs a step. Kernels
+    overlap under programmatic dependent launch (each starts early and waits for the one before),
+    so every instant is charged to the oldest kernel running then, and to "idle" where none runs.
 Every number is printed and written to `--json` as it comes.
 
     python bench/bench_tp.py --shape llama-8b --tp 1,2 --batches 1 --json tp-8b.json
@@ -28,6 +31,7 @@ import time
 from pathlib import Path
 
 import torch
+from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -112,6 +116,50 @@ def collective_share(core: EngineCore, vocab: int) -> dict:
     }
 
 
+KINDS = {  # kernel kinds of a decode step, by a piece of their names (the first that matches)
+    "all_reduce": "allreduce",
+    "other_collectives": "nccl",
+    "gemv": "gemv",
+    "attention": "_decode_kernel",
+    "attention_merge": "_merge_kernel",
+    "gemm": "nvjet",
+    "add": "functor_add",
+}
+
+
+def step_timeline(core: EngineCore, vocab: int, new: int = 64) -> dict:
+    """Rank 0's decode step at batch 1, µs per token by kernel kind (see the module docstring)."""
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        rate = gpu.run_core(core, gpu.prompts(1, vocab, seed=11), new=new)
+        gpu.sync()
+    kernels = sorted(
+        (e.time_range.start, e.time_range.end, e.name.lower())
+        for e in prof.events()
+        if e.device_type == DeviceType.CUDA
+    )
+    first = next((i for i, k in enumerate(kernels) if "gemv" in k[2]), 0)  # (fused decode)
+    steps = rate["tokens"] - 1  # (from the first decode step on: the prompt's pass is eager)
+    return {kind: round(us / steps, 1) for kind, us in charge(kernels[first:]).items()}
+
+
+def charge(kernels: list[tuple[float, float, str]]) -> dict[str, float]:
+    """Time by kernel kind, each instant charged to the oldest kernel running (`kernels`:
+    (start, end, lower-case name), sorted by start), "idle" where none runs; largest first."""
+    edges = sorted({t for start, end, _ in kernels for t in (start, end)})
+    spent: dict[str, float] = {}
+    running: list[tuple[float, float, str]] = []
+    i = 0
+    for a, b in zip(edges, edges[1:], strict=False):
+        while i < len(kernels) and kernels[i][0] <= a:
+            running.append(kernels[i])
+            i += 1
+        running = [k for k in running if k[1] > a]
+        name = running[0][2] if running else ""  # (the oldest: appended in start order)
+        kind = next((k for k, piece in KINDS.items() if piece in name), "other") if name else "idle"
+        spent[kind] = spent.get(kind, 0.0) + b - a
+    return dict(sorted(spent.items(), key=lambda kv: -kv[1]))
+
+
 def bench(shape: str, tp: int, path: Path, base: dict) -> None:
     dtype = "bfloat16" if ARGS.device == "cuda" else "float32"
     config = EngineConfig(
@@ -148,6 +196,8 @@ def bench(shape: str, tp: int, path: Path, base: dict) -> None:
             if tp > 1:
                 for key, value in collective_share(core, vocab).items():
                     record(f"{shape}/tp{tp}/batch1_{key}", value)
+            if ARGS.timeline:
+                record(f"{shape}/tp{tp}/batch1_step_us", step_timeline(core, vocab))
     finally:
         if engine.workers is not None:
             engine.workers.close()
@@ -176,6 +226,7 @@ if __name__ == "__main__":
     parser.add_argument("--new", default=128, type=int, help="new tokens per request")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--json", help="write every number here as it comes")
+    parser.add_argument("--timeline", action="store_true", help="GPU: the batch-1 step by kernel")
     ARGS = parser.parse_args()
     gpu.ARGS = ARGS  # (bench_gpu's helpers read its ARGS.device)
     main()
