@@ -111,13 +111,13 @@ def _speculative_run(
     decode_steps, plan = engine.runner.decode_steps, spec.policy.plan
 
     def counting(seqs, tokens, n, sample, offsets=None):
-        fused_at.append(spec.policy.steps + seqs[0].pending)  # (launches not committed yet)
+        fused_at.append(spec.policy.seen.steps + seqs[0].pending)  # (launches not committed yet)
         return decode_steps(seqs, tokens, n, sample, offsets)
 
     def planned(seq, state, batch):
         k = plan(seq, state, batch)
-        if state.probing and spec.policy.steps not in probes_at:  # (planned again in propose)
-            probes_at.append(spec.policy.steps)
+        if state.probing and spec.policy.seen.steps not in probes_at:  # (planned again in propose)
+            probes_at.append(spec.policy.seen.steps)
         return k
 
     engine.runner.decode_steps, spec.policy.plan = counting, planned

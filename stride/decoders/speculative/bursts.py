@@ -55,11 +55,7 @@ def _loop_choice(spec: Speculative, seqs: list[Sequence]) -> TreeShape | None:
     if any(s.decoder_options != options for s in seqs):
         return None
     policy, batch = spec.policy, len(seqs)
-    timings = policy.timings_at(batch)
-    plain_s = None
-    if timings.plain_s and timings.plain_steps >= policy.PLAIN_WARMUP:
-        plain_s = timings.plain_s * (1 + batch / policy.saturation)
-    return spec.loop.choose(batch, menu(options), plain_s, policy.steps)
+    return spec.loop.choose(batch, menu(options), policy.plain_seconds(batch), policy.seen.steps)
 
 
 def start_burst(spec: Speculative, seqs: list[Sequence], passes: int) -> Burst | None:
@@ -123,8 +119,8 @@ class _EagleBurst(Burst):
         if cycles and self.timed:
             made = sum(len(c) for cycles_of in per_seq for c in cycles_of)
             seconds = time.perf_counter() - since
-            spec.loop.measured(len(self.seqs), self.shape, cycles, seconds, made, policy.steps)
-        policy.steps += cycles
+            spec.loop.measured(len(self.seqs), self.shape, cycles, seconds, made, policy.seen.steps)
+        policy.stepped(cycles)
         for i, (seq, st, cycles) in enumerate(zip(self.seqs, self.states, per_seq, strict=True)):
             tokens = [t for cycle in cycles for t in cycle]
             if seq.status is Status.FINISHED:  # aborted meanwhile: released, nothing to count

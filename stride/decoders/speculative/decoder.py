@@ -189,7 +189,9 @@ class Speculative(Decoder):
     def state(self, seq: Sequence) -> SeqState:
         """`seq`'s speculation state (made on its first step, and again after a preemption)."""
         if seq.decoder_state is None:
-            seq.decoder_state = SeqState(self._drafter(seq.decoder_options), born=self.policy.steps)
+            seq.decoder_state = SeqState(
+                self._drafter(seq.decoder_options), born=self.policy.seen.steps
+            )
         return seq.decoder_state
 
     # ---- propose and commit ---------------------------------------------------------------
@@ -213,7 +215,7 @@ class Speculative(Decoder):
             state.reserved = 0  # the O(1) path of a quiet step
             return 0
         state = self.state(seq)
-        k = policy.plan(seq, state, policy.last_batch)
+        k = policy.plan(seq, state, policy.seen.batch)
         if k and seq.decoder_options["adaptive"]:
             policy.planned = True
         k = min(k, cap)
@@ -271,7 +273,9 @@ class Speculative(Decoder):
             return Proposal(plain_steps=UNLIMITED)
         if all(self.in_loop(s) for s in seqs):
             shapes = menu(seqs[0].decoder_options)
-            return Proposal(plain_steps=self.loop.plain_steps(len(seqs), shapes, self.policy.steps))
+            return Proposal(
+                plain_steps=self.loop.plain_steps(len(seqs), shapes, self.policy.seen.steps)
+            )
         return Proposal(plain_steps=self.policy.quiet_steps(len(seqs)))
 
     def _draft(
@@ -322,11 +326,12 @@ class Speculative(Decoder):
                     keep_recent(seq)
             passes = max(c.forward_passes for c in commits)
             policy.measured(len(seqs), len(seqs), False, ctx, passes)
-            policy.advance(passes)
+            policy.stepped(passes)
+            policy.end_step()
             return commits
         logits = scored.logits
         assert logits is not None
-        policy.steps += 1
+        policy.stepped(1)
         states = [self.state(s) for s in seqs]
         drafted = [st.draft or Draft([]) for st in states]
         trees = [st.tree or Tree.chain(d.tokens) for st, d in zip(states, drafted, strict=True)]
