@@ -365,7 +365,7 @@ def test_a_step_drafts_only_if_its_drafts_pay_for_it_at_this_batch_size(tiny_dir
         dec.policy.seen.batch = batch
         dec.policy.seen.hold = dec.policy.seen.hold if keep_hold else None
         dec.policy.seen.idle = None
-        dec.policy.quiet = False
+        dec.quiet = False
         seqs = []
         for i in range(batch):
             seq = Sequence(f"s{i}", repeats if i < hits else plain, greedy(8), "speculative")
@@ -439,8 +439,8 @@ def test_a_quiet_step_proposes_nothing_and_commits_like_ar(tiny_dir):
     # An earlier step found drafts would not pay:
     dec.policy.seen.hold = (bucket(8), dec.policy.seen.steps + 100)
     dec.policy.seen.batch = 8
-    dec.policy.quiet = dec.policy.quiet_at(8)
-    assert dec.policy.quiet
+    dec.quiet = dec.policy.quiet_at(8)
+    assert dec.quiet
 
     def no_lookup(*args):
         raise AssertionError("a quiet step looked up drafts")
@@ -459,7 +459,7 @@ def test_a_quiet_step_proposes_nothing_and_commits_like_ar(tiny_dir):
     # A request with a fixed K is not the policy's to silence: it drafts in a quiet step too.
     fixed = Sequence("fixed", repeats, greedy(8), "speculative")
     fixed.decoder_options = dec.validate(fixed.params, spec("ngram", ngram_max=2))
-    assert dec.policy.quiet and dec.extra_tokens(fixed, cap=K) == K
+    assert dec.quiet and dec.extra_tokens(fixed, cap=K) == K
 
 
 def test_plain_proposals_promise_quiet_steps_up_to_the_next_plan(tiny_dir):
@@ -495,9 +495,9 @@ def test_plain_proposals_promise_quiet_steps_up_to_the_next_plan(tiny_dir):
     dec.policy.seen.hold = (bucket(1), dec.policy.seen.steps + 10)
     assert plain_steps(seq) == 10 and plain_steps(seq, request()) == 1
     run_plain(seq, 4)
-    assert dec.policy.seen.steps == 4 and dec.policy.quiet and plain_steps(seq) == 6
+    assert dec.policy.seen.steps == 4 and dec.quiet and plain_steps(seq) == 6
     run_plain(seq, 6)
-    assert not dec.policy.quiet  # the re-check is due: the next step plans
+    assert not dec.quiet  # the re-check is due: the next step plans
     assert any(p.tokens for p in proposals(seq))
     assert plain_steps(request(num_speculative_tokens=0)) > 8  # never drafts
     nothing_to_look_up = (5, 6, 7, 8, 9, 10)

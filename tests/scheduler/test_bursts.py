@@ -115,10 +115,11 @@ def _speculative_run(
         return decode_steps(seqs, tokens, n, sample, offsets)
 
     def planned(seq, state, batch):
-        k = plan(seq, state, batch)
-        if state.probing and spec.policy.seen.steps not in probes_at:  # (planned again in propose)
-            probes_at.append(spec.policy.seen.steps)
-        return k
+        made = plan(seq, state, batch)
+        steps = spec.policy.seen.steps
+        if made.probing and steps not in probes_at:  # (planned again in propose)
+            probes_at.append(steps)
+        return made
 
     engine.runner.decode_steps, spec.policy.plan = counting, planned
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)

@@ -14,7 +14,7 @@ from stride.decoders.speculative.cycles import CycleResult, reach
 from stride.decoders.speculative.device_tree import TreeShape
 from stride.decoders.speculative.eagle import EagleDrafter
 from stride.decoders.speculative.loop_policy import LoopPolicy, menu
-from stride.decoders.speculative.policy import AdaptivePolicy
+from stride.decoders.speculative.policy import AdaptivePolicy, StepPlans
 from stride.decoders.speculative.state import SeqState
 from stride.engine.engine import Engine
 from stride.engine.kv_cache import OutOfBlocks
@@ -28,12 +28,15 @@ class Speculative(Protocol):
     eagle: EagleDrafter | None
     policy: AdaptivePolicy
     loop: LoopPolicy
+    plans: StepPlans
 
     def state(self, seq: Sequence) -> SeqState: ...
 
     def in_loop(self, seq: Sequence) -> bool: ...
 
     def record(self, seq: Sequence, state: SeqState, drafted: int, accepted: int) -> None: ...
+
+    def committed(self) -> None: ...
 
 
 def loop_shape(seq: Sequence, state: SeqState) -> TreeShape | None:
@@ -89,7 +92,7 @@ def start_burst(spec: Speculative, seqs: list[Sequence], passes: int) -> Burst |
             spec.engine.cache.reserve(seq, seq.num_cached + reach(shape, cycles))
     except OutOfBlocks:
         return None  # what was reserved goes back at commit (the core trims)
-    spec.policy.burst_started()
+    spec.plans = StepPlans()  # (the step its sequences' plans were for runs as the burst)
     # (a burst that captures its graph is not timed: the capture would price the shape)
     timed = eagle.cycles.warm(len(seqs), shape)
     return _EagleBurst(spec, seqs, states, shape, eagle.burst(seqs, shape, cycles), timed)
@@ -138,5 +141,5 @@ class _EagleBurst(Burst):
                     per_pass=[len(c) for c in cycles],
                 )
             )
-        policy.end_step()
+        spec.committed()
         return out
