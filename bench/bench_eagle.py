@@ -106,7 +106,7 @@ def policy_view(core: EngineCore) -> dict:
     tokens per sequence): where an adaptive request's choices come from."""
     spec = core.decoders.decoders["speculative"]
     view: dict = {}
-    for key, timings in sorted(spec.policy.timings.items()):
+    for key, timings in sorted(spec.policy.seen.timings.items()):
         if timings.plain_s is not None:
             view.setdefault(f"bucket {key}", {})["plain_ms"] = round(timings.plain_s * 1e3, 3)
     for (key, shape), rate in sorted(spec.loop.rates.items(), key=lambda kv: kv[0][0]):

@@ -360,12 +360,12 @@ def test_a_step_drafts_only_if_its_drafts_pay_for_it_at_this_batch_size(tiny_dir
         """Draft tokens per sequence of one step at `batch` whose drafting step measured
         `spec_cost` × a plain one; `hits` sequences find an n-gram to draft."""
         timings = Timings(plain_s=1.0, spec=spec_cost, plain_steps=dec.policy.PLAIN_WARMUP)
-        dec.policy.timings[bucket(batch)] = timings
+        dec.policy.seen.timings[bucket(batch)] = timings
         dec.policy.choices.clear()
-        dec.policy.last_batch = batch
-        dec.policy.hold = dec.policy.hold if keep_hold else None
-        dec.policy.idle = None
-        dec.policy.quiet = False
+        dec.policy.seen.batch = batch
+        dec.policy.seen.hold = dec.policy.seen.hold if keep_hold else None
+        dec.policy.seen.idle = None
+        dec.quiet = False
         seqs = []
         for i in range(batch):
             seq = Sequence(f"s{i}", repeats if i < hits else plain, greedy(8), "speculative")
@@ -374,7 +374,7 @@ def test_a_step_drafts_only_if_its_drafts_pay_for_it_at_this_batch_size(tiny_dir
             state.runs.reached = [10.0] * K
             state.runs.passed = [10.0 if alpha_good else 0.0] * K
             policy = dec.policy  # the probe phase:
-            state.born = policy.steps + 1 - policy.PROBE_EVERY if probe else policy.steps
+            state.born = policy.seen.steps + 1 - policy.PROBE_EVERY if probe else policy.seen.steps
             dec.extra_tokens(seq, cap=K)
             seqs.append(seq)
         reserved = [dec.state(s).reserved for s in seqs]
@@ -398,13 +398,13 @@ def test_a_step_drafts_only_if_its_drafts_pay_for_it_at_this_batch_size(tiny_dir
     dec.state(seq).runs.reached = dec.state(seq).runs.passed = [10.0] * K
     assert dec.extra_tokens(seq, cap=K) == 0
     # When the hold ends, the check runs again; failing again, it holds twice as long.
-    held, until = dec.policy.hold
-    assert until == dec.policy.steps + dec.policy.PROBE_EVERY
-    dec.policy.steps = until
+    held, until = dec.policy.seen.hold
+    assert until == dec.policy.seen.steps + dec.policy.PROBE_EVERY
+    dec.policy.seen.steps = until
     reserved, drafted = step(64, 1.3, hits=4, alpha_good=True, keep_hold=True)
     assert sum(reserved) > 0 and sum(drafted) == 0
-    assert dec.policy.hold == (held, until + 2 * dec.policy.PROBE_EVERY)
-    dec.policy.steps = 0
+    assert dec.policy.seen.hold == (held, until + 2 * dec.policy.PROBE_EVERY)
+    dec.policy.seen.steps = 0
     # Batch 64, probes of 4 sequences (the module's failure on the GPU): none even at 1.0x.
     reserved, drafted = step(64, 1.0, hits=4, alpha_good=False, probe=True)
     assert reserved[:4] == [1] * 4 and sum(drafted) == 0
@@ -435,12 +435,12 @@ def test_a_quiet_step_proposes_nothing_and_commits_like_ar(tiny_dir):
     for seq in seqs:
         dec.state(seq).runs.reached = dec.state(seq).runs.passed = [10.0] * K  # would draft
     warm = dec.policy.PLAIN_WARMUP
-    dec.policy.timings[bucket(8)] = Timings(plain_s=1.0, spec=1.0, plain_steps=warm)
+    dec.policy.seen.timings[bucket(8)] = Timings(plain_s=1.0, spec=1.0, plain_steps=warm)
     # An earlier step found drafts would not pay:
-    dec.policy.hold = (bucket(8), dec.policy.steps + 100)
-    dec.policy.last_batch = 8
-    dec.policy.quiet = dec.policy.quiet_at(8)
-    assert dec.policy.quiet
+    dec.policy.seen.hold = (bucket(8), dec.policy.seen.steps + 100)
+    dec.policy.seen.batch = 8
+    dec.quiet = dec.policy.quiet_at(8)
+    assert dec.quiet
 
     def no_lookup(*args):
         raise AssertionError("a quiet step looked up drafts")
@@ -459,7 +459,7 @@ def test_a_quiet_step_proposes_nothing_and_commits_like_ar(tiny_dir):
     # A request with a fixed K is not the policy's to silence: it drafts in a quiet step too.
     fixed = Sequence("fixed", repeats, greedy(8), "speculative")
     fixed.decoder_options = dec.validate(fixed.params, spec("ngram", ngram_max=2))
-    assert dec.policy.quiet and dec.extra_tokens(fixed, cap=K) == K
+    assert dec.quiet and dec.extra_tokens(fixed, cap=K) == K
 
 
 def test_plain_proposals_promise_quiet_steps_up_to_the_next_plan(tiny_dir):
@@ -491,13 +491,13 @@ def test_plain_proposals_promise_quiet_steps_up_to_the_next_plan(tiny_dir):
     seq = request()
     assert plain_steps(seq) == 1  # plain decoding is being timed: one step at a time
     warm = dec.policy.PLAIN_WARMUP
-    dec.policy.timings[bucket(1)] = Timings(plain_s=1.0, spec=1.0, plain_steps=warm)
-    dec.policy.hold = (bucket(1), dec.policy.steps + 10)
+    dec.policy.seen.timings[bucket(1)] = Timings(plain_s=1.0, spec=1.0, plain_steps=warm)
+    dec.policy.seen.hold = (bucket(1), dec.policy.seen.steps + 10)
     assert plain_steps(seq) == 10 and plain_steps(seq, request()) == 1
     run_plain(seq, 4)
-    assert dec.policy.steps == 4 and dec.policy.quiet and plain_steps(seq) == 6
+    assert dec.policy.seen.steps == 4 and dec.quiet and plain_steps(seq) == 6
     run_plain(seq, 6)
-    assert not dec.policy.quiet  # the re-check is due: the next step plans
+    assert not dec.quiet  # the re-check is due: the next step plans
     assert any(p.tokens for p in proposals(seq))
     assert plain_steps(request(num_speculative_tokens=0)) > 8  # never drafts
     nothing_to_look_up = (5, 6, 7, 8, 9, 10)

@@ -111,14 +111,15 @@ def _speculative_run(
     decode_steps, plan = engine.runner.decode_steps, spec.policy.plan
 
     def counting(seqs, tokens, n, sample, offsets=None):
-        fused_at.append(spec.policy.steps + seqs[0].pending)  # (launches not committed yet)
+        fused_at.append(spec.policy.seen.steps + seqs[0].pending)  # (launches not committed yet)
         return decode_steps(seqs, tokens, n, sample, offsets)
 
     def planned(seq, state, batch):
-        k = plan(seq, state, batch)
-        if state.probing and spec.policy.steps not in probes_at:  # (planned again in propose)
-            probes_at.append(spec.policy.steps)
-        return k
+        made = plan(seq, state, batch)
+        steps = spec.policy.seen.steps
+        if made.probing and steps not in probes_at:  # (planned again in propose)
+            probes_at.append(steps)
+        return made
 
     engine.runner.decode_steps, spec.policy.plan = counting, planned
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)

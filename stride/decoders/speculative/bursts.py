@@ -14,7 +14,7 @@ from stride.decoders.speculative.cycles import CycleResult, reach
 from stride.decoders.speculative.device_tree import TreeShape
 from stride.decoders.speculative.eagle import EagleDrafter
 from stride.decoders.speculative.loop_policy import Choice, LoopPolicy, menu
-from stride.decoders.speculative.policy import AdaptivePolicy
+from stride.decoders.speculative.policy import AdaptivePolicy, StepPlans
 from stride.decoders.speculative.state import SeqState
 from stride.engine.engine import Engine
 from stride.engine.kv_cache import OutOfBlocks
@@ -28,12 +28,15 @@ class Speculative(Protocol):
     eagle: EagleDrafter | None
     policy: AdaptivePolicy
     loop: LoopPolicy
+    plans: StepPlans
 
     def state(self, seq: Sequence) -> SeqState: ...
 
     def in_loop(self, seq: Sequence) -> bool: ...
 
     def record(self, seq: Sequence, state: SeqState, drafted: int, accepted: int) -> None: ...
+
+    def committed(self) -> None: ...
 
 
 def loop_shape(seq: Sequence, state: SeqState) -> TreeShape | None:
@@ -55,11 +58,7 @@ def _loop_choice(spec: Speculative, seqs: list[Sequence]) -> Choice | None:
     if any(s.decoder_options != options for s in seqs):
         return None
     policy, batch = spec.policy, len(seqs)
-    timings = policy.timings_at(batch)
-    plain_s = None
-    if timings.plain_s and timings.plain_steps >= policy.PLAIN_WARMUP:
-        plain_s = timings.plain_s * (1 + batch / policy.saturation)
-    return spec.loop.choose(batch, menu(options), plain_s, policy.steps)
+    return spec.loop.choose(batch, menu(options), policy.plain_seconds(batch), policy.seen.steps)
 
 
 def start_burst(spec: Speculative, seqs: list[Sequence], passes: int) -> Burst | None:
@@ -95,7 +94,7 @@ def start_burst(spec: Speculative, seqs: list[Sequence], passes: int) -> Burst |
             spec.engine.cache.reserve(seq, seq.num_cached + reach(shape, cycles))
     except OutOfBlocks:
         return None  # what was reserved goes back at commit (the core trims)
-    spec.policy.burst_started()
+    spec.plans = StepPlans()  # (the step its sequences' plans were for runs as the burst)
     # (a burst that captures its graph is not timed: the capture would price the shape)
     timed = eagle.cycles.warm(len(seqs), shape)
     return _EagleBurst(spec, seqs, states, shape, eagle.burst(seqs, shape, cycles), timed)
@@ -125,8 +124,8 @@ class _EagleBurst(Burst):
         if cycles and self.timed:
             made = sum(len(c) for cycles_of in per_seq for c in cycles_of)
             seconds = time.perf_counter() - since
-            spec.loop.measured(len(self.seqs), self.shape, cycles, seconds, made, policy.steps)
-        policy.steps += cycles
+            spec.loop.measured(len(self.seqs), self.shape, cycles, seconds, made, policy.seen.steps)
+        policy.stepped(cycles)
         for i, (seq, st, cycles) in enumerate(zip(self.seqs, self.states, per_seq, strict=True)):
             tokens = [t for cycle in cycles for t in cycle]
             if seq.status is Status.FINISHED:  # aborted meanwhile: released, nothing to count
@@ -144,5 +143,5 @@ class _EagleBurst(Burst):
                     per_pass=[len(c) for c in cycles],
                 )
             )
-        policy.end_step()
+        spec.committed()
         return out

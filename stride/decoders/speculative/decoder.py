@@ -13,11 +13,13 @@ Request options (`{"type": "speculative", ...}`):
         chain; unset: a chain, or in the device loop `loop_policy.DEFAULT_TREE` as well)
 
 Step by step: `extra_tokens` asks the policy (`policy.AdaptivePolicy`) for the sequence's K (the
-scheduler reserves KV for it); `propose` drafts for all speculative sequences of the step in
-batched drafter forwards (`drafters`, `eagle`); the target scores the tail's last token and the
-K drafts inside the step's shared ragged forward; `commit` verifies (`verify`). Accepted drafts
-keep their target KV (`kv_keep`, or `kv_from` for a tree's path), the drafter rolls its own state
-back. Where the policy says K = 0 for everyone (a quiet step), every hook does what `ar` does.
+scheduler reserves KV for it) and notes the answer in the step's `StepPlans`; `propose` hands
+those to the policy with the step (`proposed`) and drafts for all speculative sequences of the
+step in batched drafter forwards (`drafters`, `eagle`); the target scores the tail's last token
+and the K drafts inside the step's shared ragged forward; `commit` verifies (`verify`). Accepted
+drafts keep their target KV (`kv_keep`, or `kv_from` for a tree's path), the drafter rolls its
+own state back. Where the policy says K = 0 for everyone (a quiet step, decided once per step by
+`committed`), every hook does what `ar` does.
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ from stride.decoders.speculative.drafters import (
 )
 from stride.decoders.speculative.eagle import EagleDrafter, keep_recent
 from stride.decoders.speculative.loop_policy import LoopPolicy, menu
-from stride.decoders.speculative.policy import MAX_K, AdaptivePolicy
+from stride.decoders.speculative.policy import MAX_K, AdaptivePolicy, StepPlans
 from stride.decoders.speculative.state import SeqState
 from stride.decoders.speculative.tree import Tree
 from stride.decoders.speculative.verify import paths, verify_greedy, verify_sampled
@@ -106,6 +108,8 @@ class Speculative(Decoder):
         self.default_k = num_speculative_tokens
         saturation = saturation_tokens or (256.0 if engine.device.type == "cuda" else 16.0)
         self.policy = AdaptivePolicy(saturation, measure_costs)
+        self.plans = StepPlans()  # the next step's, as its sequences reserve (`extra_tokens`)
+        self.quiet = self.policy.quiet_at(self.policy.seen.batch)  # the next step (`committed`)
         self.draft_model = DraftModelDrafter(engine, draft_model) if draft_model else None
         self.eagle = EagleDrafter(engine, Path(draft_head)) if draft_head else None
         # Adaptive EAGLE requests draft in the device loop only, where it runs as CUDA graphs.
@@ -189,7 +193,9 @@ class Speculative(Decoder):
     def state(self, seq: Sequence) -> SeqState:
         """`seq`'s speculation state (made on its first step, and again after a preemption)."""
         if seq.decoder_state is None:
-            seq.decoder_state = SeqState(self._drafter(seq.decoder_options), born=self.policy.steps)
+            seq.decoder_state = SeqState(
+                self._drafter(seq.decoder_options), born=self.policy.seen.steps
+            )
         return seq.decoder_state
 
     # ---- propose and commit ---------------------------------------------------------------
@@ -209,29 +215,30 @@ class Speculative(Decoder):
         if self.in_loop(seq):  # the loop reserves its own slots (`bursts.start_burst`)
             self.state(seq).reserved = 0
             return 0
-        if policy.quiet and state is not None and seq.decoder_options["adaptive"]:
+        if self.quiet and state is not None and seq.decoder_options["adaptive"]:
             state.reserved = 0  # the O(1) path of a quiet step
             return 0
         state = self.state(seq)
-        k = policy.plan(seq, state, policy.last_batch)
-        if k and seq.decoder_options["adaptive"]:
-            policy.planned = True
-        k = min(k, cap)
+        plan = policy.plan(seq, state, policy.seen.batch)
+        self.plans.add(plan, seq.decoder_options["adaptive"])
+        k = min(plan.k, cap)
         state.reserved = state.drafter.available(seq, k) if k else 0
         nodes = seq.decoder_options.get("tree_nodes", 0)
         if state.reserved and nodes:  # a tree of depth k: its nodes are scored
             state.depth = state.reserved
             state.reserved = min(max(nodes, k), cap)
-        policy.reserved = policy.reserved or state.reserved > 0
+        self.plans.reserved = self.plans.reserved or state.reserved > 0
         return state.reserved
 
     def propose(self, seqs: list[Sequence], ctx: StepContext) -> list[Proposal]:
-        policy = self.policy
-        if not policy.begin_step(len(seqs)):  # nothing to draft: a plain step, as `ar` makes it
-            policy.drafted = False
+        policy, plans = self.policy, self.plans
+        self.plans = StepPlans()
+        if not plans.reserved:  # nothing to draft: a plain step, as `ar` makes it
+            policy.proposed(len(seqs), plans, self.quiet, None)
             return [self._plain(seqs)] * len(seqs)
         states = [self.state(s) for s in seqs]
-        ks = policy.plan_step(seqs, states)
+        ks, pays = policy.plan_step(seqs, states)
+        policy.proposed(len(seqs), plans, self.quiet, pays)
         by_drafter: dict[int, list[int]] = {}
         for i, st in enumerate(states):
             by_drafter.setdefault(id(st.drafter), []).append(i)
@@ -251,8 +258,7 @@ class Speculative(Decoder):
             if seq.grammar is not None and made[i].tokens:
                 made[i] = _within_grammar(seq, st, made[i])
             st.draft = made[i]
-        policy.drafted = any(d.tokens for d in made)
-        if not policy.drafted:
+        if not any(d.tokens for d in made):
             return [self._plain(seqs)] * len(seqs)
         return [_proposal(s, st, d) for s, st, d in zip(seqs, states, made, strict=True)]
 
@@ -271,7 +277,9 @@ class Speculative(Decoder):
             return Proposal(plain_steps=UNLIMITED)
         if all(self.in_loop(s) for s in seqs):
             shapes = menu(seqs[0].decoder_options)
-            return Proposal(plain_steps=self.loop.plain_steps(len(seqs), shapes, self.policy.steps))
+            return Proposal(
+                plain_steps=self.loop.plain_steps(len(seqs), shapes, self.policy.seen.steps)
+            )
         return Proposal(plain_steps=self.policy.quiet_steps(len(seqs)))
 
     def _draft(
@@ -322,11 +330,12 @@ class Speculative(Decoder):
                     keep_recent(seq)
             passes = max(c.forward_passes for c in commits)
             policy.measured(len(seqs), len(seqs), False, ctx, passes)
-            policy.advance(passes)
+            policy.stepped(passes)
+            self.committed()
             return commits
         logits = scored.logits
         assert logits is not None
-        policy.steps += 1
+        policy.stepped(1)
         states = [self.state(s) for s in seqs]
         drafted = [st.draft or Draft([]) for st in states]
         trees = [st.tree or Tree.chain(d.tokens) for st, d in zip(states, drafted, strict=True)]
@@ -360,8 +369,13 @@ class Speculative(Decoder):
             st.draft, st.tree = None, None
             commits.append(Commit(tokens, lps, kv_keep=n_acc, kv_from=None if chain else path))
         policy.measured(len(seqs), sum(1 + len(p.tokens) for p in proposals), True, ctx)
-        policy.end_step()
+        self.committed()
         return commits
+
+    def committed(self) -> None:
+        """A step was committed: decide once whether the next one is quiet (`quiet_at` the
+        batch size its sequences reserve at), so that its `extra_tokens` need not ask."""
+        self.quiet = self.policy.quiet_at(self.policy.seen.batch)
 
     def record(self, seq: Sequence, state: SeqState, drafted: int, accepted: int) -> None:
         """A verification's counts, in the request's stats and in the policy's estimates."""

@@ -5,6 +5,16 @@ picks the K ≤ K_max with the largest goodput G(K) = E(K)·T0/T(K), and K = 0 (
 drafter work) unless the best G beats 1 by 5 %. B, the number of speculative sequences in the
 step, is the previous step's when reserving, the actual one when drafting.
 
+Observations and decisions. Everything the policy knows is one record, `Observed`: the step
+costs per batch size, each drafter's cost and acceptance prior, the verification step count,
+the last step's batch size, and what its checks found (holds and idle periods, below). Only the
+observation methods write it (`proposed`, `stepped`, `measured`, `drafter_timed`, `record`);
+the decisions (`plan`, `plan_step`, `quiet_at`, `quiet_steps`) read it and their arguments, so
+asking again (a sequence is planned when it reserves and again when the step drafts) changes
+nothing, and what the policy does next follows from what it has seen. What one step's plans
+found is the step's, not the policy's: the decoder gathers it (`StepPlans`) and hands it to
+`proposed` with the step.
+
 What it measures. `spec` and `draft` are measured relative to `plain` (moving averages of wall
 times): decode-only verification steps with drafts (through their per-row commit) against
 those without (they differ a lot on a GPU, where plain decode steps replay CUDA graphs and
@@ -37,16 +47,19 @@ drafter lookups, no reserved KV), then the check runs again; from `BACKOFF_BATCH
 that fails again doubles the wait (up to `REMEASURE_EVERY` steps).
 
 Quiet steps. Where speculation does not pay, a speculative request must cost what an `ar`
-request costs. A step is quiet (`quiet_at`) when the answer is K = 0 for every adaptive
-sequence without asking per sequence: while plain decoding is being timed at the batch size,
-during a hold, and after a step whose plans were all K = 0, until the next probe (estimates
-change only when drafts are scored). Then the decoder does what `ar` does, and the core may
-launch the next step ahead (nothing is timed against a quiet step) or run the quiet period as a
-burst (`quiet_steps`: a burst ends before the period does, so that the probe or re-check
-there happens in the step it would have happened in anyway).
+request costs. A step is quiet (`quiet_at`, asked once when the step before it commits) when
+the answer is K = 0 for every adaptive sequence without asking per sequence: while plain
+decoding is being timed at the batch size, during a hold, and after a step whose plans were all
+K = 0, until the next probe (estimates change only when drafts are scored). Then the decoder
+does what `ar` does, and the core may launch the next step ahead (nothing is timed against a
+quiet step) or run the quiet period as a burst (`quiet_steps`: a burst ends before the period
+does, so that the probe or re-check there happens in the step it would have happened in anyway).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from stride.decoders.base import StepContext
 from stride.decoders.speculative.costs import (
@@ -63,10 +76,53 @@ from stride.decoders.speculative.state import SeqState
 from stride.engine.sequence import Sequence
 
 MAX_K = 16  # the most drafts a request may ask for per step
+UNTIMED = Timings()  # what is measured at a bucket before anything is (never written)
+
+Period = tuple[int, int]  # (bucket, step): at that batch-size bucket, until that step
+
+
+@dataclass
+class Observed:
+    """What the policy has observed; only its observation methods write it."""
+
+    hold_steps: int  # the next hold's length (doubles while checks fail)
+    steps: int = 0  # verification steps so far (a burst's passes count one each)
+    batch: int = 1  # speculative sequences in the last proposed step
+    timings: dict[int, Timings] = field(default_factory=dict)  # bucket(batch) → step costs
+    draft_ratio: dict[int, float] = field(default_factory=dict)  # id(drafter) → StepCosts.draft
+    prior: dict[str, list[float]] = field(default_factory=dict)  # drafter name → rates, all seqs
+    hold: Period | None = None  # a step there found its drafts would not pay: none until then
+    idle: Period | None = None  # a step planned there gave every adaptive sequence K = 0
+
+
+class Plan(NamedTuple):
+    """A sequence's drafts for a step, before the step as a whole is priced."""
+
+    k: int
+    probing: bool = False  # k is a probe's (priced as one good draft: `step_pays`)
+    probe_at: int | None = None  # k = 0 until a probe due at this step
+
+
+@dataclass
+class StepPlans:
+    """What the plans of a step's sequences found (their `extra_tokens`), for its proposal:
+    the decoder gathers them and hands them to `AdaptivePolicy.proposed`."""
+
+    reserved: bool = False  # some sequence reserved drafts (else the step drafts nothing)
+    planned: bool = False  # some adaptive sequence's plan had K > 0
+    next_probe: int | None = None  # the earliest step a probe of a sequence planned K = 0 is due
+
+    def add(self, plan: Plan, adaptive: bool) -> None:
+        """A sequence's plan (`adaptive`: its K is the policy's to choose)."""
+        self.planned = self.planned or bool(plan.k and adaptive)
+        if plan.probe_at is not None and (
+            self.next_probe is None or plan.probe_at < self.next_probe
+        ):
+            self.next_probe = plan.probe_at
 
 
 class AdaptivePolicy:
-    """The speculative decoder's K per sequence and step, and the measurements behind it."""
+    """The speculative decoder's K per sequence and step, from what it observed (`seen`)."""
 
     DECAY = 0.8  # of a sequence's acceptance counts, per verification
     PRIOR_WEIGHT = 3.0  # how many verifications the drafter's prior counts as
@@ -80,29 +136,21 @@ class AdaptivePolicy:
     def __init__(self, saturation: float, measure_costs: bool = True) -> None:
         self.saturation = saturation
         self.measure_costs = measure_costs
-        self.steps = 0  # verification steps so far (a burst's passes count one each)
-        self.last_batch = 1  # speculative sequences in the last step
-        self.prior: dict[str, list[float]] = {}  # drafter name → rates over all sequences
-        self.timings: dict[int, Timings] = {}  # bucket(batch) → its measured step costs
-        self.draft_ratio: dict[int, float] = {}  # id(drafter) → StepCosts.draft measured
-        self.drafted = False  # the last proposed step drafted
-        self.hold: tuple[int, int] | None = None  # (bucket, step): no drafts there until then
-        self.hold_steps = self.PROBE_EVERY  # the next hold's length (doubles while checks fail)
-        self.idle: tuple[int, int] | None = None  # (bucket, step): every plan K = 0 until then
-        self.quiet = measure_costs  # this step: K = 0 for every adaptive sequence, unplanned
-        self.planned = False  # this step: some adaptive sequence's plan had K > 0
-        self.next_probe: int | None = None  # this step's plans: the earliest step to probe in
-        self.reserved = False  # this step: some sequence reserved drafts
-        self.choices: dict[tuple, int] = {}  # choose_k's answers under the current costs
+        self.seen = Observed(hold_steps=self.PROBE_EVERY)
+        self.choices: dict[tuple, int] = {}  # choose_k's answers under the observed costs
 
     # ---- costs ------------------------------------------------------------------------------
 
     def timings_at(self, batch: int) -> Timings:
-        key = bucket(batch)
-        timings = self.timings.get(key)  # (setdefault would build a record every step)
-        if timings is None:
-            timings = self.timings[key] = Timings()
-        return timings
+        """What is measured at `batch`'s bucket (reading it adds no record there)."""
+        return self.seen.timings.get(bucket(batch), UNTIMED)
+
+    def plain_seconds(self, batch: int) -> float | None:
+        """A plain step of `batch` sequences, in seconds (None: not timed there yet)."""
+        timings = self.timings_at(batch)
+        if not timings.plain_s or timings.plain_steps < self.PLAIN_WARMUP:
+            return None
+        return timings.plain_s * (1 + batch / self.saturation)
 
     def stale(self, timings: Timings) -> bool:
         """No drafting step measured at this batch size, or none lately: price from sizes."""
@@ -112,19 +160,19 @@ class AdaptivePolicy:
         timings = self.timings_at(batch)
         if not self.measure_costs or self.stale(timings):  # sizes: drafting gets (re)measured
             return StepCosts(self.saturation, draft=drafter.cost)
-        draft = self.draft_ratio.get(id(drafter), drafter.cost)
+        draft = self.seen.draft_ratio.get(id(drafter), drafter.cost)
         return StepCosts(self.saturation, spec=timings.spec, draft=draft)
 
     def alpha(self, state: SeqState, k_max: int) -> tuple[float, ...]:
         """The sequence's acceptance per draft position, on top of the drafter's."""
-        prior = self.prior.get(state.drafter.name)
+        prior = self.seen.prior.get(state.drafter.name)
         prior = (self.PRIOR_ALPHA,) * k_max if prior is None else tuple(prior[:k_max])
         return state.runs.rates(prior, self.PRIOR_WEIGHT)
 
     def choose(self, alpha: Rates, batch: int, k_max: int, drafter: Drafter) -> int:
-        """choose_k, remembered until the costs change: in a large batch most sequences share
-        alpha (the drafter's prior, at K = 0), so a step evaluates the policy a few times, not
-        once per sequence."""
+        """choose_k, remembered until costs are observed again: in a large batch most sequences
+        share alpha (the drafter's prior, at K = 0), so a step evaluates the policy a few times,
+        not once per sequence."""
         key = (alpha, batch, k_max, id(drafter))
         k = self.choices.get(key)
         if k is None:
@@ -133,27 +181,26 @@ class AdaptivePolicy:
 
     # ---- plans ------------------------------------------------------------------------------
 
-    def plan(self, seq: Sequence, state: SeqState, batch: int) -> int:
+    def plan(self, seq: Sequence, state: SeqState, batch: int) -> Plan:
         """The sequence's K for this step at `batch` (before the step as a whole is priced)."""
-        state.probing = False
         k_max = seq.decoder_options["num_speculative_tokens"]
         if not seq.decoder_options["adaptive"] or k_max == 0:
-            return k_max
+            return Plan(k_max)
+        seen = self.seen
         if self.measure_costs and self.timings_at(batch).plain_steps < self.PLAIN_WARMUP:
-            return 0  # measure plain decoding first: it is what speculation must beat
-        if self.hold and self.hold[0] == bucket(batch) and self.steps < self.hold[1]:
-            return 0  # a step at this batch size just found its drafts would not pay
+            return Plan(0)  # measure plain decoding first: it is what speculation must beat
+        if seen.hold and seen.hold[0] == bucket(batch) and seen.steps < seen.hold[1]:
+            return Plan(0)  # a step at this batch size just found its drafts would not pay
         k = self.choose(self.alpha(state, k_max), batch, k_max, state.drafter)
         good_k = self.choose(self.PROBE_ALPHA, batch, k_max, state.drafter) if k == 0 else 0
-        if good_k:
-            # Speculation would pay at this batch size if drafts were good: probe now and then,
-            # all such sequences in the same step (one draft-scoring step, not many).
-            wait = -(self.steps - state.born + 1) % self.PROBE_EVERY
-            if wait == 0:
-                k, state.probing = self.probe_k(batch, good_k), True
-            elif self.next_probe is None or self.steps + wait < self.next_probe:
-                self.next_probe = self.steps + wait
-        return k
+        if not good_k:
+            return Plan(k)
+        # Speculation would pay at this batch size if drafts were good: probe now and then, all
+        # such sequences in the same step (one draft-scoring step, not many).
+        wait = -(seen.steps - state.born + 1) % self.PROBE_EVERY
+        if wait == 0:
+            return Plan(self.probe_k(batch, good_k), probing=True)
+        return Plan(0, probe_at=seen.steps + wait)
 
     def probe_k(self, batch: int, good_k: int) -> int:
         """A probe drafts what good drafts would (it measures how far runs go, not only the
@@ -161,56 +208,40 @@ class AdaptivePolicy:
         s = self.saturation
         return good_k if 1 + batch * (1 + good_k) / s <= 1.1 * (1 + 2 * batch / s) else 1
 
-    def begin_step(self, batch: int) -> bool:
-        """The step's proposals begin: note an idle period if nobody planned drafts; True if
-        some sequence reserved drafts (else the step is plain and nothing is drafted)."""
-        planned_at, self.last_batch = self.last_batch, max(batch, 1)
-        reserved, planned, next_probe = self.reserved, self.planned, self.next_probe
-        self.reserved = self.planned = False
-        if not planned and not self.quiet:  # the policy said K = 0 to every adaptive sequence
-            until = self.steps + self.PROBE_EVERY  # re-planned at least this often
-            until = until if next_probe is None else min(until, next_probe)
-            self.idle = (bucket(planned_at), until)
-        if not reserved:
-            self.next_probe = None
-        return reserved
-
-    def plan_step(self, seqs: list[Sequence], states: list[SeqState]) -> list[int]:
+    def plan_step(
+        self, seqs: list[Sequence], states: list[SeqState]
+    ) -> tuple[list[int], bool | None]:
         """Each sequence's drafts this step: its reserved K re-planned at the actual batch
-        size, all adaptive ones dropped unless together they pay for a draft-scoring step."""
-        ks = [
-            min(st.reserved, self.plan(s, st, len(seqs))) if st.reserved else 0
+        size, all adaptive ones dropped unless together they pay for a draft-scoring step; and
+        whether they pay (None: there were none to price), for `proposed`."""
+        batch = len(seqs)
+        plans = [
+            self.plan(s, st, batch) if st.reserved else Plan(0)
             for s, st in zip(seqs, states, strict=True)
-        ]  # (for a tree: its depth; it scores up to `reserved` nodes)
-        if any(ks) and not self.step_pays(seqs, states, ks):
-            ks = [0] * len(seqs)
-            # No drafts at this batch size for a while. In a large batch each check that fails
-            # again doubles the wait: a check there costs a lookup per sequence on the step's
-            # critical path; in a small one it is cheap and a missed run of good drafts dear.
-            key = bucket(len(seqs))
-            if self.hold is None or self.hold[0] != key or len(seqs) < self.BACKOFF_BATCH:
-                self.hold_steps = self.PROBE_EVERY
-            self.hold = (key, self.steps + self.hold_steps)
-            self.hold_steps = min(2 * self.hold_steps, self.REMEASURE_EVERY)
-        elif any(ks):  # estimates change with drafts; a passed check ends the backoff
-            self.idle, self.hold_steps = None, self.PROBE_EVERY
-        self.next_probe = None  # (the plans above are this step's, not the next one's)
-        return ks
+        ]
+        # (for a tree: its depth; it scores up to `reserved` nodes)
+        ks = [min(st.reserved, p.k) for st, p in zip(states, plans, strict=True)]
+        if not any(ks):
+            return ks, None
+        if self.step_pays(seqs, states, plans, ks):
+            return ks, True
+        return [0] * batch, False
 
-    def step_pays(self, seqs: list[Sequence], states: list[SeqState], ks: list[int]) -> bool:
-        """Do the adaptive drafts of this step, together, pay for a draft-scoring step?"""
+    def step_pays(
+        self, seqs: list[Sequence], states: list[SeqState], plans: list[Plan], ks: list[int]
+    ) -> bool:
+        """Do the adaptive drafts `ks` of this step, together, pay for a draft-scoring step?"""
         if any(k and not s.decoder_options["adaptive"] for s, k in zip(seqs, ks, strict=True)):
             return True  # fixed K drafts anyway: the step scores drafts whatever we decide
         drafts: dict[int, list[tuple[Rates, int]]] = {}  # by drafter: each prices its forwards
-        for st, k in zip(states, ks, strict=True):
+        for st, plan, k in zip(states, plans, ks, strict=True):
             if k:  # a probe is priced as one draft: its others cost next to nothing (probe_k)
-                priced = (self.PROBE_ALPHA, 1) if st.probing else (self.alpha(st, k), k)
+                priced = (self.PROBE_ALPHA, 1) if plan.probing else (self.alpha(st, k), k)
                 drafts.setdefault(id(st.drafter), []).append(priced)
         by_id = {id(st.drafter): st.drafter for st in states}
         batch = len(seqs)
         return all(
-            self.costs(by_id[d], batch).step_gain(batch, ds) >= MIN_GAIN
-            for d, ds in drafts.items()
+            self.costs(by_id[d], batch).step_gain(batch, ds) >= MIN_GAIN for d, ds in drafts.items()
         )
 
     # ---- quiet steps ------------------------------------------------------------------------
@@ -230,26 +261,44 @@ class AdaptivePolicy:
         """How many steps from this one on are quiet at `batch`: until its hold or idle period
         ends. 1 while plain decoding is being timed there: those steps run one by one."""
         until = self._quiet_until(batch)
-        return 1 if until is None else until - self.steps
+        return 1 if until is None else until - self.seen.steps
 
     def _quiet_until(self, batch: int) -> int | None:
         """The step at which the quiet run at `batch` (see `quiet_at`) ends; None: not quiet."""
+        seen = self.seen
         if self.measure_costs and self.timings_at(batch).plain_steps < self.PLAIN_WARMUP:
-            return self.steps + 1
+            return seen.steps + 1
         key = bucket(batch)
-        ends = [p[1] for p in (self.hold, self.idle) if p is not None and p[0] == key]
-        return max((end for end in ends if end > self.steps), default=None)
+        ends = [p[1] for p in (seen.hold, seen.idle) if p is not None and p[0] == key]
+        return max((end for end in ends if end > seen.steps), default=None)
 
-    def end_step(self) -> None:
-        """A step was verified (and `steps` counted it): is the next one quiet?"""
-        self.quiet = self.quiet_at(self.last_batch)
+    # ---- observing --------------------------------------------------------------------------
 
-    def advance(self, steps: int) -> None:
-        """`steps` quiet steps ran as a burst: count them, as if run one by one."""
-        self.steps += steps
-        self.end_step()
+    def proposed(self, batch: int, plans: StepPlans, quiet: bool, pays: bool | None) -> None:
+        """A step of `batch` sequences was proposed after `plans` (made at the last step's
+        batch size; `quiet`: without asking the policy per adaptive sequence), its drafts
+        priced as a whole by `plan_step` with the answer `pays`."""
+        seen = self.seen
+        planned_at, seen.batch = seen.batch, max(batch, 1)
+        if not plans.planned and not quiet:  # the policy said K = 0 to every adaptive sequence
+            until = seen.steps + self.PROBE_EVERY  # re-planned at least this often
+            until = until if plans.next_probe is None else min(until, plans.next_probe)
+            seen.idle = (bucket(planned_at), until)
+        if pays:  # estimates change with drafts; a passed check ends the backoff
+            seen.idle, seen.hold_steps = None, self.PROBE_EVERY
+        elif pays is not None:
+            # No drafts at this batch size for a while. In a large batch each check that fails
+            # again doubles the wait: a check there costs a lookup per sequence on the step's
+            # critical path; in a small one it is cheap and a missed run of good drafts dear.
+            key = bucket(batch)
+            if seen.hold is None or seen.hold[0] != key or batch < self.BACKOFF_BATCH:
+                seen.hold_steps = self.PROBE_EVERY
+            seen.hold = (key, seen.steps + seen.hold_steps)
+            seen.hold_steps = min(2 * seen.hold_steps, self.REMEASURE_EVERY)
 
-    # ---- measuring --------------------------------------------------------------------------
+    def stepped(self, passes: int) -> None:
+        """`passes` verification steps ran (a burst's passes count one each)."""
+        self.seen.steps += passes
 
     def measured(
         self, batch: int, tokens: int, drafted: bool, ctx: StepContext, passes: int = 1
@@ -259,7 +308,10 @@ class AdaptivePolicy:
         its cost per pass into the step costs of its batch size."""
         if not self.measure_costs or ctx.timing is None:
             return
-        timings = self.timings_at(batch)
+        key = bucket(batch)
+        timings = self.seen.timings.get(key)  # (setdefault would build a record every step)
+        if timings is None:
+            timings = self.seen.timings[key] = Timings()
         seconds = ctx.timing / passes / (1 + tokens / self.saturation)
         if not drafted:
             # The first steps at a batch size can be slow once (allocation, kernel selection):
@@ -276,12 +328,14 @@ class AdaptivePolicy:
         self.choices.clear()
 
     def drafter_timed(self, drafter: Drafter, seconds: float, positions: int, rows: int) -> None:
-        """A drafter's forwards took `seconds` for `positions` draft positions of `rows`."""
-        plain_s = self.timings_at(self.last_batch).plain_s
+        """A drafter's forwards took `seconds` for `positions` draft positions of `rows`, in
+        the step last proposed."""
+        plain_s = self.timings_at(self.seen.batch).plain_s
         if plain_s:
             per_position = seconds / positions
             ratio = per_position / (1 + rows / self.saturation) / plain_s
-            self.draft_ratio[id(drafter)] = ema(self.draft_ratio.get(id(drafter)), ratio)
+            ratios = self.seen.draft_ratio
+            ratios[id(drafter)] = ema(ratios.get(id(drafter)), ratio)
             self.choices.clear()
 
     def record(self, state: SeqState, drafted: int, accepted: int) -> None:
@@ -290,11 +344,6 @@ class AdaptivePolicy:
         if drafted == 0:
             return
         state.runs.add(drafted, accepted, self.DECAY)
-        prior = self.prior.setdefault(state.drafter.name, [self.PRIOR_ALPHA] * MAX_K)
+        prior = self.seen.prior.setdefault(state.drafter.name, [self.PRIOR_ALPHA] * MAX_K)
         for i in range(min(accepted + 1, drafted)):  # a slow average over all sequences
             prior[i] += 0.05 * ((i < accepted) - prior[i])
-
-    def burst_started(self) -> None:
-        """A burst of drafting passes runs on the device this step: nothing of it is timed."""
-        self.reserved = self.planned = False  # (what `begin_step` would have reset)
-        self.next_probe, self.drafted = None, True

@@ -44,7 +44,6 @@ class SeqState:
     runs: Runs = field(default_factory=Runs)  # how far this sequence's drafts go
     reserved: int = 0  # K that extra_tokens reserved for this step
     depth: int = 0  # a tree's depth this step (its K; `reserved` is then its nodes)
-    probing: bool = False  # this step's K is a probe (see `AdaptivePolicy.plan`)
     born: int = 0  # the policy's step count when this state was made: the probe phase
     draft: Draft | None = None  # this step's drafts, until they are verified
     tree: Tree | None = None  # this step's draft tree (greedy EAGLE requests with tree_nodes)
