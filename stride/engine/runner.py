@@ -9,9 +9,10 @@ commit decides how many of them stay.
 On a GPU the layers run through fused Triton kernels (`fused.FusedForward`), and short causal
 spans (a decode token, a speculative tail plus its drafts, a Jacobi window) skip the general
 path: each of their tokens becomes one row of a decode step replayed as a CUDA graph
-(`cuda_graphs.DecodeGraphs`), and whatever else the step holds (prefill chunks, lookahead's
-masked branches) runs eagerly beside them. Both write disjoint KV slots, so the split is
-invisible to callers.
+(`cuda_graphs.DecodeGraphs`). Masked spans (lookahead's branches) run as decode rows too, in
+one eager pass whose attention takes each row's mask over its span (`_forward_rows`), and
+whatever else the step holds (prefill chunks) runs eagerly on the general path. All write
+disjoint KV slots, so the split is invisible to callers.
 
 A span may hold MASK slots (`adapter.MASK_TOKEN`, the `introspective` refine method): with a
 `MaskAdapter` attached, a pass that has any runs the module forward with the adapter gated to
@@ -34,7 +35,7 @@ from stride.engine import fused
 from stride.engine.adapter import MASK_TOKEN, MaskAdapter
 from stride.engine.attention import AttentionMetadata, use_planless_sdpa
 from stride.engine.cuda_graphs import DecodeGraphs
-from stride.engine.kernels.decode_attention import decode_kernel_supported
+from stride.engine.kernels.decode_attention import DecodeMetadata, decode_kernel_supported
 from stride.engine.kv_cache import KVCache
 from stride.engine.model import CausalLM
 from stride.engine.sequence import Sequence
@@ -177,6 +178,10 @@ class ModelRunner:
             rows += len(c.token_ids)
         if group:
             self._forward_graph(spans, group, out, fed)
+        rows = [i for i, o in enumerate(out) if o is None and self._as_rows(spans[i])]
+        if rows:
+            for i, logits in zip(rows, self._forward_rows([spans[i] for i in rows]), strict=True):
+                out[i] = logits
         rest = [i for i, o in enumerate(out) if o is None]
         if rest:
             eager = self._forward_eager([spans[i] for i in rest], num_layers)
@@ -249,6 +254,67 @@ class ModelRunner:
             and len(c.seq.block_table) <= self.graphs.max_blocks
             and MASK_TOKEN not in c.token_ids
         )
+
+    def _as_rows(self, c: Span) -> bool:
+        """A short masked span (lookahead's branches, a draft tree verified outside the device
+        loop) runs as decode rows (`_forward_rows`) where the graphs run; long ones, a prompt
+        with a proposal riding along, stay on the general path, which reads a context once."""
+        n = len(c.token_ids)
+        context = c.seq.num_cached + c.offset + n
+        return (
+            c.mask is not None
+            and n <= MAX_GRAPH_QUERY
+            and n * context * self._kv_bytes_per_token <= GRAPH_KV_READ
+            and MASK_TOKEN not in c.token_ids
+        )
+
+    def _forward_rows(self, spans: list[Span]) -> list[torch.Tensor]:
+        """Masked spans as decode rows of one eager pass: each token a row whose context ends at
+        its own slot and that sees, of the slots its span's mask covers, what the mask allows
+        (`DecodeMetadata.tree_mask`). The paged decode kernel reads each row's keys from its
+        blocks: no padded gather of every context, no dense mask, no per-layer SDPA of a dozen
+        kernels (the general path's cost, which made a lookahead step 20 plain ones)."""
+        bs, width = self.cache.block_size, max(c.mask.shape[1] for c in spans)
+        tokens: list[int] = []
+        positions: list[int] = []
+        ends: list[int] = []  # each row's context length (its own slot is the last)
+        firsts: list[int] = []  # where its span's mask starts in its context
+        tables: list[list[int]] = []
+        masks = torch.zeros(sum(len(c.token_ids) for c in spans), width, dtype=torch.bool)
+        logit_rows: list[int] = []
+        for c in spans:
+            start, n, w = c.seq.num_cached + c.offset, len(c.token_ids), c.mask.shape[1]
+            masks[len(tokens) : len(tokens) + n, :w] = c.mask.cpu()
+            logit_rows += range(len(tokens) + n - c.num_logits, len(tokens) + n)
+            tokens += c.token_ids
+            positions += c.positions or range(start, start + n)
+            ends += range(start + 1, start + n + 1)
+            firsts += [start + n - w] * n
+            tables += [c.seq.block_table] * n
+        table = torch.zeros(len(tables), max(map(len, tables)), dtype=torch.int32)
+        for r, t in enumerate(tables):
+            table[r, : len(t)] = torch.tensor(t, dtype=torch.int32)
+        last = torch.tensor(ends) - 1
+        slots = table.gather(1, (last // bs)[:, None])[:, 0].long() * bs + last % bs
+        dev = self.device
+        meta = DecodeMetadata(
+            slot_mapping=slots.to(dev, non_blocking=True),
+            block_tables=table.to(dev, non_blocking=True),
+            context_lens=torch.tensor(ends, dtype=torch.int32).to(dev, non_blocking=True),
+            block_size=bs,
+            tree_start=torch.tensor(firsts, dtype=torch.int32).to(dev, non_blocking=True),
+            tree_mask=masks.to(dev, non_blocking=True),
+        )
+        ids = torch.tensor(tokens, dtype=torch.long).to(dev, non_blocking=True)
+        at = torch.tensor(positions, dtype=torch.long).to(dev, non_blocking=True)
+        kv = (self.cache.k, self.cache.v)
+        if self._wants_features(spans):
+            hidden, aux = self.forward_fn(ids, at, kv, meta, aux=self.aux_layers)
+            _hand_out(spans, range(len(spans)), aux)
+        else:
+            hidden = self.forward_fn(ids, at, kv, meta)
+        logits = self.model.logits(hidden[torch.tensor(logit_rows, device=dev)])
+        return list(logits.split([c.num_logits for c in spans]))
 
     def _forward_eager(
         self,

@@ -132,3 +132,35 @@ def test_preemption_recomputes_exactly(tiny_dir, tiny_hf):
     for i, p in enumerate(prompts):
         assert got[str(i)] == hf_greedy(tiny_hf, p, 20)
     assert core.engine.cache.num_free_blocks == core.engine.cache.num_usable_blocks
+
+
+def test_masked_spans_as_decode_rows_score_what_the_padded_path_does(tiny_dir):
+    """Lookahead-like spans (a tail, a window, branches that see only the tail), and a mask
+    that reaches into cached slots, scored as decode rows (`_forward_rows`, the GPU's path for
+    masked spans) and on the padded masked-SDPA path: the same logits in fp32."""
+    core = make_core(tiny_dir)
+    runner, cache = core.engine.runner, core.engine.cache
+    seqs = []
+    for i, prompt in enumerate(PROMPTS):
+        ids = core.engine.tokenizer.encode(prompt)
+        seq = Sequence(f"s{i}", ids, greedy(4))
+        cache.reserve(seq, len(ids) + 8)
+        runner.forward([Span(seq, ids[:-1], num_logits=0)])
+        seq.num_cached = len(ids) - 1
+        seqs.append(seq)
+    branchy = torch.ones(7, 7, dtype=torch.bool).tril()
+    branchy[4:, 1:4] = False  # rows 4-6, a branch, see the tail and themselves, not the window
+    reach = torch.ones(3, 5, dtype=torch.bool).tril(2)  # 3 tokens seeing 2 cached slots too
+    reach[2, 3] = False
+    at = seqs[0].num_cached  # (the tail's position; the branch sits where the window does)
+    window = [at + p for p in (0, 1, 2, 3, 1, 2, 3)]
+    causal = torch.ones(2, 2, dtype=torch.bool).tril()
+    spans = [
+        Span(seqs[0], seqs[0].token_ids[-1:] + [5, 6, 7, 8, 9, 10], 7, window, branchy),
+        Span(seqs[1], seqs[1].token_ids[-1:] + [11, 12], 3, mask=reach),
+        Span(seqs[2], seqs[2].token_ids[-1:] + [13], 1, mask=causal),
+    ]
+    padded = runner._forward_eager(spans, None)
+    rows = runner._forward_rows(spans)
+    for a, b in zip(padded, rows, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)

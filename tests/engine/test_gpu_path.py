@@ -159,11 +159,13 @@ def _fp32_engine(tiny_dir, device: str, eager_tokens: list[int], monkeypatch) ->
     [
         ("speculative", {"draft": "ngram", "num_speculative_tokens": 4, "adaptive": False}),
         ("refine", {"method": "jacobi", "window": 4}),
+        ("refine", {"method": "lookahead", "window": 4, "ngram": 3, "candidates": 2}),
     ],
 )
 def test_multi_token_spans_replay_as_graph_rows(tiny_dir, decoder, options, monkeypatch):
-    """Drafts and Jacobi windows are scored as graph rows (no eager pass once prompts are in),
-    and the tokens still equal the CPU path's in fp32."""
+    """Drafts and Jacobi windows are scored as graph rows, lookahead's masked branches as decode
+    rows (no padded eager pass once prompts are in), and the tokens still equal the CPU path's
+    in fp32."""
     prompt = [5, 6, 7, 8, 9] * 14  # repetitive (n-gram drafts), longer than MAX_GRAPH_QUERY
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     outs = {}
