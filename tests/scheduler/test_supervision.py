@@ -21,6 +21,7 @@ from transformers import AutoTokenizer
 
 from stride.scheduler import supervision
 from stride.server.cli import build_parser, server_config
+from tests.helpers.decoders import extra_decoders
 from tests.helpers.metrics import value
 from tests.helpers.servers import (
     LAUNCH,
@@ -29,7 +30,6 @@ from tests.helpers.servers import (
     LiveServer,
     descendants,
     engine_pid,
-    extra_decoders,
     free_port,
     hf_greedy,
     reaped,
