@@ -42,6 +42,7 @@ class Engine:
             loaded = loader.load(
                 config.model, self.device, dtype, config.served_name, layout, config.random_weights
             )
+        self.loaded = loaded  # (what a restart in this process reuses: `loader.reassembled`)
         self.name = loaded.name
         self.path = loaded.path
         self.hf_config = loaded.config

@@ -13,7 +13,7 @@ import importlib.util
 import logging
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -142,13 +142,7 @@ def load(
         state = load_weights(path, device, dtype, layout)
     if "lm_head.weight" not in state and getattr(config, "tie_word_embeddings", False):
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
-    missing, unexpected = net.load_state_dict(state, strict=False, assign=True)
-    missing = [m for m in missing if not m.startswith("rotary.")]
-    if missing:
-        raise ValueError(f"checkpoint {path} lacks weights: {missing[:5]}")
-    if getattr(config, "tie_word_embeddings", False):
-        net.lm_head.weight = net.model.embed_tokens.weight
-    net.rotary = rotary_embedding(config, device)
+    net = assemble(net, state, device, path)
     tokenizer = AutoTokenizer.from_pretrained(path)
     log.info("loaded %s in %.1f s", path.name, time.perf_counter() - start)
     return LoadedModel(
@@ -156,8 +150,41 @@ def load(
         path=path,
         config=config,
         tokenizer=tokenizer,
-        model=net.eval(),
+        model=net,
     )
+
+
+def assemble(
+    net: CausalLM, state: dict[str, torch.Tensor], device: torch.device, path: Path
+) -> CausalLM:
+    """`net` (built on meta) holding the tensors of `state` themselves (no copy), in eval mode."""
+    config = net.config
+    missing, unexpected = net.load_state_dict(state, strict=False, assign=True)
+    missing = [m for m in missing if not m.startswith("rotary.")]
+    if missing:
+        raise ValueError(f"checkpoint {path} lacks weights: {missing[:5]}")
+    if getattr(config, "tie_word_embeddings", False):
+        net.lm_head.weight = net.model.embed_tokens.weight
+    net.rotary = rotary_embedding(config, device)
+    return net.eval()
+
+
+def reassembled(loaded: LoadedModel) -> LoadedModel:
+    """`loaded` again, its weight tensors and tokenizer shared, in a module tree of its own.
+
+    What an engine restarted in its process reuses: nothing writes the weights once loaded
+    (forward passes only read them) and the HTTP edge kept using the tokenizer while the engine
+    was down, so the engine's death cannot have left either broken. Everything else the modules
+    held is left behind with them: forward hooks (a MASK-slot adapter's), the rotary buffers
+    (which dynamic rope types rewrite for long contexts), anything set on a module. Takes
+    milliseconds, where loading (dequantizing a GGUF file, reading the tokenizer) takes seconds.
+    """
+    old = loaded.model
+    with torch.device("meta"):
+        net = CausalLM(loaded.config)
+    device = next(old.parameters()).device
+    weights = {k: v for k, v in old.state_dict().items() if not k.startswith("rotary.")}
+    return replace(loaded, model=assemble(net, weights, device, loaded.path))
 
 
 def load_weights(

@@ -249,21 +249,21 @@ class BaseClient:
 class EngineClient(BaseClient):
     """The step loop on a thread of this process (tests reach the core through `client.core`).
 
-    `rebuild` makes a fresh core (a freshly loaded engine) to restart with once the loop died;
-    without it the engine stays dead.
+    `rebuild` makes a fresh core to restart with from the one whose loop died (whose weights
+    it may reuse: `CoreConfig.build`); without it the engine stays dead.
     """
 
     def __init__(
         self,
         core: EngineCore,
-        rebuild: Callable[[], EngineCore] | None = None,
+        rebuild: Callable[[EngineCore], EngineCore] | None = None,
         supervision: SupervisionConfig | None = None,
     ) -> None:
         super().__init__(supervision)
         self.core = core
         self._rebuild = rebuild
         self._budget = RestartBudget(self.supervision)
-        self._load_s = 0.0  # how long the last restart took to load the model
+        self._load_s = 0.0  # how long the last restart took to build the core
         self._model = ModelInfo.of(core)
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="stride-engine", daemon=True)
@@ -351,7 +351,7 @@ class EngineClient(BaseClient):
             gc.unfreeze()  # the dead core froze its heap; let it be collected
             try:
                 started = time.monotonic()
-                core = self._rebuild()
+                core = self._rebuild(self.core)
                 self._load_s = time.monotonic() - started
             except Exception:
                 log.exception("restarting the engine failed")

@@ -30,6 +30,7 @@ from typing import Any
 
 from stride.decoders.base import Commit, Decoder, DecodersConfig, StepContext
 from stride.decoders.registry import build_decoders
+from stride.engine import loader
 from stride.engine.config import EngineConfig
 from stride.engine.engine import Engine
 from stride.engine.roofline import StepLoad
@@ -70,9 +71,18 @@ class CoreConfig:
     scheduler: SchedulerConfig
     decoders: DecodersConfig
 
-    def build(self) -> EngineCore:
-        """Load the model and set up the decoders: the one way an `EngineCore` is built."""
-        engine = Engine(self.engine)
+    def build(self, dead: EngineCore | None = None) -> EngineCore:
+        """Load the model and set up the decoders: the one way an `EngineCore` is built.
+
+        `dead`: the core of a loop that died in this process, built from this config. Its
+        engine's weights and tokenizer are reused (`loader.reassembled` says why that is safe);
+        the rest is built anew: modules, KV cache, runner, decoders, scheduler. A model split
+        over ranks is loaded again: its worker processes may have died with it.
+        """
+        loaded = None
+        if dead is not None and dead.engine.workers is None:
+            loaded = loader.reassembled(dead.engine.loaded)
+        engine = Engine(self.engine, loaded)
         return EngineCore(engine, self.scheduler, build_decoders(engine, self.decoders))
 
 

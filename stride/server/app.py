@@ -79,7 +79,8 @@ def build_client(config: ServerConfig) -> BaseClient:
 
     On a GPU the loop runs in its own process, so that HTTP handling and the step loop do not
     take turns on one GIL; on a CPU (and for tests, which reach into `client.core`) on a thread.
-    Either way a dead engine is restarted with a freshly loaded model (`supervision`).
+    Either way a dead engine is restarted (`supervision`): a process with a freshly loaded
+    model, or on the thread a core that reuses the dead one's weights (`CoreConfig.build`).
     """
     if config.engine_conn is not None:
         return ProcessEngineClient(

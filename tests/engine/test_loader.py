@@ -12,6 +12,9 @@ from transformers import GPT2Config, GPT2LMHeadModel
 from stride.engine import gguf_file, loader
 from stride.engine.config import EngineConfig
 from stride.engine.engine import Engine
+from stride.engine.runner import Span
+from stride.engine.sequence import SamplingParams, Sequence
+from tests.helpers.adapters import random_adapter
 
 
 def test_unsupported_architecture_names_the_supported_ones(tmp_path):
@@ -70,3 +73,27 @@ def test_dtype_override(tiny_dir):
         EngineConfig(model=str(tiny_dir), device="cpu", dtype="bfloat16", kv_cache_memory=1 << 20)
     )
     assert engine.dtype == torch.bfloat16 and engine.cache.k.dtype == torch.bfloat16
+
+
+def test_reassembled_shares_the_weights_and_tokenizer_and_nothing_else(tiny_dir):
+    """What an engine restarted in its process reuses (`CoreConfig.build(dead)`): the weight
+    tensors themselves and the tokenizer, in modules of their own (the old ones' hooks, a
+    MASK-slot adapter's, stay behind); it scores what the first engine scored."""
+    config = EngineConfig(model=str(tiny_dir), device="cpu", kv_cache_memory=1 << 20)
+    engine = Engine(config)
+    random_adapter(engine.model).attach(engine.model)
+    again = Engine(config, loader.reassembled(engine.loaded))
+    old, new = engine.model, again.model
+    assert again.tokenizer is engine.tokenizer and new is not old
+    for (name, a), (_, b) in zip(old.named_parameters(), new.named_parameters(), strict=True):
+        assert a.data_ptr() == b.data_ptr(), name
+    assert new.rotary is not old.rotary and torch.equal(new.rotary.inv_freq, old.rotary.inv_freq)
+    assert any(m._forward_hooks for m in old.modules())
+    assert not any(m._forward_hooks for m in new.modules())
+    assert torch.equal(logits(again, [5, 17, 42, 99]), logits(engine, [5, 17, 42, 99]))
+
+
+def logits(engine: Engine, tokens: list[int]) -> torch.Tensor:
+    seq = Sequence("s", [0], SamplingParams())
+    engine.cache.reserve(seq, len(tokens))
+    return engine.runner.forward([Span(seq, tokens, len(tokens))])[0]

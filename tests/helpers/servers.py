@@ -1,10 +1,8 @@
-"""Real servers for the HTTP tests: uvicorn on a free loopback port, plus test-only decoders.
+"""Real servers for the HTTP tests: uvicorn on a free loopback port, in this process or as
+`stride serve` (the test decoders of `tests.helpers.decoders` registered in each).
 
 `LiveServer` runs the app in a thread of the test process, so tests can look at the engine
-(`server.core`) while talking HTTP to it. `slow` (a sleep per step) makes requests last long
-enough to be cancelled, timed out or drained; `broken` fails its request mid-stream (a fault
-the engine pins on that request); `crash` breaks the engine itself (its next forward pass
-fails for everyone, as after a lost device), so that the engine dies and is restarted.
+(`server.core`) while talking HTTP to it.
 """
 
 from __future__ import annotations
@@ -19,7 +17,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -27,81 +24,8 @@ import openai
 import torch
 import uvicorn
 
-from stride.decoders.autoregressive import Autoregressive
-from stride.decoders.base import Commit, DecodersConfig, Proposal, StepContext
-from stride.decoders.registry import DECODERS
 from stride.engine.config import EngineConfig
-from stride.engine.engine import Engine
-from stride.engine.sequence import Sequence
 from stride.server.app import ServerConfig, create_app
-
-
-class Slow(Autoregressive):
-    """Plain decoding, 20 ms per step: long enough to act on a request while it runs."""
-
-    name = "slow"
-    delay = 0.02
-
-    def commit(self, seqs, proposals, logits, ctx) -> list[Commit]:
-        time.sleep(self.delay)
-        return super().commit(seqs, proposals, logits, ctx)
-
-
-class Broken(Autoregressive):
-    """Fails on a sequence's third step: the loop dies after a stream has started."""
-
-    name = "broken"
-
-    def commit(
-        self,
-        seqs: list[Sequence],
-        proposals: list[Proposal],
-        logits: list[torch.Tensor],
-        ctx: StepContext,
-    ) -> list[Commit]:
-        if any(s.num_output_tokens >= 2 for s in seqs):
-            raise RuntimeError("injected failure")
-        return super().commit(seqs, proposals, logits, ctx)
-
-
-class Crash(Autoregressive):
-    """Commits its first token, and breaks the engine's forward pass for good."""
-
-    name = "crash"
-
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
-
-    @classmethod
-    def from_config(cls, engine: Engine, config: DecodersConfig) -> Crash:
-        return cls(engine)
-
-    def commit(self, seqs, proposals, logits, ctx) -> list[Commit]:
-        def lost(*args, **kwargs):
-            raise RuntimeError("injected device loss")
-
-        self.engine.runner.forward = lost
-        return super().commit(seqs, proposals, logits, ctx)
-
-
-TEST_DECODERS = {cls.name: cls for cls in (Slow, Broken, Crash)}
-
-
-def register_test_decoders() -> None:
-    DECODERS.update(TEST_DECODERS)
-
-
-@contextlib.contextmanager
-def extra_decoders() -> Iterator[None]:
-    """The test decoders, registered for the block (and left if an outer block registered them:
-    requests are checked against the registry as they arrive)."""
-    added = [name for name in TEST_DECODERS if name not in DECODERS]
-    register_test_decoders()
-    try:
-        yield
-    finally:
-        for name in added:
-            DECODERS.pop(name, None)
 
 
 def descendants(pid: int) -> set[int]:
@@ -273,7 +197,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 LAUNCH = (
-    "from tests.helpers.servers import register_test_decoders; register_test_decoders(); "
+    "from tests.helpers.decoders import register_test_decoders; register_test_decoders(); "
     "from stride.server.cli import main; raise SystemExit(main())"
 )
 
@@ -304,7 +228,7 @@ def serve_engine_process(
     env = {
         **os.environ,
         "OMP_NUM_THREADS": "1",
-        "STRIDE_ENGINE_SETUP": "tests.helpers.servers:register_test_decoders",
+        "STRIDE_ENGINE_SETUP": "tests.helpers.decoders:register_test_decoders",
         "STRIDE_API_SERVERS": str(api_servers),
     }
     cmd = [sys.executable, "-c", LAUNCH, "serve", "--model", str(model_dir), "--device", "cpu"]

@@ -21,6 +21,7 @@ from transformers import AutoTokenizer
 
 from stride.scheduler import supervision
 from stride.server.cli import build_parser, server_config
+from tests.helpers.decoders import extra_decoders
 from tests.helpers.metrics import value
 from tests.helpers.servers import (
     LAUNCH,
@@ -29,7 +30,6 @@ from tests.helpers.servers import (
     LiveServer,
     descendants,
     engine_pid,
-    extra_decoders,
     free_port,
     hf_greedy,
     reaped,
@@ -124,6 +124,7 @@ def test_thread_mode_restarts_a_dead_engine(tiny_dir, tiny_hf, monkeypatch):
     with extra_decoders():
         live = LiveServer(tiny_config(tiny_dir))
         try:
+            dead = live.core
             stream = Stream(live.url, SLOW)
             assert stream.started.wait(60)
             crash = live.post("/v1/completions", CRASH)
@@ -134,6 +135,8 @@ def test_thread_mode_restarts_a_dead_engine(tiny_dir, tiny_hf, monkeypatch):
             until(lambda: health(live.url) == (200, "ok"), what="the restarted engine")
             assert greedy_text(live.url) == expected_text(tiny_dir, tiny_hf)
             assert value(live.app.state.metrics, "stride_engine_restarts_total") == 1
+            old, new = dead.engine.model, live.core.engine.model  # its weights, new modules
+            assert new is not old and new.lm_head.weight.data_ptr() == old.lm_head.weight.data_ptr()
             live.wait_idle()
             assert scrape(live.url, "stride_requests_running") == 0
             assert scrape(live.url, "stride_kv_cache_usage_ratio") == 0

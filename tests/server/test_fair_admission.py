@@ -11,7 +11,8 @@ import time
 import httpx
 
 from stride.scheduler.policy import SchedulerConfig
-from tests.helpers.servers import LiveServer, extra_decoders, tiny_config
+from tests.helpers.decoders import extra_decoders
+from tests.helpers.servers import LiveServer, tiny_config
 
 SMALL = {"prompt": "x", "max_tokens": 10, "ignore_eos": True, "decoder": "slow"}
 LARGE = {**SMALL, "max_tokens": 4, "n": 4, "stream": True}

@@ -9,7 +9,8 @@ import json
 import httpx
 import pytest
 
-from tests.helpers.servers import LiveServer, error_of, extra_decoders, tiny_config
+from tests.helpers.decoders import extra_decoders
+from tests.helpers.servers import LiveServer, error_of, tiny_config
 
 USAGE = {"include_usage": True, "continuous_usage_stats": True}
 WEATHER = {

@@ -13,11 +13,11 @@ import openai
 import pytest
 
 from stride.scheduler.policy import SchedulerConfig
+from tests.helpers.decoders import extra_decoders
 from tests.helpers.servers import (
     PROMPT_IDS,
     LiveServer,
     error_of,
-    extra_decoders,
     hf_greedy,
     scrape,
     tiny_config,
