@@ -40,7 +40,7 @@ from stride.engine.kernels.decode_attention import DecodeMetadata
 from stride.engine.kv_cache import KVCache
 from stride.engine.model import MLP, CausalLM, RMSNorm, rotate
 from stride.engine.rotary import Rotary
-from stride.engine.runner import Span, prepare
+from stride.engine.spans import Span, prepare
 
 EAGLE3 = "LlamaForCausalLMEagle3"
 EAGLE1 = "EagleLlama"  # what Stride calls the EAGLE-1/2 layout (its config names LlamaForCausalLM)
@@ -409,7 +409,7 @@ def save_head(head: EagleHead, path: Path, with_lm_head: bool = False) -> None:
 class HeadRunner:
     """A head's batched forward over a KV cache of its own, in the target's slot layout.
 
-    Rows come as `runner.Span`s of the target's sequences: a span's `offset` (from the
+    Rows come as `spans.Span`s of the target's sequences: a span's `offset` (from the
     sequence's `num_cached`) says at which position its rows start, and its mask, like the
     target's, may restrict what they see of the last slots (tree drafts see only their
     ancestors). Position p of the head lives in the slot of position p of the target, so the

@@ -30,8 +30,8 @@ from dataclasses import dataclass
 
 import torch
 
-from stride.engine.runner import Span
 from stride.engine.sequence import Sequence
+from stride.engine.spans import Span
 
 MIXED = "mixed"  # the decoder label of a step whose sequences use several decoders
 

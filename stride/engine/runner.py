@@ -27,18 +27,18 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
 from stride.engine import fused
 from stride.engine.adapter import MASK_TOKEN, MaskAdapter
-from stride.engine.attention import AttentionMetadata, use_planless_sdpa
+from stride.engine.attention import use_planless_sdpa
 from stride.engine.cuda_graphs import DecodeGraphs
-from stride.engine.kernels.decode_attention import DecodeMetadata, decode_kernel_supported
+from stride.engine.kernels.decode_attention import decode_kernel_supported
 from stride.engine.kv_cache import KVCache
 from stride.engine.model import CausalLM
 from stride.engine.sequence import Sequence
+from stride.engine.spans import Span, decode_rows, prepare
 
 # A span replays as rows of the decode graph (no per-kernel launches: a prefill's host work
 # falls from ~20 ms to one replay) while it has at most MAX_GRAPH_QUERY tokens and its rows read
@@ -47,21 +47,6 @@ from stride.engine.sequence import Sequence
 # the suffixes of prefix-cached prompts are such spans.
 MAX_GRAPH_QUERY = 64
 GRAPH_KV_READ = 4 << 30
-
-
-@dataclass
-class Span:
-    seq: Sequence
-    token_ids: list[int]
-    num_logits: int  # logits for the last `num_logits` tokens (0 = none, mid-prefill)
-    positions: list[int] | None = None  # default: num_cached, num_cached + 1, ...
-    # [n, w] bool: what the span's n tokens see of the last w (>= n) slots of their context,
-    # which end with their own; the slots before those are seen whole. Default: causal.
-    mask: torch.Tensor | None = None
-    offset: int = 0  # the tokens start this far past num_cached (pending tokens before them)
-    # A fed span's one token is row `fed` of a tensor of tokens on the device (`forward`'s
-    # `fed`: the last samples of a launch still in flight); its `token_ids` hold a placeholder.
-    fed: int | None = None
 
 
 class SampledTokens:
@@ -274,46 +259,14 @@ class ModelRunner:
         (`DecodeMetadata.tree_mask`). The paged decode kernel reads each row's keys from its
         blocks: no padded gather of every context, no dense mask, no per-layer SDPA of a dozen
         kernels (the general path's cost, which made a lookahead step 20 plain ones)."""
-        bs, width = self.cache.block_size, max(c.mask.shape[1] for c in spans)
-        tokens: list[int] = []
-        positions: list[int] = []
-        ends: list[int] = []  # each row's context length (its own slot is the last)
-        firsts: list[int] = []  # where its span's mask starts in its context
-        tables: list[list[int]] = []
-        masks = torch.zeros(sum(len(c.token_ids) for c in spans), width, dtype=torch.bool)
-        logit_rows: list[int] = []
-        for c in spans:
-            start, n, w = c.seq.num_cached + c.offset, len(c.token_ids), c.mask.shape[1]
-            masks[len(tokens) : len(tokens) + n, :w] = c.mask.cpu()
-            logit_rows += range(len(tokens) + n - c.num_logits, len(tokens) + n)
-            tokens += c.token_ids
-            positions += c.positions or range(start, start + n)
-            ends += range(start + 1, start + n + 1)
-            firsts += [start + n - w] * n
-            tables += [c.seq.block_table] * n
-        table = torch.zeros(len(tables), max(map(len, tables)), dtype=torch.int32)
-        for r, t in enumerate(tables):
-            table[r, : len(t)] = torch.tensor(t, dtype=torch.int32)
-        last = torch.tensor(ends) - 1
-        slots = table.gather(1, (last // bs)[:, None])[:, 0].long() * bs + last % bs
-        dev = self.device
-        meta = DecodeMetadata(
-            slot_mapping=slots.to(dev, non_blocking=True),
-            block_tables=table.to(dev, non_blocking=True),
-            context_lens=torch.tensor(ends, dtype=torch.int32).to(dev, non_blocking=True),
-            block_size=bs,
-            tree_start=torch.tensor(firsts, dtype=torch.int32).to(dev, non_blocking=True),
-            tree_mask=masks.to(dev, non_blocking=True),
-        )
-        ids = torch.tensor(tokens, dtype=torch.long).to(dev, non_blocking=True)
-        at = torch.tensor(positions, dtype=torch.long).to(dev, non_blocking=True)
+        meta, ids, at, logit_rows = decode_rows(spans, self.cache.block_size, self.device)
         kv = (self.cache.k, self.cache.v)
         if self._wants_features(spans):
             hidden, aux = self.forward_fn(ids, at, kv, meta, aux=self.aux_layers)
             _hand_out(spans, range(len(spans)), aux)
         else:
             hidden = self.forward_fn(ids, at, kv, meta)
-        logits = self.model.logits(hidden[torch.tensor(logit_rows, device=dev)])
+        logits = self.model.logits(hidden[logit_rows])
         return list(logits.split([c.num_logits for c in spans]))
 
     def _forward_eager(
@@ -415,61 +368,3 @@ def _hand_out(spans: list[Span], which, aux: torch.Tensor) -> None:
         if c.seq.features is not None:
             c.seq.features.append(aux[offset : offset + n].clone())
         offset += n
-
-
-def prepare(spans: list[Span], bs: int, dev: torch.device):
-    """The padded attention layout of a ragged batch: (metadata, token ids, positions, the
-    rows whose logits are wanted). `bs` is the KV cache's block size."""
-    n_q = [len(c.token_ids) for c in spans]
-    starts = [c.seq.num_cached + c.offset for c in spans]
-    n_ctx = [s + n for s, n in zip(starts, n_q, strict=True)]
-    b, q_max, l_max = len(spans), max(n_q), max(n_ctx)
-
-    tokens, positions, rows = [], [], []
-    offset = 0
-    for c, start, n in zip(spans, starts, n_q, strict=True):
-        tokens.extend(c.token_ids)
-        positions.extend(c.positions or range(start, start + n))
-        rows.extend(range(offset + n - c.num_logits, offset + n))
-        offset += n
-
-    n_blocks = -(-l_max // bs)
-    table = torch.zeros(b, n_blocks, dtype=torch.long)
-    for i, c in enumerate(spans):
-        used = c.seq.block_table[: -(-n_ctx[i] // bs)]
-        table[i, : len(used)] = torch.tensor(used, dtype=torch.long)
-    kv_slots = (table[:, :, None] * bs + torch.arange(bs)).view(b, -1)[:, :l_max]
-
-    n_q_t = torch.tensor(n_q)
-    starts_t = torch.tensor(starts)
-    q_pos = torch.arange(q_max)
-    q_valid = q_pos[None, :] < n_q_t[:, None]
-    first_token = torch.cumsum(n_q_t, 0) - n_q_t
-    q_index = torch.where(q_valid, first_token[:, None] + q_pos[None, :], 0)
-    place = starts_t[:, None] + q_pos[None, :]  # [B, Q]: each query's place in its context
-    # Each scored token's K/V goes to the slot of its place, span after span.
-    slots = kv_slots.gather(1, place.clamp(max=l_max - 1))[q_valid]
-
-    # Causal by default: query i of a span sees cached slots and span tokens up to itself.
-    k_pos = torch.arange(l_max)
-    mask = k_pos[None, None, :] <= place[:, :, None]
-    for i, c in enumerate(spans):
-        if c.mask is not None:
-            end, n, w = n_ctx[i], n_q[i], c.mask.shape[1]
-            mask[i, :n, end - w : end] = c.mask
-    mask[~q_valid] = False
-    mask[~q_valid, 0] = True  # padded rows must see something, or SDPA returns NaN
-
-    meta = AttentionMetadata(
-        slot_mapping=slots.to(dev, non_blocking=True),
-        q_index=q_index.to(dev, non_blocking=True),
-        q_rows=q_valid.flatten().nonzero()[:, 0].to(dev, non_blocking=True),
-        kv_slots=kv_slots.to(dev, non_blocking=True),
-        mask=mask[:, None].to(dev, non_blocking=True),
-    )
-    return (
-        meta,
-        torch.tensor(tokens, dtype=torch.long).to(dev, non_blocking=True),
-        torch.tensor(positions, dtype=torch.long).to(dev, non_blocking=True),
-        torch.tensor(rows, dtype=torch.long).to(dev, non_blocking=True),
-    )

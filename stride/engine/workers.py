@@ -49,8 +49,9 @@ from stride.engine.parallel import (
     gather_vocab,
     rank_device,
 )
-from stride.engine.runner import ModelRunner, SampledTokens, Span
+from stride.engine.runner import ModelRunner, SampledTokens
 from stride.engine.sequence import SamplingParams, Sequence
+from stride.engine.spans import Span
 
 log = logging.getLogger(__name__)
 

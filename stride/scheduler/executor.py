@@ -41,8 +41,9 @@ from stride.decoders.draw_graphs import DrawGraphs
 from stride.engine.engine import Engine
 from stride.engine.kv_cache import OutOfBlocks
 from stride.engine.roofline import StepLoad
-from stride.engine.runner import SampledTokens, Span
+from stride.engine.runner import SampledTokens
 from stride.engine.sequence import Sequence, Status
+from stride.engine.spans import Span
 from stride.scheduler import prompt_logprobs
 from stride.scheduler.batch import Batch, Chunk, PromptRows, StepResult
 from stride.scheduler.decoder_set import DecoderSet

@@ -14,8 +14,8 @@ from stride.decoders.base import DecoderError, Scored, StepContext
 from stride.decoders.introspective import Introspective, IntrospectiveState
 from stride.decoders.refine import Refine
 from stride.engine.adapter import MASK_TOKEN
-from stride.engine.runner import Span
 from stride.engine.sequence import Constraint, SamplingParams, Sequence
+from stride.engine.spans import Span
 from stride.scheduler.outputs import GenerateRequest
 from tests.helpers.adapters import SLOTS, introspective_core, random_adapter
 from tests.helpers.cores import PROMPTS, chi2_pvalue, greedy, run

@@ -10,8 +10,8 @@ import torch
 from stride.engine.adapter import MASK_TOKEN
 from stride.engine.config import EngineConfig
 from stride.engine.engine import Engine
-from stride.engine.runner import Span, prepare
 from stride.engine.sequence import SamplingParams, Sequence
+from stride.engine.spans import Span, prepare
 from stride.scheduler.core import EngineCore
 from stride.scheduler.outputs import GenerateRequest
 from tests.helpers.adapters import random_adapter

@@ -18,8 +18,8 @@ from stride.decoders.speculative.drafters import Draft, Drafter
 from stride.decoders.speculative.verify import verify
 from stride.engine.config import EngineConfig
 from stride.engine.engine import Engine
-from stride.engine.runner import Span
 from stride.engine.sequence import SamplingParams, Sequence
+from stride.engine.spans import Span
 from stride.scheduler.core import EngineCore
 from stride.scheduler.outputs import GenerateRequest, RequestRejected
 from stride.scheduler.policy import SchedulerConfig

@@ -11,8 +11,8 @@ import torch
 from stride.engine.adapter import MASK_TOKEN, AdapterConfig, MaskAdapter
 from stride.engine.config import EngineConfig
 from stride.engine.engine import Engine
-from stride.engine.runner import Span
 from stride.engine.sequence import SamplingParams, Sequence
+from stride.engine.spans import Span
 from tests.helpers.adapters import SLOTS, random_adapter
 from tests.helpers.models import load_hf
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from stride.engine.runner import Span
 from stride.engine.sequence import SamplingParams, Sequence
+from stride.engine.spans import Span
 from stride.scheduler.outputs import GenerateRequest
 from tests.helpers.cores import make_core
 from tests.helpers.models import load_hf

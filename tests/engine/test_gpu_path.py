@@ -10,8 +10,8 @@ from stride.engine import fused
 from stride.engine.config import EngineConfig
 from stride.engine.engine import Engine
 from stride.engine.kernels import decode_attention as attention
-from stride.engine.runner import Span, prepare
 from stride.engine.sequence import SamplingParams, Sequence
+from stride.engine.spans import Span, prepare
 from stride.scheduler.core import EngineCore
 from stride.scheduler.outputs import GenerateRequest
 from stride.scheduler.policy import SchedulerConfig

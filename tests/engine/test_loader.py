@@ -12,8 +12,8 @@ from transformers import GPT2Config, GPT2LMHeadModel
 from stride.engine import gguf_file, loader
 from stride.engine.config import EngineConfig
 from stride.engine.engine import Engine
-from stride.engine.runner import Span
 from stride.engine.sequence import SamplingParams, Sequence
+from stride.engine.spans import Span
 from tests.helpers.adapters import random_adapter
 
 

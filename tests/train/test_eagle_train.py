@@ -12,8 +12,8 @@ from stride import drafts
 from stride.engine.config import EngineConfig
 from stride.engine.eagle import load_head
 from stride.engine.engine import Engine
-from stride.engine.runner import Span
 from stride.engine.sequence import SamplingParams, Sequence
+from stride.engine.spans import Span
 from stride.scheduler.outputs import GenerateRequest
 from stride.train import eagle as trainer
 from stride.train.cli import configure

@@ -11,8 +11,8 @@ import random
 import torch
 
 from stride.engine.adapter import MASK_TOKEN, MaskAdapter
-from stride.engine.runner import Span
 from stride.engine.sequence import SamplingParams, Sequence
+from stride.engine.spans import Span
 from stride.scheduler.outputs import GenerateRequest
 from stride.train import introspective as trainer
 from stride.train import loop

@@ -34,8 +34,8 @@ from stride.engine import loader
 from stride.engine.config import EngineConfig
 from stride.engine.engine import Engine
 from stride.engine.kv_cache import KVCache, OutOfBlocks
-from stride.engine.runner import Span
 from stride.engine.sequence import Sequence
+from stride.engine.spans import Span
 
 
 @dataclass

@@ -32,8 +32,8 @@ from stride.decoders.speculative.drafters import Draft, Drafter, run_drafts
 from stride.decoders.speculative.tree import Tree
 from stride.engine.eagle import HeadRunner, load_head
 from stride.engine.engine import Engine
-from stride.engine.runner import Span
 from stride.engine.sequence import Sequence
+from stride.engine.spans import Span
 
 
 @dataclass
