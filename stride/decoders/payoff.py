@@ -120,7 +120,7 @@ class Payoff:
             return False
         measured = self._measured(now)
         rates = {} if measured is None else self.rates.get(measured[0], {})
-        if measured is None or (not self.refining) not in rates:
+        if (not self.refining) not in rates:  # (nothing to lose to yet)
             return False
         if self.refining:
             best = measured[1] * self.most * self._rows / self._tokens if self._tokens else 0.0

@@ -260,12 +260,7 @@ class ModelRunner:
         blocks: no padded gather of every context, no dense mask, no per-layer SDPA of a dozen
         kernels (the general path's cost, which made a lookahead step 20 plain ones)."""
         meta, ids, at, logit_rows = decode_rows(spans, self.cache.block_size, self.device)
-        kv = (self.cache.k, self.cache.v)
-        if self._wants_features(spans):
-            hidden, aux = self.forward_fn(ids, at, kv, meta, aux=self.aux_layers)
-            _hand_out(spans, range(len(spans)), aux)
-        else:
-            hidden = self.forward_fn(ids, at, kv, meta)
+        hidden = self._layers(self.forward_fn, spans, ids, at, meta, None)
         logits = self.model.logits(hidden[logit_rows])
         return list(logits.split([c.num_logits for c in spans]))
 
@@ -289,7 +284,6 @@ class ModelRunner:
             pairs = torch.tensor(feeds).to(self.device, non_blocking=True)
             tokens = tokens.clone()
             tokens[pairs[:, 0]] = fed[pairs[:, 1]]
-        kv = (self.cache.k, self.cache.v)
         masked = _mask_rows(spans) if self.adapter is not None else []
         forward_fn, gate = self.forward_fn, contextlib.nullcontext()
         if masked:  # the slots' embedding comes from the adapter: any id will do for the lookup
@@ -297,13 +291,19 @@ class ModelRunner:
             forward_fn = self.model
             gate = self.adapter.on_rows(torch.tensor(masked).to(self.device, non_blocking=True))
         with gate:
-            if num_layers is None and self._wants_features(spans):
-                hidden, aux = forward_fn(tokens, positions, kv, meta, aux=self.aux_layers)
-                _hand_out(spans, range(len(spans)), aux)
-            else:
-                hidden = forward_fn(tokens, positions, kv, meta, num_layers)
+            hidden = self._layers(forward_fn, spans, tokens, positions, meta, num_layers)
         logits = self.model.logits(hidden[rows])
         return list(logits.split([c.num_logits for c in spans]))
+
+    def _layers(self, forward_fn, spans, tokens, positions, meta, num_layers) -> torch.Tensor:
+        """The layers over the spans' packed rows; their sequences that collect features get
+        theirs (`capture_features`) when every layer ran."""
+        kv = (self.cache.k, self.cache.v)
+        if num_layers is None and self._wants_features(spans):
+            hidden, aux = forward_fn(tokens, positions, kv, meta, aux=self.aux_layers)
+            _hand_out(spans, range(len(spans)), aux)
+            return hidden
+        return forward_fn(tokens, positions, kv, meta, num_layers)
 
     def _wants_features(self, spans: list[Span]) -> bool:
         return bool(self.aux_layers) and any(c.seq.features is not None for c in spans)

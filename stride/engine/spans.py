@@ -98,7 +98,6 @@ def decode_rows(spans: list[Span], bs: int, dev: torch.device):
     positions: list[int] = []
     ends: list[int] = []  # each row's context length (its own slot is the last)
     firsts: list[int] = []  # where its span's mask starts in its context
-    tables: list[list[int]] = []
     masks = torch.zeros(sum(len(c.token_ids) for c in spans), width, dtype=torch.bool)
     logit_rows: list[int] = []
     for c in spans:
@@ -109,10 +108,12 @@ def decode_rows(spans: list[Span], bs: int, dev: torch.device):
         positions += c.positions or range(start, start + n)
         ends += range(start + 1, start + n + 1)
         firsts += [start + n - w] * n
-        tables += [c.seq.block_table] * n
-    table = torch.zeros(len(tables), max(map(len, tables)), dtype=torch.int32)
-    for r, t in enumerate(tables):
-        table[r, : len(t)] = torch.tensor(t, dtype=torch.int32)
+    # One block-table row per span, repeated for its rows.
+    widest = max(len(c.seq.block_table) for c in spans)
+    per_span = torch.zeros(len(spans), widest, dtype=torch.int32)
+    for i, c in enumerate(spans):
+        per_span[i, : len(c.seq.block_table)] = torch.tensor(c.seq.block_table, dtype=torch.int32)
+    table = per_span.repeat_interleave(torch.tensor([len(c.token_ids) for c in spans]), 0)
     last = torch.tensor(ends) - 1
     slots = table.gather(1, (last // bs)[:, None])[:, 0].long() * bs + last % bs
     meta = DecodeMetadata(
