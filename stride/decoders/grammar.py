@@ -40,6 +40,7 @@ from llguidance.numpy import (
     fill_next_token_bitmask_par_with_draft_tokens,
 )
 
+from stride.decoders.numbers import Digits, Scan
 from stride.engine.sequence import Constraint
 
 # JSON as models write it ({"a": 1, "b": [2, 3]}), one way only: with flexible whitespace a
@@ -88,12 +89,21 @@ def _first_line(error: str) -> str:
 
 
 class Matcher:
-    """One sequence's position in its grammar: after its committed output tokens."""
+    """One sequence's position in its grammar: after its committed output tokens (and, for a
+    JSON grammar, where its text stands, so that numbers stay bounded: `numbers`)."""
 
-    __slots__ = ("ll",)
+    __slots__ = ("ll", "digits", "scan")
 
-    def __init__(self, ll: llguidance.LLMatcher) -> None:
+    def __init__(self, ll: llguidance.LLMatcher, digits: Digits | None = None) -> None:
         self.ll = ll
+        self.digits = digits
+        self.scan = None if digits is None else Scan()
+
+    def scan_after(self, pending: list[int]) -> Scan | None:
+        """The JSON text's state after the committed tokens and then `pending`."""
+        if self.scan is None or not pending:
+            return self.scan
+        return self.scan.feed(b"".join(self.digits.token_bytes[t] for t in pending))
 
     def valid_prefix(self, tokens: list[int]) -> int:
         """How many of `tokens`, in order, the grammar allows from here (nothing consumed)."""
@@ -109,6 +119,8 @@ class Matcher:
             if ended:
                 return True
             raise GrammarError(f"token {token} breaks the grammar: {self.ll.get_error()}")
+        if self.scan is not None:
+            self.scan = self.scan.feed(self.digits.token_bytes[token])
         return self.ll.is_stopped()
 
 
@@ -126,6 +138,7 @@ class Grammars:
         self.capacity = capacity
         self._compiled: OrderedDict[Constraint, llguidance.LLMatcher] = OrderedDict()
         self._ll_tokenizer: llguidance.LLTokenizer | None = None
+        self._digits: Digits | None = None
         self._error: Exception | None = None
         backend = tokenizer.backend_tokenizer  # what llguidance.hf.from_tokenizer reads
         self._builder = threading.Thread(
@@ -143,9 +156,9 @@ class Grammars:
             backend = copy.copy(backend)
             backend.no_padding()
             backend.no_truncation()
-            self._ll_tokenizer = llguidance.LLTokenizer(
-                backend.to_str(), n_vocab=vocab_size, eos_token=eos
-            )
+            ll = llguidance.LLTokenizer(backend.to_str(), n_vocab=vocab_size, eos_token=eos)
+            self._digits = Digits([ll.decode_bytes([t]) for t in range(vocab_size)])
+            self._ll_tokenizer = ll
         except Exception as e:  # reported on the first constrained request
             self._error = e
 
@@ -167,7 +180,8 @@ class Grammars:
                 self._compiled.popitem(last=False)
         else:
             self._compiled.move_to_end(constraint)
-        return Matcher(compiled.deep_copy())
+        is_json = constraint.kind == "json_schema"
+        return Matcher(compiled.deep_copy(), self._digits if is_json else None)
 
 
 _executor: llguidance.LLExecutor | None = None
@@ -182,7 +196,8 @@ def _pool() -> llguidance.LLExecutor:
 
 def bitmask(jobs: list[tuple[Matcher, list[int]]], vocab_size: int) -> np.ndarray:
     """One row per job: the tokens allowed after the matcher's state plus the job's pending
-    tokens, as bits (int32 words, token t at bit t % 32 of word t // 32). A row whose pending
+    tokens, as bits (int32 words, token t at bit t % 32 of word t // 32); inside a JSON number,
+    not the tokens that would make it longer than a double (`numbers`). A row whose pending
     tokens the grammar refuses allows everything: no committed path runs through it.
 
     Consecutive jobs of one matcher whose pending tokens form a chain ([], [a], [a, b], ...: the
@@ -242,6 +257,13 @@ def bitmask(jobs: list[tuple[Matcher, list[int]]], vocab_size: int) -> np.ndarra
             ll.rollback(len(pending))
     for row, earlier in same:
         out[row] = out[earlier]
+    for row, (matcher, pending) in enumerate(jobs):
+        scan = matcher.scan_after(pending)
+        forbidden = None if scan is None else matcher.digits.forbidden(scan)
+        if forbidden is not None:
+            kept = out[row] & ~forbidden[: out.shape[1]]
+            if kept.any():  # unless the grammar itself asks for a longer number
+                out[row] = kept
     return out
 
 

@@ -23,6 +23,7 @@ import torch
 from scipy.stats import chisquare
 
 from stride.decoders import grammar, sampling
+from stride.decoders.numbers import EXPONENT_DIGITS, MANTISSA_DIGITS, Scan
 from stride.decoders.registry import DecodersConfig, build_decoders
 from stride.engine.config import EngineConfig
 from stride.engine.engine import Engine
@@ -334,3 +335,80 @@ def test_sampled_speculative_follows_the_masked_target(tiny_dir, tiny_hf, other_
 def _pvalue(observed: torch.Tensor, probs: torch.Tensor) -> float:
     expected = probs / probs.sum() * observed.sum()
     return chisquare(observed.numpy(), expected.numpy()).pvalue
+
+
+# ---- numbers stay within a double's digits, whatever the model prefers -------------------------
+
+NUMBERS = {
+    "type": "object",
+    "properties": {"n": {"type": "number"}, "s": {"type": "string", "maxLength": 24}},
+    "required": ["n", "s"],
+    "additionalProperties": False,
+}
+
+
+@pytest.mark.parametrize(
+    ("written", "in_number", "digits"),
+    [
+        ('{"a": "1234567', False, 0),  # inside a string
+        ('{"a": "x\\"99", "b": 12', True, 2),  # an escaped quote does not end the string
+        ('{"b": -0.0012', True, 4),  # the leading 0 is free, the zeros after the point are not
+        ('{"b": 0', True, 0),
+        ("[1.5e+12", True, 2),  # the exponent's digits, counted apart
+        ("[12, true", False, 0),
+    ],
+)
+def test_the_number_scan_follows_strings_and_numbers(written, in_number, digits):
+    scan = Scan().feed(written.encode())
+    assert (scan.in_number, scan.digits if in_number else 0) == (in_number, digits)
+
+
+def allowed_tokens(core: EngineCore, matcher: grammar.Matcher) -> list[str]:
+    vocab = core.engine.hf_config.vocab_size
+    flags = np.unpackbits(grammar.bitmask([(matcher, [])], vocab).view(np.uint8), bitorder="little")
+    return [core.engine.tokenizer.decode([t]) for t in np.flatnonzero(flags[:vocab])]
+
+
+def matcher_after(core: EngineCore, constraint: Constraint, written: str) -> grammar.Matcher:
+    matcher = core.intake.grammars.matcher(constraint)
+    for token in core.engine.tokenizer.encode(written):
+        assert not matcher.advance(token)
+    return matcher
+
+
+def test_a_number_at_its_bound_may_only_end(tiny_dir):
+    core = make(tiny_dir)
+    numbers = Constraint("json_schema", json.dumps(NUMBERS))
+    for written, more in [('{"n": ' + "1" * MANTISSA_DIGITS, False),
+                          ('{"n": -0.' + "1" * (MANTISSA_DIGITS - 1), True),
+                          ('{"n": 1e' + "2" * EXPONENT_DIGITS, False)]:  # fmt: skip
+        tokens = allowed_tokens(core, matcher_after(core, numbers, written))
+        assert any(t.isdigit() for t in tokens) == more, written
+        assert "," in tokens and ("." not in tokens or more), written
+    # a string takes digits without end, and a grammar that asks for a longer number gets it
+    long_string = '{"n": 1, "s": "' + "1" * (MANTISSA_DIGITS + 2)
+    assert "1" in allowed_tokens(core, matcher_after(core, numbers, long_string))
+    const = Constraint("json_schema", json.dumps({"const": 10**25}))
+    assert "0" in allowed_tokens(core, matcher_after(core, const, "1" + "0" * MANTISSA_DIGITS))
+
+
+@pytest.mark.parametrize("name", ["ar", "ngram", "jacobi"])
+def test_a_model_that_loves_digits_writes_a_bounded_number(tiny_dir, name):
+    core = make(tiny_dir)
+    tokenizer = core.engine.tokenizer
+    digits = [t for t in range(len(tokenizer)) if tokenizer.decode([t]).isdigit()]
+    params = SamplingParams(
+        max_tokens=120, temperature=0.0, logit_bias=dict.fromkeys(digits, 40.0),
+        constraint=Constraint("json_schema", json.dumps(NUMBERS)),
+    )  # fmt: skip
+    decoder, options = DECODERS[name]
+    request = GenerateRequest("r", PROMPTS[1], params, decoder, options)
+    ((ids, reason),) = run(core, [request]).values()
+    written = text(core, ids)
+    answer = json.loads(written)
+    jsonschema.validate(answer, NUMBERS)
+    mantissa = re.split("[eE]", re.search(r'"n": (-?[0-9.eE+-]+)', written).group(1))[0]
+    mantissa = mantissa.lstrip("-").removeprefix("0")
+    assert sum(c.isdigit() for c in mantissa) == MANTISSA_DIGITS, written
+    assert answer["s"].isdigit() and len(answer["s"]) == 24, written  # strings are not bounded
+    assert reason == "stop"
