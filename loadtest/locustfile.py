@@ -25,7 +25,7 @@ import gevent
 from locust import HttpUser, constant, events, task
 from locust.runners import MasterRunner, WorkerRunner
 
-from loadtest.prompts import IntDistribution, PromptSource, decoder_spec, parse_decoder_mix
+from loadtest.prompts import IntDistribution, PromptSource, parse_decoder_mix
 from loadtest.shapes import STEP_MESSAGE, StepShape, current_step, set_step
 from loadtest.stats import RequestRecord, summarize
 from loadtest.stream import StreamError, time_stream
@@ -220,7 +220,7 @@ class StrideUser(HttpUser):
             "stream": True,
             "stream_options": {"include_usage": True},
             "user": self.user_id,
-            "decoder": decoder_spec(self.decoder_name),
+            "decoder": self.decoder_name,
         }
         if options.ignore_eos:
             body["ignore_eos"] = True

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from typing import Any
 
 # Varied on purpose: short questions, code, long contexts, lists, arithmetic, translation.
 BUILTIN_PROMPTS = [
@@ -99,22 +98,6 @@ class PromptSource:
         if kind == "builtin":
             return rng.choice(BUILTIN_PROMPTS)
         return synthetic_prompt(rng, self.words.sample(rng))
-
-
-# Short names for the request field `decoder`; any other name (e.g. "ar", "speculative": the
-# server's default draft) is sent as given.
-DECODER_PRESETS: dict[str, str | dict[str, Any]] = {
-    "ngram": {"type": "speculative", "draft": "ngram"},
-    "early-exit": {"type": "speculative", "draft": "early_exit"},
-    "refine": {"type": "refine", "method": "jacobi"},
-    "jacobi": {"type": "refine", "method": "jacobi"},
-    "lookahead": {"type": "refine", "method": "lookahead"},
-    "introspective": {"type": "refine", "method": "introspective"},
-}
-
-
-def decoder_spec(name: str) -> str | dict[str, Any]:
-    return DECODER_PRESETS.get(name, name)
 
 
 def parse_decoder_mix(text: str) -> list[str]:

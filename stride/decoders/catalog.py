@@ -5,6 +5,9 @@ A request's strategy is its decoder and the variant its options choose: `ar`,
 decoders validate against the same names (`registry` holds the classes behind them; a test
 keeps the two in step). A variant is offered only where the server has what it needs: an
 EAGLE head, a draft model, a MASK-slot adapter, a masked diffusion LM (`Offered`).
+
+A request may name a variant alone, as users speak of them (`"eagle"`, `"lookahead"`), or as its
+strategy (`"speculative/eagle"`, what metrics and usage show): `shorthand` expands either.
 """
 
 from __future__ import annotations
@@ -68,3 +71,21 @@ def strategies(offered: Offered) -> tuple[str, ...]:
         *(f"{SPECULATIVE}/{d}" for d in offered.drafts()),
         *(f"{REFINE}/{m}" for m in offered.methods()),
     )
+
+
+def shorthand(name: str) -> tuple[str, dict[str, Any]] | None:
+    """`"eagle"` or `"speculative/eagle"` → ("speculative", {"draft": "eagle"}); `"lookahead"` or
+    `"refine/lookahead"` → ("refine", {"method": "lookahead"}); None for any other name."""
+    decoder, _, variant = name.rpartition("/")
+    if variant in DRAFTS and decoder in ("", SPECULATIVE):
+        return SPECULATIVE, {"draft": variant}
+    if variant in REFINE_METHODS and decoder in ("", REFINE):
+        return REFINE, {"method": variant}
+    return None
+
+
+def shorthands() -> tuple[str, ...]:
+    """Every name `shorthand` expands."""
+    drafts = (f"{p}{d}" for p in ("", f"{SPECULATIVE}/") for d in DRAFTS)
+    methods = (f"{p}{m}" for p in ("", f"{REFINE}/") for m in REFINE_METHODS)
+    return (*drafts, *methods)

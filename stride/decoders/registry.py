@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
+from stride.decoders import catalog
 from stride.decoders.autoregressive import Autoregressive
 from stride.decoders.base import Decoder, DecoderError, DecodersConfig
 from stride.decoders.refine import Refine
@@ -25,13 +26,14 @@ class Choice(NamedTuple):
 
 
 def parse_spec(spec: Any) -> Choice:
-    """`"ar"` or `{"type": "ar", ...options}` → its `Choice`.
+    """`"ar"` or `{"type": "ar", ...options}` → its `Choice`; a variant's name (`"eagle"`,
+    `"refine/lookahead"`: `catalog.shorthand`) is its decoder with that option.
 
     Raises DecoderError for an unknown decoder, or options of the wrong name, type or range
     (`Decoder.check_options`); what depends on the server is checked at admission.
     """
     if isinstance(spec, str):
-        name, options = spec, {}
+        name, options = catalog.shorthand(spec) or (spec, {})
     elif isinstance(spec, dict):
         options = dict(spec)
         name = options.pop("type", None)
@@ -40,7 +42,8 @@ def parse_spec(spec: Any) -> Choice:
     else:
         raise DecoderError("decoder must be a name or an object with a 'type' field")
     if name not in DECODERS:
-        raise DecoderError(f"unknown decoder {name!r}; valid decoders: {', '.join(DECODERS)}")
+        valid = ", ".join((*DECODERS, *catalog.shorthands()))
+        raise DecoderError(f"unknown decoder {name!r}; valid decoders: {valid}")
     DECODERS[name].check_options(options)
     return Choice(name, options)
 
@@ -54,7 +57,8 @@ def spec_schema() -> dict[str, Any]:
             required = ["type", *schema.get("required", [])]
             shape = {k: v for k, v in schema.items() if k not in ("title", "description")}
             objects.append({**shape, "properties": properties, "required": required})
-    return {"oneOf": [{"type": "string", "enum": list(DECODERS)}, *objects]}
+    names = [*DECODERS, *catalog.shorthands()]
+    return {"oneOf": [{"type": "string", "enum": names}, *objects]}
 
 
 def build_decoders(engine: Engine, config: DecodersConfig | None = None) -> dict[str, Decoder]:

@@ -84,11 +84,14 @@ def test_diffusion_streams_and_seeded_runs_reproduce(client, model):
 
 
 def test_jacobi_and_lookahead_match_greedy(client, model):
+    """Named by an object, by the method alone, or as metrics label it."""
     plain = complete(client, model, "ar", max_tokens=16).choices[0].text
     for method in ("jacobi", "lookahead"):
-        out = complete(client, model, {"type": "refine", "method": method}, max_tokens=16)
-        assert out.choices[0].text == plain
-        assert out.usage.model_extra["decoder"]["forward_passes"] <= 16
+        for spec in ({"type": "refine", "method": method}, method, f"refine/{method}"):
+            out = complete(client, model, spec, max_tokens=16)
+            assert out.choices[0].text == plain
+            usage = out.usage.model_extra["decoder"]
+            assert usage["decoder"] == "refine" and usage["forward_passes"] <= 16
 
 
 def test_introspective_matches_greedy_and_samples_reproducibly(client, model, server):
@@ -111,6 +114,8 @@ def test_introspective_matches_greedy_and_samples_reproducibly(client, model, se
         ({"type": "refine", "method": "lookahead", "window": 99}, 0.0, "window"),
         ({**DIFFUSION, "threshold": 2}, 0.0, "threshold"),
         ({"type": "refine", "method": "introspective", "slots": 0}, 0.0, "slots"),
+        ("eagle", 0.0, "eagle"),  # a variant this server has no head for
+        ("refine/eagle", 0.0, "unknown decoder 'refine/eagle'"),
     ],
 )
 def test_bad_refine_requests_are_400(client, model, decoder, temperature, message):
