@@ -60,8 +60,7 @@ from stride.decoders.speculative.drafters import (
 )
 from stride.decoders.speculative.eagle import EagleDrafter, keep_recent
 from stride.decoders.speculative.loop_policy import LoopPolicy, menu
-from stride.decoders.speculative.policy import MAX_K, AdaptivePolicy, StepPlans
-from stride.decoders.speculative.state import SeqState
+from stride.decoders.speculative.policy import MAX_K, AdaptivePolicy, SeqState, StepPlans
 from stride.decoders.speculative.tree import Tree
 from stride.decoders.speculative.verify import paths, verify_greedy, verify_sampled
 from stride.engine.engine import Engine
