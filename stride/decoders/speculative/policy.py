@@ -1,9 +1,9 @@
 """Adaptive K: how many drafts each speculative sequence gets per step, from measured costs.
 
-The model (`costs`): K drafts yield E(K) tokens per target pass at a step cost T(K); the policy
-picks the K ≤ K_max with the largest goodput G(K) = E(K)·T0/T(K), and K = 0 (plain decoding, no
-drafter work) unless the best G beats 1 by 5 %. B, the number of speculative sequences in the
-step, is the previous step's when reserving, the actual one when drafting.
+The model (in `loop_policy`): K drafts yield E(K) tokens per target pass at a step cost T(K);
+the policy picks the K ≤ K_max with the largest goodput G(K) = E(K)·T0/T(K), and K = 0 (plain
+decoding, no drafter work) unless the best G beats 1 by 5 %. B, the number of speculative
+sequences in the step, is the previous step's when reserving, the actual one when drafting.
 
 Observations and decisions. Everything the policy knows is one record, `Observed`: the step
 costs per batch size, each drafter's cost and acceptance prior, the verification step count,
@@ -24,7 +24,7 @@ at a batch size can be slow once); until a drafting step has been timed, and aga
 `REMEASURE_EVERY` plain steps without one (so that a stale measurement cannot pin K at 0), the
 costs come from sizes: scoring drafts costs what plain decoding does, drafting what the
 drafter's size says (0 for n-gram, L/layers for early exit, the parameter ratio for a draft
-model). Step costs are measured per batch-size bucket (`costs.bucket`), since a draft-scoring
+model). Step costs are measured per batch-size bucket (`loop_policy.bucket`), since a draft-scoring
 step of 64 rows and one of 1 row relate differently to their plain steps.
 
 Acceptance. The a_i are measured per position, not one a for all (`Runs`, in each sequence's
@@ -62,7 +62,8 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from stride.decoders.base import StepContext
-from stride.decoders.speculative.costs import (
+from stride.decoders.speculative.drafters import Draft, Drafter
+from stride.decoders.speculative.loop_policy import (
     MIN_GAIN,
     Rates,
     StepCosts,
@@ -71,7 +72,6 @@ from stride.decoders.speculative.costs import (
     choose_k,
     ema,
 )
-from stride.decoders.speculative.drafters import Draft, Drafter
 from stride.decoders.speculative.tree import Tree
 from stride.engine.sequence import Sequence
 
