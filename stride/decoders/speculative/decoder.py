@@ -33,7 +33,6 @@ from pydantic import Field
 
 from stride import drafts
 from stride.decoders import grammar, sampling
-from stride.decoders.autoregressive import commit_plain
 from stride.decoders.base import (
     PLAIN,
     UNLIMITED,
@@ -46,6 +45,7 @@ from stride.decoders.base import (
     Proposal,
     Scored,
     StepContext,
+    commit_plain,
     parse_options,
 )
 from stride.decoders.catalog import EAGLE, EARLY_EXIT, NGRAM, SPECULATIVE
