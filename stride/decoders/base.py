@@ -24,6 +24,9 @@ A decoder that runs passes of its own on the device with no host round trip betw
 speculation loop) offers them through `burst(seqs, passes)`; a decoder whose sequences run on a
 model of their own (diffusion) names it in `model_group`.
 
+A plain step's commits are every decoder's to make, not only `ar`'s: `commit_plain` takes the
+tokens sampled on the device (`plain_commits`), or samples one per sequence from its logits row.
+
 Adding a strategy is one new module implementing `Decoder` plus one line in the registry.
 """
 
@@ -35,6 +38,7 @@ from typing import Any, ClassVar, TypeVar
 import torch
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from stride.decoders import sampling
 from stride.decoders.sampling import TokenLogprob
 from stride.engine.engine import Engine
 from stride.engine.sequence import SamplingParams, Sequence
@@ -141,6 +145,26 @@ def plain_commits(scored: Scored) -> list[Commit]:
         Commit(t, lp, len(t) - 1, forward_passes=len(t))
         for t, lp in zip(scored.tokens, lps, strict=True)
     ]
+
+
+def commit_plain(seqs: list[Sequence], scored: Scored, ctx: StepContext) -> list[Commit]:
+    """Plain steps' commits: the tokens sampled on the device, or one token per sequence
+    sampled here from its single logits row."""
+    if scored.tokens is not None:
+        return plain_commits(scored)
+    assert scored.logits is not None
+    return sample_one_each(seqs, scored.logits, ctx)
+
+
+def sample_one_each(
+    seqs: list[Sequence], logits: list[torch.Tensor], ctx: StepContext
+) -> list[Commit]:
+    """One token per sequence from its single logits row, in one batched draw."""
+    rows = [sampling.Row(s) for s in seqs]
+    stacked = torch.cat(logits)
+    tokens = sampling.sample(stacked, rows, ctx.eos_ids)  # synchronises with the device
+    lps = sampling.logprobs(stacked, tokens, rows)
+    return [Commit([t], [lp]) for t, lp in zip(tokens, lps, strict=True)]
 
 
 @dataclass

@@ -38,8 +38,7 @@ from transformers import LlamaConfig
 from stride.engine.attention import AttentionMetadata, paged_attention
 from stride.engine.kernels.decode_attention import DecodeMetadata
 from stride.engine.kv_cache import KVCache
-from stride.engine.model import MLP, CausalLM, RMSNorm, rotate
-from stride.engine.rotary import Rotary
+from stride.engine.model import MLP, CausalLM, RMSNorm, Rotary, rotate
 from stride.engine.spans import Span, prepare
 
 EAGLE3 = "LlamaForCausalLMEagle3"

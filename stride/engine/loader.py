@@ -21,9 +21,8 @@ from safetensors import safe_open
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
 from stride.engine import gguf_file
-from stride.engine.model import SUPPORTED_ARCHITECTURES, CausalLM
+from stride.engine.model import SUPPORTED_ARCHITECTURES, CausalLM, Rotary
 from stride.engine.parallel import Layout, sharded_model
-from stride.engine.rotary import Rotary
 
 log = logging.getLogger(__name__)
 

@@ -1,8 +1,14 @@
 """Llama-family decoder (llama, mistral, qwen2, qwen3) over a ragged batch and a paged KV cache.
 
 Parameter names follow Hugging Face's checkpoints, so a safetensors state dict loads as is. The
-layer math mirrors transformers' (fp32 RMSNorm, rotary as transformers computes it: `rotary`),
-which is what makes token-for-token equality with `generate` possible.
+layer math mirrors transformers' (fp32 RMSNorm, rotary as transformers computes it), which is
+what makes token-for-token equality with `generate` possible.
+
+The rotary embedding (`Rotary`) has the same inverse frequencies (transformers' own functions for
+every rope type, and the default one's formula) and the same fp32 operations as
+`LlamaRotaryEmbedding.forward`. It is defined here rather than imported from `modeling_llama`,
+whose import costs an engine or API process several seconds at start (`python -X importtime`);
+`modeling_rope_utils` costs next to nothing.
 """
 
 from __future__ import annotations
@@ -11,9 +17,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, dynamic_rope_update
 
 from stride.engine.attention import AttentionMetadata, paged_attention
-from stride.engine.rotary import Rotary
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -34,6 +40,37 @@ class RMSNorm(nn.Module):
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+def default_rope(config: PretrainedConfig, **kwargs) -> tuple[torch.Tensor, float]:
+    """The original RoPE's inverse frequencies, and no scaling of cos and sin."""
+    base = config.rope_parameters["rope_theta"]
+    dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)), 1.0
+
+
+class Rotary(nn.Module):
+    """cos and sin [1, T, head_dim] for positions [1, T]. The attribute names are the ones
+    `dynamic_rope_update` reads and updates (dynamic and long-rope types)."""
+
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.max_seq_len_cached = self.original_max_seq_len = config.max_position_embeddings
+        self.rope_type = config.rope_parameters["rope_type"]
+        init = default_rope if self.rope_type == "default" else ROPE_INIT_FUNCTIONS[self.rope_type]
+        inv_freq, self.attention_scaling = init(config)
+        self.inv_freq = nn.Buffer(inv_freq, persistent=False)
+        self.original_inv_freq = nn.Buffer(inv_freq.clone(), persistent=False)
+
+    @dynamic_rope_update
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        inv_freq = self.inv_freq.to(device=x.device, dtype=torch.float)
+        freqs = position_ids[..., None].float() * inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos = emb.cos() * self.attention_scaling
+        sin = emb.sin() * self.attention_scaling
+        return cos.to(dtype=x.dtype), sin.to(dtype=x.dtype)
 
 
 class Attention(nn.Module):

@@ -1,11 +1,14 @@
 """Plain records that cross the boundary between the HTTP edge and the step loop.
 
-Only data goes in and out (no engine objects), so the loop can later move to its own process.
+Only data goes in and out (no engine objects), so the loop can run in a process of its own
+(`process`); how the records cross that pipe is theirs too, kept here beside them: a
+RequestOutput pickles as its field values, an admission error travels as a plain tuple.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 from stride.decoders.sampling import TokenLogprob
@@ -60,6 +63,16 @@ class RequestOutput:
         return self.finish_reason is not None or self.error is not None
 
 
+def _reduce_output(out: RequestOutput) -> tuple[type, tuple]:
+    """A RequestOutput as its field values in order (every field is an __init__ argument),
+    not the default pickled __dict__: about half the time to pickle and unpickle a step's
+    outputs (docs/BENCHMARKS.md, "Design choices")."""
+    return RequestOutput, tuple(out.__dict__.values())
+
+
+ForkingPickler.register(RequestOutput, _reduce_output)  # what Connection.send pickles with
+
+
 @dataclass
 class StepStats:
     """The engine's numbers after one step: what the metrics read, in either client mode."""
@@ -90,3 +103,21 @@ class RequestRejected(ValueError):
         super().__init__(message)
         self.code = code
         self.param = param
+
+
+def rejection_to_plain(error: Exception | None) -> tuple[str, str, str, str | None] | None:
+    """An admission error as plain data (RequestRejected's fields do not survive pickling)."""
+    if error is None:
+        return None
+    if isinstance(error, QueueFull):
+        return ("queue_full", str(error), "queue_full", None)
+    assert isinstance(error, RequestRejected)
+    return ("rejected", str(error), error.code, error.param)
+
+
+def rejection_from_plain(error: tuple[str, str, str, str | None] | None) -> Exception | None:
+    """The admission error that `rejection_to_plain` sent (None: admitted)."""
+    if error is None:
+        return None
+    kind, message, code, param = error
+    return QueueFull(message) if kind == "queue_full" else RequestRejected(message, code, param)

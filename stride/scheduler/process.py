@@ -22,12 +22,12 @@ import itertools
 import logging
 import multiprocessing as mp
 import os
+import queue
 import signal
 import threading
 import time
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
-from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 from stride.scheduler.admission import admit
@@ -36,27 +36,16 @@ from stride.scheduler.core import CoreConfig, EngineCore
 from stride.scheduler.model_info import ModelInfo
 from stride.scheduler.outputs import (
     GenerateRequest,
-    QueueFull,
     RequestOutput,
-    RequestRejected,
     StepStats,
+    rejection_from_plain,
+    rejection_to_plain,
 )
-from stride.scheduler.pipe_writer import PipeWriter
 from stride.scheduler.supervision import RestartBudget, SupervisionConfig
 
 log = logging.getLogger(__name__)
 
 HEARTBEAT_S = 1.0  # the longest a stepping engine stays silent on a pipe
-
-
-def _reduce_output(out: RequestOutput) -> tuple[type, tuple]:
-    """A RequestOutput as its field values in order (every field is an __init__ argument),
-    not the default pickled __dict__: about half the time to pickle and unpickle a step's
-    outputs (docs/BENCHMARKS.md, "Design choices")."""
-    return RequestOutput, tuple(out.__dict__.values())
-
-
-ForkingPickler.register(RequestOutput, _reduce_output)  # what Connection.send pickles with
 
 
 def start_engine_process(
@@ -198,7 +187,7 @@ class ProcessEngineClient(BaseClient):
                         waiting = self._pending.pop(key, None)
                     if waiting is not None:
                         loop, fut = waiting
-                        loop.call_soon_threadsafe(settle, fut, _rejection(error))
+                        loop.call_soon_threadsafe(settle, fut, rejection_from_plain(error))
                 elif kind == "dead":
                     return payload
         except (EOFError, OSError):
@@ -261,11 +250,33 @@ class ProcessEngineClient(BaseClient):
         return False
 
 
-def _rejection(error: tuple[str, str, str, str | None] | None) -> Exception | None:
-    if error is None:
-        return None
-    kind, message, code, param = error
-    return QueueFull(message) if kind == "queue_full" else RequestRejected(message, code, param)
+class PipeWriter:
+    """Sends what is `put` down `conn`, in order, until `close`, from a thread of its own: an
+    engine that stopped reading (hung, or stopped by SIGSTOP) fills its pipe, and a send then
+    blocks this thread, never the event loop that puts the message."""
+
+    def __init__(self, conn: Connection) -> None:
+        self._queue: queue.SimpleQueue[tuple[str, Any] | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(
+            target=self._run, args=(conn,), name="stride-engine-send", daemon=True
+        )
+        self._thread.start()
+
+    def put(self, message: tuple[str, Any]) -> None:
+        self._queue.put(message)
+
+    def close(self, timeout: float | None = None) -> None:
+        """Stop after what was put so far (waiting up to `timeout` s for it to be sent)."""
+        self._queue.put(None)
+        if timeout:
+            self._thread.join(timeout)
+
+    def _run(self, conn: Connection) -> None:
+        while (message := self._queue.get()) is not None:
+            try:
+                conn.send(message)
+            except (OSError, ValueError):  # the engine is gone; the reader says why
+                return
 
 
 # ---- the engine process -------------------------------------------------------------------------
@@ -319,7 +330,7 @@ def _loop(core: EngineCore, pipes: _Pipes) -> None:
                 error = admit(core, requests)
                 if error is None:
                     pipes.own(i, requests)
-                pipes.send(i, ("admitted", (key, _plain(error))), core)
+                pipes.send(i, ("admitted", (key, rejection_to_plain(error))), core)
         if not ready and core.has_work:
             t0 = time.perf_counter()
             outs = core.step()
@@ -412,13 +423,3 @@ class _Pipes:
         for i, mine in self._split(failed).items():
             with contextlib.suppress(OSError, ValueError):
                 self.conns[i].send(("dead", (message, mine)))
-
-
-def _plain(error: Exception | None) -> tuple[str, str, str, str | None] | None:
-    """An admission error as plain data (RequestRejected's fields do not survive pickling)."""
-    if error is None:
-        return None
-    if isinstance(error, QueueFull):
-        return ("queue_full", str(error), "queue_full", None)
-    assert isinstance(error, RequestRejected)
-    return ("rejected", str(error), error.code, error.param)

@@ -40,8 +40,8 @@ from stride.server import request_schemas as rq
 from stride.server import response_schemas as rs
 from stride.server.auth import APIKeyMiddleware
 from stride.server.body_limit import BodyLimit
-from stride.server.disconnect import ClientGone, client_gone
 from stride.server.lifecycle import Gate, Lifecycle, Phase
+from stride.server.respond import ClientGone, client_gone
 from stride.server.serving import Serving
 from stride.tracing import Tracing, disabled
 

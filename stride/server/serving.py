@@ -25,7 +25,6 @@ from stride.server import respond, structured
 from stride.server import response_schemas as rs
 from stride.server.chat_view import ChatView
 from stride.server.completion_view import CompletionView
-from stride.server.disconnect import ClientGone, unless_disconnected
 from stride.server.errors import APIError, from_exception
 from stride.server.generation import Generation, Running
 from stride.server.logprobs import Pieces
@@ -39,6 +38,7 @@ from stride.server.requests import (
     off_loop,
     size,
 )
+from stride.server.respond import ClientGone, unless_disconnected
 from stride.server.tools import Tools
 from stride.server.tools import resolve as resolve_tools
 from stride.server.views import View

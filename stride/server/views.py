@@ -1,6 +1,8 @@
 """A response in the making: the choices gathered from engine outputs, the usage, and the shape
 of the chunks a stream sends. One subclass per route: `CompletionView` (/v1/completions) and
-`ChatView` (/v1/chat/completions). A view shapes and serializes; `respond` drives it.
+`ChatView` (/v1/chat/completions). A view shapes and serializes, down to each chunk's
+server-sent event (`sse_event`: its text-only events are cut from a template of it); `respond`
+drives it and writes the rest of the stream.
 
 In a stream, `usage.decoder` and `usage.timings` appear once every choice has finished (before
 that the chunks leave them out): a field never changes its type between chunks.
@@ -17,7 +19,6 @@ from stride.decoders.sampling import TokenLogprob
 from stride.scheduler.outputs import RequestOutput
 from stride.server import request_schemas as rq
 from stride.server import response_schemas as rs
-from stride.server import sse
 from stride.server.logprobs import Pieces
 
 
@@ -49,6 +50,11 @@ class Choice:
 _USAGE = {"usage"}
 _PLACEHOLDER = RequestOutput("", text="\ue000stride-text\ue000")  # private use: in no name
 _PLACEHOLDER_JSON = encode_basestring(_PLACEHOLDER.text)  # as pydantic writes it (tested)
+
+
+def sse_event(data: str) -> str:
+    """One server-sent event carrying `data` (JSON text): `data: <json>`."""
+    return f"data: {data}\n\n"
 
 
 class View:
@@ -137,8 +143,8 @@ class View:
         if self.usage_always and getattr(chunk, "usage", 0) is None:
             chunk.usage = self.usage()
         if self.include_usage:
-            return sse.event(chunk.model_dump_json())
-        return sse.event(chunk.model_dump_json(exclude=_USAGE))
+            return sse_event(chunk.model_dump_json())
+        return sse_event(chunk.model_dump_json(exclude=_USAGE))
 
     def event(self, index: int, out: RequestOutput) -> str | None:
         """The SSE event of one output. Most carry only text: those are the choice's text-delta

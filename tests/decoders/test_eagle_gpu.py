@@ -10,7 +10,7 @@ from stride.decoders.registry import DecodersConfig, build_decoders
 from stride.decoders.speculative.device_tree import TreeShape
 from stride.engine.config import EngineConfig
 from stride.engine.engine import Engine
-from stride.engine.fused_head import FusedHead
+from stride.engine.fused import FusedHead
 from stride.scheduler.core import EngineCore
 from stride.scheduler.outputs import GenerateRequest
 from tests.helpers.cores import PROMPTS, greedy, run

@@ -9,10 +9,15 @@ from types import SimpleNamespace
 
 import torch
 
-from stride.decoders.speculative.costs import MIN_GAIN
 from stride.decoders.speculative.device_tree import TreeShape
 from stride.decoders.speculative.eagle import keep_recent
-from stride.decoders.speculative.loop_policy import DEFAULT_TREE, Choice, LoopPolicy, menu
+from stride.decoders.speculative.loop_policy import (
+    DEFAULT_TREE,
+    MIN_GAIN,
+    Choice,
+    LoopPolicy,
+    menu,
+)
 from stride.scheduler.outputs import GenerateRequest
 from tests.helpers.cores import PROMPTS, alone_then_together, greedy, run
 from tests.helpers.eagle import eagle_core, free, record_bursts

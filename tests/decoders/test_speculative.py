@@ -13,8 +13,8 @@ from stride.decoders.autoregressive import Autoregressive
 from stride.decoders.base import Proposal, Scored, StepContext
 from stride.decoders.registry import DecodersConfig, build_decoders
 from stride.decoders.speculative import Speculative
-from stride.decoders.speculative.costs import StepCosts, Timings, bucket, choose_k
 from stride.decoders.speculative.drafters import Draft, Drafter
+from stride.decoders.speculative.loop_policy import StepCosts, Timings, bucket, choose_k
 from stride.decoders.speculative.verify import verify
 from stride.engine.config import EngineConfig
 from stride.engine.engine import Engine

@@ -7,7 +7,7 @@ import torch
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-from stride.engine.rotary import Rotary
+from stride.engine.model import Rotary
 
 ROPES = {
     "default": {"rope_type": "default", "rope_theta": 10000.0},

@@ -6,6 +6,7 @@ import json
 import pickle
 import re
 import time
+from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 
 import httpx
@@ -13,7 +14,6 @@ import pytest
 from transformers import AutoTokenizer
 
 from stride.scheduler.outputs import EngineError, RequestOutput
-from stride.scheduler.process import ForkingPickler
 from tests.helpers.servers import (
     PROMPT_IDS,
     assert_sigterm_drains,

@@ -1,6 +1,6 @@
-"""Speculative decoding, one idea per module: `decoder` (the `Decoder`), `policy` (adaptive K)
-and its `costs` model, `verify` (chains and trees), `state` (per sequence), `drafters` and
-`eagle` (who drafts), `tree` (draft trees)."""
+"""Speculative decoding, one idea per module: `decoder` (the `Decoder`), `policy` (adaptive K,
+and what it keeps per sequence), `loop_policy` (the cost model, and the device loop's shape),
+`verify` (chains and trees), `drafters` and `eagle` (who drafts), `tree` (draft trees)."""
 
 from stride.decoders.speculative.decoder import Speculative, SpeculativeOptions
 

@@ -14,8 +14,7 @@ from stride.decoders.speculative.cycles import CycleResult, reach
 from stride.decoders.speculative.device_tree import TreeShape
 from stride.decoders.speculative.eagle import EagleDrafter
 from stride.decoders.speculative.loop_policy import Choice, LoopPolicy, menu
-from stride.decoders.speculative.policy import AdaptivePolicy, StepPlans
-from stride.decoders.speculative.state import SeqState
+from stride.decoders.speculative.policy import AdaptivePolicy, SeqState, StepPlans
 from stride.engine.engine import Engine
 from stride.engine.kv_cache import OutOfBlocks
 from stride.engine.sequence import Sequence, Status

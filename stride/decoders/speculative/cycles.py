@@ -46,7 +46,7 @@ from stride.decoders.speculative.device_tree import (
 )
 from stride.decoders.speculative.verify import accept_greedy
 from stride.engine.eagle import HeadRunner
-from stride.engine.fused_head import FusedHead
+from stride.engine.fused import FusedHead
 from stride.engine.kernels import layer as kernels
 from stride.engine.kernels.decode_attention import DecodeMetadata
 from stride.engine.runner import ModelRunner

@@ -33,7 +33,6 @@ from pydantic import Field
 
 from stride import drafts
 from stride.decoders import grammar, sampling
-from stride.decoders.autoregressive import commit_plain
 from stride.decoders.base import (
     PLAIN,
     UNLIMITED,
@@ -46,6 +45,7 @@ from stride.decoders.base import (
     Proposal,
     Scored,
     StepContext,
+    commit_plain,
     parse_options,
 )
 from stride.decoders.catalog import EAGLE, EARLY_EXIT, NGRAM, SPECULATIVE
@@ -60,8 +60,7 @@ from stride.decoders.speculative.drafters import (
 )
 from stride.decoders.speculative.eagle import EagleDrafter, keep_recent
 from stride.decoders.speculative.loop_policy import LoopPolicy, menu
-from stride.decoders.speculative.policy import MAX_K, AdaptivePolicy, StepPlans
-from stride.decoders.speculative.state import SeqState
+from stride.decoders.speculative.policy import MAX_K, AdaptivePolicy, SeqState, StepPlans
 from stride.decoders.speculative.tree import Tree
 from stride.decoders.speculative.verify import paths, verify_greedy, verify_sampled
 from stride.engine.engine import Engine

@@ -1,21 +1,36 @@
-"""Which draft shape EAGLE's device loop runs for a batch of adaptive requests, or none.
+"""What speculation pays, priced against plain decoding: the cost model of K drafts, and which
+draft shape EAGLE's device loop runs for a batch of adaptive requests, or none.
 
-Where the loop serves EAGLE (a GPU with graphs), an adaptive EAGLE request drafts only there:
-a step that drafts on the host pays a round trip per pass and loses to plain decoding on such
-a device. The candidates of a batch are its requests' `menu`: a chain of K drafts and a tree
-(the requests' own, else `DEFAULT_TREE`). Each has a rate measured per batch-size bucket
-(`costs.bucket`): tokens the batch commits per second of its bursts, each timed from the
-previous launch's end to its commit, so that the host's work between bursts (which plain steps
-in flight hide) counts against the loop. Plain decoding has its own, from the plain steps the
-speculative policy times. The batch runs the fastest, and plain decoding unless a shape beats
-it by `MIN_GAIN`.
+Both measure per batch-size bucket (`bucket`) with moving averages of wall times (`ema`), and
+choose speculation only where it beats plain decoding by `MIN_GAIN`; the adaptive K policy
+(`policy`, which measures the model's inputs) and refining's payoff (`payoff`) price with the
+same helpers.
+
+The cost model. With a_i the chance that draft i passes once drafts 0..i-1 have, K drafts yield
+E(K) = 1 + a_0 + a_0·a_1 + … + a_0·…·a_(K-1) tokens per target pass. A step with K drafts costs
+T(K) = spec·(1 + B(1+K)/S) + K·draft·(1 + B/S) and a plain one T0 = plain·(1 + B/S): a forward
+grows with the tokens it scores once past S "saturation" tokens (where the device turns from
+memory- to compute-bound: 16 on CPU, 256 on GPU), and each draft position is one batched
+drafter forward. B is the number of speculative sequences in the step. Goodput relative to
+plain decoding is G(K) = E(K)·T0/T(K); the best K is the one with the largest G, and K = 0
+(plain decoding, no drafter work) unless the best G beats 1 by 5 %.
+
+The device loop. Where the loop serves EAGLE (a GPU with graphs), an adaptive EAGLE request
+drafts only there: a step that drafts on the host pays a round trip per pass and loses to plain
+decoding on such a device. The candidates of a batch are its requests' `menu`: a chain of K
+drafts and a tree (the requests' own, else `DEFAULT_TREE`). Each has a rate measured per
+batch-size bucket (`bucket`): tokens the batch commits per second of its bursts, each timed from
+the previous launch's end to its commit, so that the host's work between bursts (which plain
+steps in flight hide) counts against the loop. Plain decoding has its own, from the plain steps
+the speculative policy times. The batch runs the fastest, and plain decoding unless a shape
+beats it by `MIN_GAIN`.
 
 What is not measured yet at a bucket is tried once plain decoding has been timed there; a
 candidate not chosen is tried again after `RETRY_EVERY` steps, so that a rate measured on
 other prompts cannot pin the choice, and each time such a retry loses again its wait doubles,
 up to `MAX_WAIT` steps: a shape that does not pay at a batch size costs a few cycles now and
 then, not a share of every minute. A try runs `TRY_CYCLES` cycles, the chosen shape as many as
-a burst takes. A rate is a moving average over bursts (`costs.ema`) of seconds and tokens per
+a burst takes. A rate is a moving average over bursts (`ema`) of seconds and tokens per
 cycle: both drift with the traffic.
 """
 
@@ -24,8 +39,84 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from stride.decoders.speculative.costs import MIN_GAIN, bucket, ema
 from stride.decoders.speculative.device_tree import TreeShape
+
+Rates = float | tuple[float, ...]  # acceptance per draft position; a float: the same at each
+MIN_GAIN = 1.05  # speculation must beat plain decoding by this much to be chosen
+
+
+def expected_tokens(alpha: Rates, k: int) -> float:
+    """Tokens per target pass with k drafts: 1 + a0 + a0·a1 + … + a0·…·a(k-1), where a_i is the
+    chance that draft i passes once drafts 0..i-1 have (1 + alpha + … + alpha^k for a float)."""
+    if isinstance(alpha, float | int):
+        return k + 1.0 if alpha == 1.0 else (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+    total = reach = 1.0
+    for a in alpha[:k]:
+        reach *= a
+        total += reach
+    return total
+
+
+@dataclass
+class StepCosts:
+    """What a step costs, per unit of the token-count factor (1 + tokens / saturation)."""
+
+    saturation: float  # tokens at which a forward turns from memory- to compute-bound
+    plain: float = 1.0  # a verification forward in which nothing was drafted
+    spec: float = 1.0  # a verification forward that scores drafts
+    draft: float = 0.0  # one batched drafter forward (one draft position)
+
+    def gain(self, alpha: Rates, batch: int, k: int) -> float:
+        """Goodput with k drafts relative to plain decoding."""
+        unit = 1 + batch / self.saturation
+        step = self.spec * (1 + batch * (1 + k) / self.saturation) + k * self.draft * unit
+        return expected_tokens(alpha, k) * self.plain * unit / step
+
+    def step_gain(self, batch: int, drafts: list[tuple[Rates, int]]) -> float:
+        """Goodput of a whole step relative to a plain one, for (alpha, k) per drafting sequence.
+
+        `gain` prices a sequence's drafts as if every sequence drafted as many; a step pays one
+        draft-scoring forward however few sequences draft in it, so a handful of drafts in a
+        large batch (probes) cannot pay for it there."""
+        unit = 1 + batch / self.saturation
+        tokens = batch + sum(k for _, k in drafts)
+        positions = max((k for _, k in drafts), default=0)
+        step = self.spec * (1 + tokens / self.saturation) + positions * self.draft * unit
+        extra = sum(expected_tokens(alpha, k) - 1 for alpha, k in drafts)
+        return (batch + extra) / batch * self.plain * unit / step
+
+
+def choose_k(alpha: Rates, batch: int, k_max: int, costs: StepCosts) -> int:
+    """The goodput-maximising number of drafts; 0 when none pays."""
+    best_k, best_gain = 0, 1.0
+    for k in range(1, k_max + 1):
+        gain = costs.gain(alpha, batch, k)
+        if gain > best_gain:
+            best_k, best_gain = k, gain
+    return best_k if best_gain >= MIN_GAIN else 0
+
+
+def bucket(batch: int) -> int:
+    """Batch sizes whose step costs are measured together: 1, 2, 3-4, 5-8, …, 33-64, …"""
+    return (max(batch, 1) - 1).bit_length()
+
+
+@dataclass
+class Timings:
+    """Measured step costs at one batch-size bucket."""
+
+    plain_s: float | None = None  # a plain step, seconds per token-count factor
+    spec: float | None = None  # StepCosts.spec measured, relative to plain_s
+    plain_since_spec: int = 0  # plain steps timed since a drafting step was last timed
+    plain_steps: int = 0  # plain steps timed in all
+
+
+def ema(old: float | None, new: float, weight: float = 0.2) -> float:
+    """An exponential moving average: wall times drift, ratios of recent ones stay sensible."""
+    return new if old is None else old + weight * (new - old)
+
+
+# ---- the device loop ----------------------------------------------------------------------------
 
 DEFAULT_TREE = TreeShape.of(64, 7, 8)  # EAGLE-2's tree: 64 drafts, 7 levels, 8 children a node
 

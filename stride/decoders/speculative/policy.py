@@ -1,9 +1,9 @@
 """Adaptive K: how many drafts each speculative sequence gets per step, from measured costs.
 
-The model (`costs`): K drafts yield E(K) tokens per target pass at a step cost T(K); the policy
-picks the K ≤ K_max with the largest goodput G(K) = E(K)·T0/T(K), and K = 0 (plain decoding, no
-drafter work) unless the best G beats 1 by 5 %. B, the number of speculative sequences in the
-step, is the previous step's when reserving, the actual one when drafting.
+The model (in `loop_policy`): K drafts yield E(K) tokens per target pass at a step cost T(K);
+the policy picks the K ≤ K_max with the largest goodput G(K) = E(K)·T0/T(K), and K = 0 (plain
+decoding, no drafter work) unless the best G beats 1 by 5 %. B, the number of speculative
+sequences in the step, is the previous step's when reserving, the actual one when drafting.
 
 Observations and decisions. Everything the policy knows is one record, `Observed`: the step
 costs per batch size, each drafter's cost and acceptance prior, the verification step count,
@@ -24,16 +24,16 @@ at a batch size can be slow once); until a drafting step has been timed, and aga
 `REMEASURE_EVERY` plain steps without one (so that a stale measurement cannot pin K at 0), the
 costs come from sizes: scoring drafts costs what plain decoding does, drafting what the
 drafter's size says (0 for n-gram, L/layers for early exit, the parameter ratio for a draft
-model). Step costs are measured per batch-size bucket (`costs.bucket`), since a draft-scoring
+model). Step costs are measured per batch-size bucket (`loop_policy.bucket`), since a draft-scoring
 step of 64 rows and one of 1 row relate differently to their plain steps.
 
-Acceptance. The a_i are measured per position, not one a for all (`state.Runs`): per
-sequence, decayed counts of the drafts scored at position i (their predecessors passed) and of
-those accepted there, shrunk towards a prior: the drafter's slow average over all sequences per
-position (`PRIOR_ALPHA` before any). Acceptance is bursty, prompt lookup above all: its first
-draft often fails, but once it matches it matches long; one a for all positions, learned from a
-failed first draft, would keep K at 0 where runs pay. A sequence held at K = 0 by low
-acceptance probes every `PROBE_EVERY` steps (counted from its start, so that sequences that
+Acceptance. The a_i are measured per position, not one a for all (`Runs`, in each sequence's
+`SeqState`): per sequence, decayed counts of the drafts scored at position i (their predecessors
+passed) and of those accepted there, shrunk towards a prior: the drafter's slow average over all
+sequences per position (`PRIOR_ALPHA` before any). Acceptance is bursty, prompt lookup above
+all: its first draft often fails, but once it matches it matches long; one a for all positions,
+learned from a failed first draft, would keep K at 0 where runs pay. A sequence held at K = 0 by
+low acceptance probes every `PROBE_EVERY` steps (counted from its start, so that sequences that
 started together probe in the same step) if good drafts (`PROBE_ALPHA`) would pay at the
 measured costs, so its estimate can recover. A probe drafts what good drafts would, where
 scoring them costs at most 10 % more than scoring one draft (a small batch on a GPU); else one.
@@ -62,7 +62,8 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from stride.decoders.base import StepContext
-from stride.decoders.speculative.costs import (
+from stride.decoders.speculative.drafters import Draft, Drafter
+from stride.decoders.speculative.loop_policy import (
     MIN_GAIN,
     Rates,
     StepCosts,
@@ -71,14 +72,55 @@ from stride.decoders.speculative.costs import (
     choose_k,
     ema,
 )
-from stride.decoders.speculative.drafters import Drafter
-from stride.decoders.speculative.state import SeqState
+from stride.decoders.speculative.tree import Tree
 from stride.engine.sequence import Sequence
 
 MAX_K = 16  # the most drafts a request may ask for per step
 UNTIMED = Timings()  # what is measured at a bucket before anything is (never written)
 
 Period = tuple[int, int]  # (bucket, step): at that batch-size bucket, until that step
+
+
+@dataclass
+class Runs:
+    """How far runs of accepted drafts go: decayed counts, per draft position, of drafts scored
+    there (those whose predecessors all passed) and of those accepted there."""
+
+    reached: list[float] = field(default_factory=list)
+    passed: list[float] = field(default_factory=list)
+
+    def add(self, drafted: int, accepted: int, decay: float) -> None:
+        """One verification: drafts up to the first rejected one were scored."""
+        reached, passed = self.reached, self.passed
+        for i in range(min(accepted + 1, drafted)):
+            if i == len(reached):
+                reached.append(0.0)
+                passed.append(0.0)
+            reached[i] = decay * reached[i] + 1.0
+            passed[i] = decay * passed[i] + (i < accepted)
+
+    def rates(self, prior: tuple[float, ...], weight: float) -> tuple[float, ...]:
+        """Acceptance per position (as many as `prior` has), shrunk towards `prior`."""
+        reached, passed, n = self.reached, self.passed, len(self.reached)
+        return tuple(
+            (passed[i] + weight * a) / (reached[i] + weight) if i < n else a
+            for i, a in enumerate(prior)
+        )
+
+
+@dataclass
+class SeqState:
+    """What speculation keeps per sequence (in `seq.decoder_state`): its drafter, how far its
+    drafts go, and this step's plan and drafts. The policy reads and records it; the decoder
+    fills in the step's drafts."""
+
+    drafter: Drafter
+    runs: Runs = field(default_factory=Runs)  # how far this sequence's drafts go
+    reserved: int = 0  # K that extra_tokens reserved for this step
+    depth: int = 0  # a tree's depth this step (its K; `reserved` is then its nodes)
+    born: int = 0  # the policy's step count when this state was made: the probe phase
+    draft: Draft | None = None  # this step's drafts, until they are verified
+    tree: Tree | None = None  # this step's draft tree (greedy EAGLE requests with tree_nodes)
 
 
 @dataclass
