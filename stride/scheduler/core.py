@@ -26,7 +26,6 @@ import time
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
-from typing import Any
 
 from stride.decoders.base import Commit, Decoder, DecodersConfig, StepContext
 from stride.decoders.registry import build_decoders
@@ -50,7 +49,7 @@ from stride.scheduler.outputs import (
     StepStats,
 )
 from stride.scheduler.policy import Plan, Scheduler, SchedulerConfig
-from stride.scheduler.timeline import Timeline
+from stride.scheduler.timeline import Timeline, timings
 
 log = logging.getLogger(__name__)
 
@@ -392,19 +391,10 @@ class EngineCore:
         out.error = error
         self._fill_counts(seq, out)
         out.decoder_stats = {"decoder": seq.decoder, **seq.stats.as_dict()}
-        out.timings = _timings(seq)
-        if self._timelines:
-            out.timeline = self._finish_timeline(seq)
+        out.timings = timings(seq)
+        if seq.request_id in self._timelines:
+            out.timeline = self._timelines.pop(seq.request_id).finish(seq)
         return out
-
-    def _finish_timeline(self, seq: Sequence) -> Timeline | None:
-        timeline = self._timelines.pop(seq.request_id, None)
-        if timeline is not None:
-            timeline.scheduled = seq.first_scheduled_time
-            timeline.first_token = seq.first_token_time
-            timeline.finished = time.monotonic()
-            timeline.cached_tokens = seq.cached_prompt_tokens
-        return timeline
 
     def _fill_counts(self, seq: Sequence, out: RequestOutput) -> None:
         out.num_prompt_tokens = seq.num_prompt_tokens
@@ -446,15 +436,3 @@ class EngineCore:
         error_out = EngineError("internal_error", message[:500])
         self._failed.append(self._finish(seq, "error", error=error_out))
 
-
-def _timings(seq: Sequence) -> dict[str, Any]:
-    now = time.monotonic()
-    t: dict[str, Any] = {"e2e": now - seq.arrival_time}
-    if seq.first_scheduled_time is not None:
-        t["queue"] = seq.first_scheduled_time - seq.arrival_time
-    if seq.first_token_time is not None:
-        t["ttft"] = seq.first_token_time - seq.arrival_time
-        decode_time = now - seq.first_token_time
-        if seq.num_output_tokens > 1 and decode_time > 0:
-            t["decode_tokens_per_s"] = (seq.num_output_tokens - 1) / decode_time
-    return t

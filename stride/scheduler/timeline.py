@@ -1,4 +1,5 @@
-"""One traced request's path through the step loop, for its OpenTelemetry trace.
+"""A request's time: what every request's last output reports (`timings`), and a traced
+request's path through the step loop (`Timeline`), for its OpenTelemetry trace.
 
 The core keeps a `Timeline` only for requests that asked to be traced (`GenerateRequest.trace`):
 untraced requests cost one empty-dict check where events happen. The finished timeline rides
@@ -8,9 +9,11 @@ for every process of the machine), and the HTTP edge turns it into spans (`strid
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
+from typing import Any
 
-from stride.engine.sequence import DecodeStats
+from stride.engine.sequence import DecodeStats, Sequence
 
 PREEMPTED = "preempted"
 DRAFT_VERIFY = "draft_verify"  # a verification of drafted tokens: drafted, accepted, committed
@@ -30,6 +33,14 @@ class Timeline:
     events: list[tuple[str, float, dict[str, int]]] = field(default_factory=list)
     _speculated: tuple[int, int, int] = (0, 0, 0)  # drafts, draft and accepted tokens seen
 
+    def finish(self, seq: Sequence) -> Timeline:
+        """The timeline complete, as `seq` ends now."""
+        self.scheduled = seq.first_scheduled_time
+        self.first_token = seq.first_token_time
+        self.finished = time.monotonic()
+        self.cached_tokens = seq.cached_prompt_tokens
+        return self
+
     def preempted(self, now: float) -> None:
         self.events.append((PREEMPTED, now, {}))
 
@@ -47,3 +58,18 @@ class Timeline:
             self.events.append((DRAFT_VERIFY, now, attrs))
         elif refining:
             self.events.append((REFINEMENT_PASS, now, {"proposed": proposed, "committed": kept}))
+
+
+def timings(seq: Sequence) -> dict[str, Any]:
+    """What every request's last output reports of its time (`usage.timings`), traced or not:
+    end to end, in the queue, to the first token, and the decode rate after it."""
+    now = time.monotonic()
+    t: dict[str, Any] = {"e2e": now - seq.arrival_time}
+    if seq.first_scheduled_time is not None:
+        t["queue"] = seq.first_scheduled_time - seq.arrival_time
+    if seq.first_token_time is not None:
+        t["ttft"] = seq.first_token_time - seq.arrival_time
+        decode_time = now - seq.first_token_time
+        if seq.num_output_tokens > 1 and decode_time > 0:
+            t["decode_tokens_per_s"] = (seq.num_output_tokens - 1) / decode_time
+    return t
