@@ -8,6 +8,7 @@ on the order of launches and commits is the GPU's."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -20,7 +21,7 @@ from stride.decoders.speculative import Speculative
 from stride.engine.config import EngineConfig
 from stride.engine.cuda_graphs import LENGTH, POSITION, SLOT, TABLE, TOKEN, DecodeGraphs
 from stride.engine.engine import Engine
-from stride.engine.sequence import SamplingParams
+from stride.engine.sequence import Constraint, SamplingParams
 from stride.scheduler import executor as executor_module
 from stride.scheduler.core import EngineCore
 from stride.scheduler.outputs import GenerateRequest
@@ -363,6 +364,56 @@ def test_overlap_changes_no_output_beside_sampled_rows(tiny_dir, device):
         for overlap in (True, False)
     ]
     _same_mixed(*runs)
+
+
+def _constrained_requests() -> list[GenerateRequest]:
+    """Rows under a JSON schema or a regex, greedy and seeded sampled, one with logprobs,
+    beside free ones; r1 is aborted, r6 and r7 arrive late (`_run_mixed`)."""
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 8}, "n": {"type": "integer"}},
+        "required": ["name", "n"],
+        "additionalProperties": False,
+    }
+    json_schema = Constraint("json_schema", json.dumps(schema))
+    regex = Constraint("regex", r"(yes|no), [0-9]{3}!")
+    kinds = [json_schema, regex, json_schema, None, None, json_schema, json_schema, regex]
+    reqs = []
+    for i, constraint in enumerate(kinds):
+        params = SamplingParams(
+            max_tokens=40, temperature=0.9 if i in (2, 4, 7) else 0.0, seed=i,
+            ignore_eos=constraint is None, logprobs=2 if i == 5 else None, constraint=constraint,
+        )  # fmt: skip
+        reqs.append(GenerateRequest(f"r{i}", [5 + i, 9, 12 + i, 7][: 2 + i % 3], params))
+    return reqs
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_rows_under_a_grammar_stay_in_flight_and_change_no_output(tiny_dir, device, monkeypatch):
+    """Launches with rows under a grammar stay in flight: those rows are drawn on the device
+    once the step before is applied (their grammars have its token), and every output is what
+    one launch at a time gives, where the host masks and draws them."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no GPU")
+    drawn_masked = []
+    draw = executor_module.Executor._draw
+
+    def recording(self, launch):
+        drawn_masked.append(any(seq.grammar is not None for seq in launch.sampling))
+        return draw(self, launch)
+
+    monkeypatch.setattr(executor_module.Executor, "_draw", recording)
+    config = EngineConfig(model=str(tiny_dir), device=device, dtype="float32",
+                          kv_cache_memory=16 << 20)  # fmt: skip
+    runs = []
+    for overlap in (True, False):
+        core = EngineCore(Engine(config), SchedulerConfig(max_num_seqs=8))
+        runs.append(_run_mixed(core, overlap, _constrained_requests()))
+        assert any(drawn_masked) == overlap
+        drawn_masked.clear()
+    _same_mixed(*runs)
+    ends = {request_id: r[3] for request_id, r in runs[0].items()}
+    assert ends["r0"] == ends["r5"] == "stop"  # the grammar ended them
 
 
 @pytest.fixture(scope="module")
