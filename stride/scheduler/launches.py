@@ -1,0 +1,102 @@
+"""What a launch is while the device runs it: a batch started and not yet finished, and what
+its sequences' decoders get to commit from it once it is (`scored`).
+
+The executor makes these (`executor.Executor`) and keeps at most one in flight; a launch kept
+in flight carries its committing rows' samples on the device (`sampled`), which the next
+launch's fed rows read, and the draw settings and logprobs that go with them.
+"""
+
+from __future__ import annotations
+
+import time
+from functools import cached_property
+
+import torch
+
+from stride.decoders import sampling
+from stride.decoders.base import Burst, Scored
+from stride.engine.runner import SampledTokens
+from stride.engine.sequence import Sequence
+from stride.scheduler.batch import Batch, StepResult
+from stride.scheduler.decoder_set import DecoderSet
+
+
+class Launch:
+    """A batch started on the device and not yet finished."""
+
+    def __init__(self, batch: Batch, passes: int, continuable: bool = False) -> None:
+        self.batch = batch
+        self.passes = passes
+        self.continuable = continuable  # may stay in flight (see the module docstring)
+        self.started = time.perf_counter()
+        self.result = StepResult(batch, passes=passes)
+        # The last token each committing row samples, on the device (a continuable launch), and
+        # whose each of them is (in `sampled`'s order): what the next launch's fed rows read.
+        self.sampled: torch.Tensor | None = None
+        self.sampling: list[Sequence] = []
+        self.draws: sampling.DrawSettings | None = None  # their settings (the next may reuse)
+        self.logprobs: sampling.DrawnLogprobs | None = None  # of their draws, where asked for
+        # Their logits, while rows under a grammar wait for their masks (`Executor._draw`).
+        self.undrawn: torch.Tensor | None = None
+
+    @cached_property
+    def rows(self) -> dict[str, int]:
+        """Each sampling sequence's row of `sampled`, by request id."""
+        return {seq.request_id: i for i, seq in enumerate(self.sampling)}
+
+    decode_only = False  # only decode rows: its time is a measure of decode steps
+
+    def scored(self, decoders: DecoderSet) -> dict[str, Scored]:  # pragma: no cover
+        """What the target made of each decoder's live sequences (waits for the device)."""
+        raise NotImplementedError
+
+
+class ForwardLaunch(Launch):
+    """One forward pass; `logits[i]` holds plan item i's rows, `tokens` (a continuable launch)
+    the samples of its committing rows, drawn on the device."""
+
+    def __init__(self, batch: Batch, logits: list[torch.Tensor], continuable: bool) -> None:
+        super().__init__(batch, 1, continuable)
+        self.logits = logits
+        self.tokens: SampledTokens | None = None  # drawn on the device (a continuable launch)
+        self.decode_only = all(item.completes_tail and item.num_tail == 1 for item in batch.plan)
+
+    def scored(self, decoders: DecoderSet) -> dict[str, Scored]:
+        out = {}
+        if self.tokens is not None:
+            made = self.tokens.per_sequence()
+            lps = None if self.logprobs is None else self.logprobs.per_sequence(made)
+            for name, idx in decoders.live(self.batch).items():
+                rows = [self.rows[self.batch.plan[i].seq.request_id] for i in idx]
+                picked = None if lps is None else [lps[r] for r in rows]
+                out[name] = Scored(tokens=[made[r] for r in rows], logprobs=picked)
+            return out
+        for name, idx in decoders.live(self.batch).items():
+            out[name] = Scored(logits=[self.logits[i] for i in idx])
+        return out
+
+
+class BurstLaunch(Launch):
+    """`tokens.steps` plain decode steps: each sequence commits one token per step."""
+
+    def __init__(self, batch: Batch, tokens: SampledTokens, continuable: bool) -> None:
+        super().__init__(batch, tokens.steps, continuable)
+        self.tokens = tokens
+        self.decode_only = True
+
+    def scored(self, decoders: DecoderSet) -> dict[str, Scored]:
+        made = self.tokens.per_sequence()
+        lps = None if self.logprobs is None else self.logprobs.per_sequence(made)
+        return {
+            name: Scored(tokens=[made[i] for i in idx],
+                         logprobs=None if lps is None else [lps[i] for i in idx])  # fmt: skip
+            for name, idx in decoders.live(self.batch).items()
+        }
+
+
+class LoopLaunch(Launch):
+    """A decoder's own passes on the device (`Decoder.burst`); the plan is all its sequences."""
+
+    def __init__(self, batch: Batch, burst: Burst) -> None:
+        super().__init__(batch, 1)
+        self.burst = burst
