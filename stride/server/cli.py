@@ -245,8 +245,9 @@ def build_parser() -> argparse.ArgumentParser:
           "auto", choice("auto", "float32", "bfloat16", "float16"))  # fmt: skip
     _flag(m, "device", "cpu, cuda, cuda:N or auto (CUDA when present)", "auto")
     _flag(m, "max-model-len", "cap on prompt + output tokens", type=int, shown="the model's")
-    _flag(m, "trust-remote-code", "allow models that need their own code", False,
-          action="store_true")  # fmt: skip
+    _flag(m, "trust-remote-code", "allow models with their own code", False, action="store_true")
+    _flag(m, "load-format", "auto: the model's weights; dummy: random values of their shapes "
+          "(benchmarks)", "auto", choice("auto", "dummy"))  # fmt: skip
 
     e = p.add_argument_group("engine")
     _flag(e, "kv-cache-memory", "KV-cache size, e.g. 512MiB or 2GiB", type=parse_bytes,
@@ -335,6 +336,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
             peak_bandwidth=args.peak_bandwidth,
             peak_flops=args.peak_flops,
             tensor_parallel_size=args.tensor_parallel_size,
+            random_weights=args.load_format == "dummy",
         ),
         scheduler=SchedulerConfig(
             max_num_seqs=args.max_num_seqs,

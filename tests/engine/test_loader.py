@@ -97,3 +97,21 @@ def logits(engine: Engine, tokens: list[int]) -> torch.Tensor:
     seq = Sequence("s", [0], SamplingParams())
     engine.cache.reserve(seq, len(tokens))
     return engine.runner.forward([Span(seq, tokens, len(tokens))])[0]
+
+
+def test_dummy_weights_need_only_the_config_and_tokenizer(tiny_dir, tmp_path):
+    """Random weights (`--load-format dummy`): a directory without weights serves random values
+    of the model's shapes (norms at one)."""
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / name).write_bytes((tiny_dir / name).read_bytes())
+    assert not list(tmp_path.glob("*.safetensors"))
+    with pytest.raises(ValueError, match="safetensors"):
+        Engine(EngineConfig(model=str(tmp_path), device="cpu", kv_cache_memory=8 << 20))
+    engine = Engine(EngineConfig(model=str(tmp_path), device="cpu", kv_cache_memory=8 << 20,
+                                 random_weights=True))  # fmt: skip
+    real = Engine(EngineConfig(model=str(tiny_dir), device="cpu", kv_cache_memory=8 << 20))
+    dummy_params = dict(engine.model.named_parameters())
+    for name, param in real.model.named_parameters():
+        assert dummy_params[name].shape == param.shape and dummy_params[name].isfinite().all()
+        if param.dim() == 2:
+            assert not torch.equal(dummy_params[name], param)

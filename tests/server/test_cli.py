@@ -34,11 +34,13 @@ def test_flags_and_environment(monkeypatch):
             "3",
             "--fused-decode-steps",
             "1",
+            "--load-format",
+            "dummy",
         ]
     )
     assert args.port == 9123 and args.api_key == "k"
     config = server_config(args)
-    assert config.engine.kv_cache_memory == 512 << 20
+    assert config.engine.kv_cache_memory == 512 << 20 and config.engine.random_weights
     assert config.decoders.default == {"type": "ar"} and config.decoders.trust_remote_code
     assert config.scheduler.max_waiting == 3 and config.scheduler.fused_decode_steps == 1
     assert parse_bytes("2GiB") == 2 << 30 and parse_bytes("1000") == 1000
@@ -46,6 +48,7 @@ def test_flags_and_environment(monkeypatch):
     monkeypatch.setenv("STRIDE_ENGINE_PROCESS", "off")
     args = build_parser().parse_args(["serve"])
     assert type(args.decoder) is str and args.decoder == "speculative"  # plain data: pickled
+    assert not server_config(args).engine.random_weights
     assert args.engine_process is False and args.trust_remote_code is True
 
 
