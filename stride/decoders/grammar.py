@@ -261,9 +261,9 @@ def bitmask(jobs: list[tuple[Matcher, list[int]]], vocab_size: int) -> np.ndarra
         out[row] = out[earlier]
     for row, (matcher, pending) in enumerate(jobs):
         scan = matcher.scan_after(pending)
-        forbidden = None if scan is None else matcher.digits.forbidden(scan)
-        if forbidden is not None:
-            kept = out[row] & ~forbidden[: out.shape[1]]
+        allowed = None if scan is None else matcher.digits.allowed(scan)
+        if allowed is not None:
+            kept = out[row] & allowed[: out.shape[1]]
             if kept.any():  # unless the grammar itself asks for a longer number
                 out[row] = kept
     return out

@@ -8,9 +8,9 @@ any token that would write (or, ending in `.`, call for) an 18th mantissa digit 
 
 A `Scan` follows a JSON text byte by byte (inside a string or not, inside a number's mantissa or
 exponent, and how many digits so far). `Digits` knows, per token, how many digits it would add
-to each part, and gives the bit rows of the tokens a number in a given state must not take;
-`grammar.bitmask` clears those bits from a row unless that would leave nothing allowed (a
-grammar can demand a long number itself: a `const`, a huge `minimum`).
+to each part, and gives the bit row of the tokens a number in a given state may take;
+`grammar.bitmask` keeps only those in a row unless that would leave nothing allowed (a grammar
+can demand a long number itself: a `const`, a huge `minimum`).
 """
 
 from __future__ import annotations
@@ -91,15 +91,15 @@ class Digits:
             into = _INTO_EXPONENT.match(text)
             if into:
                 self._into[t] = len(into.group(1))
-        self._forbidden: dict[tuple[int, int], np.ndarray] = {}
+        self._allowed: dict[tuple[int, int], np.ndarray] = {}
 
-    def forbidden(self, scan: Scan) -> np.ndarray | None:
+    def allowed(self, scan: Scan) -> np.ndarray | None:
         """The bit row (int32 words, as `grammar.bitmask` lays them out) of the tokens a number
-        in state `scan` must not take; None outside a number."""
+        in state `scan` may take; None outside a number."""
         if not scan.in_number:
             return None
         key = (scan.part, min(scan.digits, MANTISSA_DIGITS))
-        bits = self._forbidden.get(key)
+        bits = self._allowed.get(key)
         if bits is None:
             if scan.part == _MANTISSA:
                 bad = (scan.digits + self._mantissa > MANTISSA_DIGITS) | (
@@ -107,13 +107,13 @@ class Digits:
                 )
             else:
                 bad = scan.digits + self._exponent > EXPONENT_DIGITS
-            bits = self._forbidden[key] = _pack(bad)
+            bits = self._allowed[key] = _pack(~bad)
         return bits
 
 
 def _pack(flags: np.ndarray) -> np.ndarray:
     """Booleans per token as int32 words, token t at bit t % 32 of word t // 32."""
     words = (len(flags) + 31) // 32
-    padded = np.zeros(words * 32, dtype=bool)
+    padded = np.ones(words * 32, dtype=bool)  # (past the vocabulary: as llguidance leaves it)
     padded[: len(flags)] = flags
     return np.packbits(padded, bitorder="little").view(np.int32)
