@@ -6,6 +6,12 @@ captured once at start-up and replayed with new inputs copied into the same buff
 positions, the slot each new K/V goes to, context lengths and block tables, all packed in one
 pinned int32 host array that travels in one asynchronous copy. Rows past the real batch point at
 block 0, which the KV cache never hands out, so padding writes and reads only harmless slots.
+
+A replay may also take masks (`run(..., masks=...)`): each row then sees its context before its
+`tree_start` and, of the MASK_WIDTH slots from there on, those its mask row allows
+(`DecodeMetadata.tree_mask`): lookahead's branches, a draft tree verified outside the device
+loop. Those graphs are captured the first time a bucket needs one, so that a server whose
+requests never mask pays nothing for them.
 """
 
 from __future__ import annotations
@@ -24,7 +30,8 @@ from stride.engine.model import CausalLM
 log = logging.getLogger(__name__)
 
 # Columns of the packed input array; block tables follow from column TABLE on.
-TOKEN, POSITION, SLOT, LENGTH, TABLE = range(5)
+TOKEN, POSITION, SLOT, LENGTH, START, TABLE = range(6)
+MASK_WIDTH = 64  # the slots a masked replay's rows have masks over (runner.MAX_GRAPH_QUERY)
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -59,6 +66,9 @@ class DecodeGraphs:
         self._copied = torch.cuda.Event()
         self._host_np[:, LENGTH] = 1  # padding rows: see `_pack`
         self._inputs.copy_(self._host)
+        self._masks_host = torch.zeros(max_batch, MASK_WIDTH, dtype=torch.bool, pin_memory=True)
+        self._masks_host[:, 0] = True  # padding rows see their one slot
+        self._masks = self._masks_host.to(device)
         self._steps_host: torch.Tensor | None = None  # `run_steps`' inputs, one array per step
         self._steps_inputs: torch.Tensor | None = None
         vocab = model.config.vocab_size  # (split over ranks, the head all-gathers it whole)
@@ -66,7 +76,9 @@ class DecodeGraphs:
         self._aux_layers = aux
         width = model.config.hidden_size * len(aux)
         self.aux = torch.empty(max_batch, width, dtype=model.lm_head.weight.dtype, device=device)
-        self._graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}  # (bucket, with aux)
+        # (bucket, with aux, masked) -> graph; masked ones as first needed (`_masked_graph`)
+        self._graphs: dict[tuple[int, bool, bool], torch.cuda.CUDAGraph] = {}
+        self._pool = None
         self._capture()
 
     @property
@@ -76,15 +88,17 @@ class DecodeGraphs:
     def replay(self, batch: int) -> None:
         """Replay bucket `batch`'s graph on whatever its buffers hold (timing the device alone:
         bench/bench_gpu.py)."""
-        self._graphs[self._bucket(batch), False].replay()
+        self._graphs[self._bucket(batch), False, False].replay()
 
-    def _step(self, batch: int, with_aux: bool) -> None:
+    def _step(self, batch: int, with_aux: bool, masked: bool = False) -> None:
         x = self._inputs[:batch]
         meta = DecodeMetadata(
             slot_mapping=x[:, SLOT].long(),  # index_copy_ wants int64
             block_tables=x[:, TABLE:],
             context_lens=x[:, LENGTH].contiguous(),  # once per step, not once per layer
             block_size=self.cache.block_size,
+            tree_start=x[:, START].contiguous() if masked else None,
+            tree_mask=self._masks[:batch] if masked else None,
         )
         tokens, positions, kv = x[:, TOKEN], x[:, POSITION], (self.cache.k, self.cache.v)
         if with_aux:
@@ -101,16 +115,35 @@ class DecodeGraphs:
             for with_aux in variants:
                 self._step(b, with_aux)
         torch.cuda.synchronize()
-        pool = None
         for b in reversed(self.buckets):  # largest first, so smaller ones reuse its memory
             for with_aux in variants:
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    self._step(b, with_aux)
-                pool = graph.pool()
-                self._graphs[b, with_aux] = graph
+                self._graphs[b, with_aux, False] = self._captured(b, with_aux, False)
         torch.cuda.synchronize()
         log.info("captured decode CUDA graphs for batch sizes %s", self.buckets)
+
+    def _captured(self, batch: int, with_aux: bool, masked: bool) -> torch.cuda.CUDAGraph:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            self._step(batch, with_aux, masked)
+        self._pool = graph.pool()
+        return graph
+
+    @torch.inference_mode()
+    def _graph(self, bucket: int, with_aux: bool, masked: bool) -> torch.cuda.CUDAGraph:
+        """A bucket's graph; a masked one is captured here the first time, after a warm-up
+        step (kernels compiled outside the capture) on padding rows, which write block 0 only."""
+        graph = self._graphs.get((bucket, with_aux, masked))
+        if graph is None:
+            self._inputs[:bucket].zero_()
+            self._inputs[:bucket, LENGTH] = 1
+            self._masks[:bucket] = False
+            self._masks[:bucket, 0] = True
+            self._step(bucket, with_aux, masked)
+            torch.cuda.synchronize()
+            graph = self._captured(bucket, with_aux, masked)
+            self._graphs[bucket, with_aux, masked] = graph
+            log.info("captured a masked decode CUDA graph for batch size %d", bucket)
+        return graph
 
     def run(
         self,
@@ -120,25 +153,36 @@ class DecodeGraphs:
         tables: list[list[int]],
         aux: bool = False,
         fed: tuple[list[tuple[int, int]], torch.Tensor] | None = None,
+        masks: tuple[list[int], torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """One decode step for len(tokens) sequences; returns their [B, vocab] fp32 logits.
 
         `lengths` counts each sequence's context including the new token, whose K/V goes to the
         slot of position `lengths - 1` in its block table. `aux`: leave the rows' hidden states
         of the `aux` layers in `self.aux` too. `fed`: (row, source) pairs and a device tensor:
-        those rows take their token from that row of the tensor, not from `tokens`.
+        those rows take their token from that row of the tensor, not from `tokens`. `masks`:
+        each row's tree start and its mask [B, <= MASK_WIDTH] (bool, host) over the slots from
+        there (a row that sees its whole context: its own slot, and a mask of one True).
         """
         n = len(tokens)
         bucket = self._bucket(n)
-        self._copied.synchronize()  # the previous step's copy has left the pinned buffer
+        graph = self._graph(bucket, aux, masks is not None)
+        self._copied.synchronize()  # the previous step's copy has left the pinned buffers
         self._pack(self._host_np, tokens, positions, lengths, tables, bucket)
+        if masks is not None:
+            starts, mask = masks
+            self._host_np[:n, START] = starts
+            self._host_np[n:bucket, START] = 0
+            self._masks_host[:n] = False
+            self._masks_host[:n, : mask.shape[1]] = mask
+            self._masks[:bucket].copy_(self._masks_host[:bucket], non_blocking=True)
         self._inputs[:bucket].copy_(self._host[:bucket], non_blocking=True)
         self._copied.record()
         if fed is not None:
             pairs, source = fed
             pairs_t = torch.tensor(pairs).to(source.device, non_blocking=True)
             self._inputs[pairs_t[:, 0], TOKEN] = source[pairs_t[:, 1]].to(self._inputs.dtype)
-        self._graphs[bucket, aux].replay()
+        graph.replay()
         # A copy: the next replay overwrites the buffer while a caller may still hold these rows.
         return self._logits[:n].clone()
 
@@ -183,7 +227,7 @@ class DecodeGraphs:
         self._copied.record()
         inputs = inputs.view(steps, bucket, width)
         sampled = torch.empty(steps, n, dtype=torch.long, device=self._inputs.device)
-        graph = self._graphs[bucket, aux_out is not None]
+        graph = self._graphs[bucket, aux_out is not None, False]
         for s in range(steps):
             self._inputs[:bucket].copy_(inputs[s])
             if fed is not None:

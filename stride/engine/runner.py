@@ -33,7 +33,7 @@ import torch
 from stride.engine import fused
 from stride.engine.adapter import MASK_TOKEN, MaskAdapter
 from stride.engine.attention import use_planless_sdpa
-from stride.engine.cuda_graphs import DecodeGraphs
+from stride.engine.cuda_graphs import MASK_WIDTH, DecodeGraphs
 from stride.engine.kernels.decode_attention import decode_kernel_supported
 from stride.engine.kv_cache import KVCache
 from stride.engine.model import CausalLM
@@ -229,11 +229,12 @@ class ModelRunner:
         )
 
     def _graphable(self, c: Span) -> bool:
-        """Short causal spans replay as graph rows: a decode token, K drafts, a Jacobi window."""
+        """Short spans replay as graph rows: a decode token, K drafts, a Jacobi window, and
+        masked ones (lookahead's branches) whose mask covers at most MASK_WIDTH slots."""
         n = len(c.token_ids)
         context = c.seq.num_cached + c.offset + n
         return (
-            c.mask is None
+            (c.mask is None or c.mask.shape[1] <= MASK_WIDTH)
             and n <= MAX_GRAPH_QUERY
             and n * context * self._kv_bytes_per_token <= GRAPH_KV_READ
             and len(c.seq.block_table) <= self.graphs.max_blocks
@@ -241,9 +242,10 @@ class ModelRunner:
         )
 
     def _as_rows(self, c: Span) -> bool:
-        """A short masked span (lookahead's branches, a draft tree verified outside the device
-        loop) runs as decode rows (`_forward_rows`) where the graphs run; long ones, a prompt
-        with a proposal riding along, stay on the general path, which reads a context once."""
+        """A short masked span that the graphs cannot take (its context is longer than their
+        block tables) runs as decode rows of an eager pass (`_forward_rows`); long ones, a
+        prompt with a proposal riding along, stay on the general path, which reads a context
+        once."""
         n = len(c.token_ids)
         context = c.seq.num_cached + c.offset + n
         return (
@@ -319,7 +321,9 @@ class ModelRunner:
 
         Token i of a span is a decode row whose context ends at itself: every layer writes all
         rows' K/V before any row attends, so row i sees rows 0..i-1 of its span, which is
-        exactly causal attention over the span.
+        exactly causal attention over the span. A masked span's rows see, of the slots its
+        mask covers, what the mask allows; when the group has one, the other rows' masks let
+        each see its own slot (and, before it, its whole context).
         """
         tokens: list[int] = []
         positions: list[int] = []
@@ -337,7 +341,8 @@ class ModelRunner:
             tables += [c.seq.block_table] * n
         features = self._wants_features([spans[i] for i in group])
         fed_rows = (feeds, fed) if feeds else None
-        logits = self.graphs.run(tokens, positions, lengths, tables, features, fed_rows)
+        masks = _graph_masks([spans[i] for i in group], lengths)
+        logits = self.graphs.run(tokens, positions, lengths, tables, features, fed_rows, masks)
         if features:
             _hand_out(spans, group, self.graphs.aux[: len(tokens)])
         offset = 0
@@ -345,6 +350,29 @@ class ModelRunner:
             c = spans[i]
             offset += len(c.token_ids)
             out[i] = logits[offset - c.num_logits : offset]
+
+
+def _graph_masks(spans: list[Span], lengths: list[int]) -> tuple[list[int], torch.Tensor] | None:
+    """The rows' tree starts and masks for a graph replay (`DecodeGraphs.run`), or None when
+    no span is masked. A masked span of n tokens whose mask covers w slots starts its rows'
+    masks at its last w slots; any other row starts at its own slot, which it sees."""
+    if all(c.mask is None for c in spans):
+        return None
+    starts = [length - 1 for length in lengths]
+    masks = torch.zeros(len(lengths), max(1 if c.mask is None else c.mask.shape[1] for c in spans),
+                        dtype=torch.bool)  # fmt: skip
+    masks[:, 0] = True
+    row = 0
+    for c in spans:
+        n = len(c.token_ids)
+        if c.mask is not None:
+            w = c.mask.shape[1]
+            end = lengths[row + n - 1]  # the span's context, its last token included
+            starts[row : row + n] = [end - w] * n
+            masks[row : row + n] = False
+            masks[row : row + n, :w] = c.mask.cpu()
+        row += n
+    return starts, masks
 
 
 def _mask_rows(spans: list[Span]) -> list[int]:
