@@ -10,8 +10,11 @@ block 0, which the KV cache never hands out, so padding writes and reads only ha
 A replay may also take masks (`run(..., masks=...)`): each row then sees its context before its
 `tree_start` and, of the MASK_WIDTH slots from there on, those its mask row allows
 (`DecodeMetadata.tree_mask`): lookahead's branches, a draft tree verified outside the device
-loop. Those graphs are captured the first time a bucket needs one, so that a server whose
-requests never mask pays nothing for them.
+loop. And a replay whose rows are one sequence's span (`one_span`: a prompt's uncached tail
+after a prefix cache hit, a speculative or Jacobi proposal at batch 1) runs them as one tree
+(`DecodeMetadata.tree_rows`): the kernel reads the span's context once for all its rows, where
+row by row each would read it whole. Those graphs are captured the first time a bucket needs
+one, so that a server whose requests never use them pays nothing for them.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from itertools import chain
+from typing import Literal
 
 import numpy as np
 import torch
@@ -32,6 +36,7 @@ log = logging.getLogger(__name__)
 # Columns of the packed input array; block tables follow from column TABLE on.
 TOKEN, POSITION, SLOT, LENGTH, START, TABLE = range(6)
 MASK_WIDTH = 64  # the slots a masked replay's rows have masks over (runner.MAX_GRAPH_QUERY)
+Layout = Literal["rows", "masked", "one_span"]  # how a replay's rows attend (module docstring)
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -76,8 +81,8 @@ class DecodeGraphs:
         self._aux_layers = aux
         width = model.config.hidden_size * len(aux)
         self.aux = torch.empty(max_batch, width, dtype=model.lm_head.weight.dtype, device=device)
-        # (bucket, with aux, masked) -> graph; masked ones as first needed (`_masked_graph`)
-        self._graphs: dict[tuple[int, bool, bool], torch.cuda.CUDAGraph] = {}
+        # (bucket, with aux, layout) -> graph; all but "rows" as first needed (`_graph`)
+        self._graphs: dict[tuple[int, bool, Layout], torch.cuda.CUDAGraph] = {}
         self._pool = None
         self._capture()
 
@@ -88,10 +93,11 @@ class DecodeGraphs:
     def replay(self, batch: int) -> None:
         """Replay bucket `batch`'s graph on whatever its buffers hold (timing the device alone:
         bench/bench_gpu.py)."""
-        self._graphs[self._bucket(batch), False, False].replay()
+        self._graphs[self._bucket(batch), False, "rows"].replay()
 
-    def _step(self, batch: int, with_aux: bool, masked: bool = False) -> None:
+    def _step(self, batch: int, with_aux: bool, layout: Layout = "rows") -> None:
         x = self._inputs[:batch]
+        masked = layout != "rows"
         meta = DecodeMetadata(
             slot_mapping=x[:, SLOT].long(),  # index_copy_ wants int64
             block_tables=x[:, TABLE:],
@@ -99,6 +105,7 @@ class DecodeGraphs:
             block_size=self.cache.block_size,
             tree_start=x[:, START].contiguous() if masked else None,
             tree_mask=self._masks[:batch] if masked else None,
+            tree_rows=batch if layout == "one_span" else 0,
         )
         tokens, positions, kv = x[:, TOKEN], x[:, POSITION], (self.cache.k, self.cache.v)
         if with_aux:
@@ -117,32 +124,33 @@ class DecodeGraphs:
         torch.cuda.synchronize()
         for b in reversed(self.buckets):  # largest first, so smaller ones reuse its memory
             for with_aux in variants:
-                self._graphs[b, with_aux, False] = self._captured(b, with_aux, False)
+                self._graphs[b, with_aux, "rows"] = self._captured(b, with_aux, "rows")
         torch.cuda.synchronize()
         log.info("captured decode CUDA graphs for batch sizes %s", self.buckets)
 
-    def _captured(self, batch: int, with_aux: bool, masked: bool) -> torch.cuda.CUDAGraph:
+    def _captured(self, batch: int, with_aux: bool, layout: Layout) -> torch.cuda.CUDAGraph:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            self._step(batch, with_aux, masked)
+            self._step(batch, with_aux, layout)
         self._pool = graph.pool()
         return graph
 
     @torch.inference_mode()
-    def _graph(self, bucket: int, with_aux: bool, masked: bool) -> torch.cuda.CUDAGraph:
-        """A bucket's graph; a masked one is captured here the first time, after a warm-up
-        step (kernels compiled outside the capture) on padding rows, which write block 0 only."""
-        graph = self._graphs.get((bucket, with_aux, masked))
+    def _graph(self, bucket: int, with_aux: bool, layout: Layout) -> torch.cuda.CUDAGraph:
+        """A bucket's graph; a masked or one-span one is captured here the first time, after a
+        warm-up step (kernels compiled outside the capture) on padding rows, which write block
+        0 only."""
+        graph = self._graphs.get((bucket, with_aux, layout))
         if graph is None:
             self._inputs[:bucket].zero_()
             self._inputs[:bucket, LENGTH] = 1
             self._masks[:bucket] = False
             self._masks[:bucket, 0] = True
-            self._step(bucket, with_aux, masked)
+            self._step(bucket, with_aux, layout)
             torch.cuda.synchronize()
-            graph = self._captured(bucket, with_aux, masked)
-            self._graphs[bucket, with_aux, masked] = graph
-            log.info("captured a masked decode CUDA graph for batch size %d", bucket)
+            graph = self._captured(bucket, with_aux, layout)
+            self._graphs[bucket, with_aux, layout] = graph
+            log.info("captured a decode CUDA graph for batch size %d, %s", bucket, layout)
         return graph
 
     def run(
@@ -154,6 +162,7 @@ class DecodeGraphs:
         aux: bool = False,
         fed: tuple[list[tuple[int, int]], torch.Tensor] | None = None,
         masks: tuple[list[int], torch.Tensor] | None = None,
+        one_span: bool = False,
     ) -> torch.Tensor:
         """One decode step for len(tokens) sequences; returns their [B, vocab] fp32 logits.
 
@@ -163,18 +172,27 @@ class DecodeGraphs:
         those rows take their token from that row of the tensor, not from `tokens`. `masks`:
         each row's tree start and its mask [B, <= MASK_WIDTH] (bool, host) over the slots from
         there (a row that sees its whole context: its own slot, and a mask of one True).
+        `one_span`: the rows are one sequence's, their masks over its span (all of them then
+        start where the span does): its context is read once for them all. The padding rows
+        join that tree: its block table and start, a context reaching its first slot.
         """
         n = len(tokens)
         bucket = self._bucket(n)
-        graph = self._graph(bucket, aux, masks is not None)
+        layout: Layout = "rows" if masks is None else "one_span" if one_span else "masked"
+        graph = self._graph(bucket, aux, layout)
         self._copied.synchronize()  # the previous step's copy has left the pinned buffers
         self._pack(self._host_np, tokens, positions, lengths, tables, bucket)
         if masks is not None:
             starts, mask = masks
             self._host_np[:n, START] = starts
             self._host_np[n:bucket, START] = 0
-            self._masks_host[:n] = False
+            self._masks_host[:bucket] = False
             self._masks_host[:n, : mask.shape[1]] = mask
+            self._masks_host[n:bucket, 0] = True  # padding rows see their first slot
+            if one_span:  # (padding rows keep slot 0 of block 0 for their own K/V)
+                self._host_np[n:bucket, TABLE:] = self._host_np[0, TABLE:]
+                self._host_np[n:bucket, START] = starts[0]
+                self._host_np[n:bucket, LENGTH] = starts[0] + 1
             self._masks[:bucket].copy_(self._masks_host[:bucket], non_blocking=True)
         self._inputs[:bucket].copy_(self._host[:bucket], non_blocking=True)
         self._copied.record()
@@ -227,7 +245,7 @@ class DecodeGraphs:
         self._copied.record()
         inputs = inputs.view(steps, bucket, width)
         sampled = torch.empty(steps, n, dtype=torch.long, device=self._inputs.device)
-        graph = self._graphs[bucket, aux_out is not None, False]
+        graph = self._graphs[bucket, aux_out is not None, "rows"]
         for s in range(steps):
             self._inputs[:bucket].copy_(inputs[s])
             if fed is not None:

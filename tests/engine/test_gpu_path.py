@@ -306,8 +306,33 @@ def test_masked_spans_replay_as_graph_rows_scoring_what_the_padded_path_does(tin
     ]
     padded = runner._forward_eager(spans, None)
     replayed = runner.forward(spans)
-    assert any(masked for (_, _, masked) in runner.graphs._graphs)
+    assert any(layout == "masked" for (_, _, layout) in runner.graphs._graphs)
     for a, b in zip(padded, replayed, strict=True):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
     causal = [Span(seqs[2], seqs[2].token_ids[-1:] + [13, 14], 3)]
     torch.testing.assert_close(runner.forward(causal)[0], padded[2], atol=1e-4, rtol=1e-4)
+
+
+@needs_triton
+@needs_cuda
+def test_one_span_over_a_long_context_replays_as_one_tree(tiny_dir):
+    """A step that is one sequence's span over a long cached context (a prompt's tail after a
+    prefix cache hit, a proposal at batch 1), causal or masked, replays as one tree: the
+    logits of the padded path, in fp32."""
+    engine = Engine(EngineConfig(model=str(tiny_dir), device="cuda", dtype="float32",
+                                 kv_cache_memory=64 << 20))  # fmt: skip
+    runner, cache = engine.runner, engine.cache
+    g = torch.Generator().manual_seed(4)
+    ids = torch.randint(3, 384, (700,), generator=g).tolist()
+    seq = Sequence("long", ids, SamplingParams(max_tokens=4, temperature=0.0))
+    cache.reserve(seq, len(ids) + 8)
+    runner.forward([Span(seq, ids[:600], num_logits=0)])  # the cached prefix
+    seq.num_cached = 600
+    branchy = torch.ones(20, 20, dtype=torch.bool).tril()
+    branchy[12:, 4:12] = False  # a branch that sees the first four and itself
+    for span in (Span(seq, ids[600:640], 40), Span(seq, ids[600:620], 20, mask=branchy)):
+        assert runner._one_span(span)
+        padded = runner._forward_eager([span], None)[0]
+        replayed = runner.forward([span])[0]
+        torch.testing.assert_close(replayed, padded, atol=1e-4, rtol=1e-4)
+    assert any(layout == "one_span" for (_, _, layout) in runner.graphs._graphs)
