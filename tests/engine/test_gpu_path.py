@@ -328,9 +328,9 @@ def test_one_span_over_a_long_context_replays_as_one_tree(tiny_dir):
     cache.reserve(seq, len(ids) + 8)
     runner.forward([Span(seq, ids[:600], num_logits=0)])  # the cached prefix
     seq.num_cached = 600
-    branchy = torch.ones(20, 20, dtype=torch.bool).tril()
-    branchy[12:, 4:12] = False  # a branch that sees the first four and itself
-    for span in (Span(seq, ids[600:640], 40), Span(seq, ids[600:620], 20, mask=branchy)):
+    branchy = torch.ones(32, 32, dtype=torch.bool).tril()
+    branchy[18:, 4:18] = False  # a branch that sees the first four and itself
+    for span in (Span(seq, ids[600:640], 40), Span(seq, ids[600:632], 32, mask=branchy)):
         assert runner._one_span(span)
         padded = runner._forward_eager([span], None)[0]
         replayed = runner.forward([span])[0]
