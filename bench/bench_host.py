@@ -53,7 +53,7 @@ from bench_constrained import STRINGS, schema  # noqa: E402
 from stride.decoders.registry import build_decoders  # noqa: E402
 from stride.decoders.speculative import Speculative  # noqa: E402
 from stride.engine.config import EngineConfig  # noqa: E402
-from stride.engine.cuda_graphs import TABLE, DecodeGraphs  # noqa: E402
+from stride.engine.cuda_graphs import MASK_WIDTH, TABLE, DecodeGraphs  # noqa: E402
 from stride.engine.engine import Engine  # noqa: E402
 from stride.engine.runner import MAX_GRAPH_QUERY  # noqa: E402
 from stride.engine.sequence import SamplingParams  # noqa: E402
@@ -81,7 +81,12 @@ class HostGraphs(DecodeGraphs):
         steps = torch.zeros(MAX_FUSED_STEPS * max_batch, width, dtype=torch.int32)
         self._steps_host, self._steps_inputs = steps, steps.clone()
         self._copied = _NoEvent()
-        self._graphs = {(b, False): _NoGraph() for b in self.buckets}
+        self._graphs = {(b, False, "rows"): _NoGraph() for b in self.buckets}
+        self._masks_host = torch.zeros(max_batch, MASK_WIDTH, dtype=torch.bool)
+        self._masks = self._masks_host.clone()
+
+    def _graph(self, bucket: int, with_aux: bool, layout: str) -> _NoGraph:
+        return _NoGraph()
 
 
 class _NoEvent:
@@ -108,10 +113,16 @@ def run(args: argparse.Namespace, decoder: str) -> dict[str, Any]:
     decoders = build_decoders(engine)
     decoders["speculative"] = Speculative(engine, saturation_tokens=args.saturation)
     core = EngineCore(engine, decoders=decoders)
-    name, _, draft = decoder.partition(":")
-    options = {"draft": draft, "adaptive": args.k is None} if draft else {}
-    if draft and args.k is not None:
-        options["num_speculative_tokens"] = args.k
+    name, _, variant = decoder.partition(":")
+    options: dict[str, Any] = {}
+    if name == "refine":
+        options = {"method": variant}  # (a window given: no payoff, always refining)
+        if args.k is not None:
+            options["window"] = args.k
+    elif variant:
+        options = {"draft": variant, "adaptive": args.k is None}
+        if args.k is not None:
+            options["num_speculative_tokens"] = args.k
     constraint = schema(args.new, args.schema) if args.schema else None
     params = SamplingParams(
         max_tokens=args.new,
@@ -196,9 +207,11 @@ def main() -> None:
         "--decoder",
         nargs="+",
         default=["ar"],
-        help="ar | speculative:ngram | speculative:early_exit (several: a comparison table)",
+        help="ar | speculative:ngram | speculative:early_exit | refine:jacobi | refine:lookahead "
+        "(several: a comparison table)",
     )
-    parser.add_argument("--k", type=int, help="speculative: fixed K (default: adaptive)")
+    parser.add_argument("--k", type=int, help="speculative: fixed K (default: adaptive); refine: "
+                        "the window (default: the method's, with payoff)")
     parser.add_argument(
         "--saturation", type=float, default=256.0, help="speculative: the policy's saturation"
     )

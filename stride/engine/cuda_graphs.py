@@ -6,6 +6,15 @@ captured once at start-up and replayed with new inputs copied into the same buff
 positions, the slot each new K/V goes to, context lengths and block tables, all packed in one
 pinned int32 host array that travels in one asynchronous copy. Rows past the real batch point at
 block 0, which the KV cache never hands out, so padding writes and reads only harmless slots.
+
+A replay may also take masks (`run(..., masks=...)`): each row then sees its context before its
+`tree_start` and, of the MASK_WIDTH slots from there on, those its mask row allows
+(`DecodeMetadata.tree_mask`): lookahead's branches, a draft tree verified outside the device
+loop. And a replay whose rows are one sequence's span (`one_span`: a prompt's uncached tail
+after a prefix cache hit, a speculative or Jacobi proposal at batch 1) runs them as one tree
+(`DecodeMetadata.tree_rows`): the kernel reads the span's context once for all its rows, where
+row by row each would read it whole. Those graphs are captured the first time a bucket needs
+one, so that a server whose requests never use them pays nothing for them.
 """
 
 from __future__ import annotations
@@ -13,6 +22,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from itertools import chain
+from typing import Literal
 
 import numpy as np
 import torch
@@ -24,7 +34,9 @@ from stride.engine.model import CausalLM
 log = logging.getLogger(__name__)
 
 # Columns of the packed input array; block tables follow from column TABLE on.
-TOKEN, POSITION, SLOT, LENGTH, TABLE = range(5)
+TOKEN, POSITION, SLOT, LENGTH, START, TABLE = range(6)
+MASK_WIDTH = 64  # the slots a masked replay's rows have masks over (runner.MAX_GRAPH_QUERY)
+Layout = Literal["rows", "masked", "one_span"]  # how a replay's rows attend (module docstring)
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -59,6 +71,9 @@ class DecodeGraphs:
         self._copied = torch.cuda.Event()
         self._host_np[:, LENGTH] = 1  # padding rows: see `_pack`
         self._inputs.copy_(self._host)
+        self._masks_host = torch.zeros(max_batch, MASK_WIDTH, dtype=torch.bool, pin_memory=True)
+        self._masks_host[:, 0] = True  # padding rows see their one slot
+        self._masks = self._masks_host.to(device)
         self._steps_host: torch.Tensor | None = None  # `run_steps`' inputs, one array per step
         self._steps_inputs: torch.Tensor | None = None
         vocab = model.config.vocab_size  # (split over ranks, the head all-gathers it whole)
@@ -66,7 +81,9 @@ class DecodeGraphs:
         self._aux_layers = aux
         width = model.config.hidden_size * len(aux)
         self.aux = torch.empty(max_batch, width, dtype=model.lm_head.weight.dtype, device=device)
-        self._graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}  # (bucket, with aux)
+        # (bucket, with aux, layout) -> graph; all but "rows" as first needed (`_graph`)
+        self._graphs: dict[tuple[int, bool, Layout], torch.cuda.CUDAGraph] = {}
+        self._pool = None
         self._capture()
 
     @property
@@ -76,15 +93,19 @@ class DecodeGraphs:
     def replay(self, batch: int) -> None:
         """Replay bucket `batch`'s graph on whatever its buffers hold (timing the device alone:
         bench/bench_gpu.py)."""
-        self._graphs[self._bucket(batch), False].replay()
+        self._graphs[self._bucket(batch), False, "rows"].replay()
 
-    def _step(self, batch: int, with_aux: bool) -> None:
+    def _step(self, batch: int, with_aux: bool, layout: Layout = "rows") -> None:
         x = self._inputs[:batch]
+        masked = layout != "rows"
         meta = DecodeMetadata(
             slot_mapping=x[:, SLOT].long(),  # index_copy_ wants int64
             block_tables=x[:, TABLE:],
             context_lens=x[:, LENGTH].contiguous(),  # once per step, not once per layer
             block_size=self.cache.block_size,
+            tree_start=x[:, START].contiguous() if masked else None,
+            tree_mask=self._masks[:batch] if masked else None,
+            tree_rows=batch if layout == "one_span" else 0,
         )
         tokens, positions, kv = x[:, TOKEN], x[:, POSITION], (self.cache.k, self.cache.v)
         if with_aux:
@@ -101,16 +122,36 @@ class DecodeGraphs:
             for with_aux in variants:
                 self._step(b, with_aux)
         torch.cuda.synchronize()
-        pool = None
         for b in reversed(self.buckets):  # largest first, so smaller ones reuse its memory
             for with_aux in variants:
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    self._step(b, with_aux)
-                pool = graph.pool()
-                self._graphs[b, with_aux] = graph
+                self._graphs[b, with_aux, "rows"] = self._captured(b, with_aux, "rows")
         torch.cuda.synchronize()
         log.info("captured decode CUDA graphs for batch sizes %s", self.buckets)
+
+    def _captured(self, batch: int, with_aux: bool, layout: Layout) -> torch.cuda.CUDAGraph:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            self._step(batch, with_aux, layout)
+        self._pool = graph.pool()
+        return graph
+
+    @torch.inference_mode()
+    def _graph(self, bucket: int, with_aux: bool, layout: Layout) -> torch.cuda.CUDAGraph:
+        """A bucket's graph; a masked or one-span one is captured here the first time, after a
+        warm-up step (kernels compiled outside the capture) on padding rows, which write block
+        0 only."""
+        graph = self._graphs.get((bucket, with_aux, layout))
+        if graph is None:
+            self._inputs[:bucket].zero_()
+            self._inputs[:bucket, LENGTH] = 1
+            self._masks[:bucket] = False
+            self._masks[:bucket, 0] = True
+            self._step(bucket, with_aux, layout)
+            torch.cuda.synchronize()
+            graph = self._captured(bucket, with_aux, layout)
+            self._graphs[bucket, with_aux, layout] = graph
+            log.info("captured a decode CUDA graph for batch size %d, %s", bucket, layout)
+        return graph
 
     def run(
         self,
@@ -120,25 +161,46 @@ class DecodeGraphs:
         tables: list[list[int]],
         aux: bool = False,
         fed: tuple[list[tuple[int, int]], torch.Tensor] | None = None,
+        masks: tuple[list[int], torch.Tensor] | None = None,
+        one_span: bool = False,
     ) -> torch.Tensor:
         """One decode step for len(tokens) sequences; returns their [B, vocab] fp32 logits.
 
         `lengths` counts each sequence's context including the new token, whose K/V goes to the
         slot of position `lengths - 1` in its block table. `aux`: leave the rows' hidden states
         of the `aux` layers in `self.aux` too. `fed`: (row, source) pairs and a device tensor:
-        those rows take their token from that row of the tensor, not from `tokens`.
+        those rows take their token from that row of the tensor, not from `tokens`. `masks`:
+        each row's tree start and its mask [B, <= MASK_WIDTH] (bool, host) over the slots from
+        there (a row that sees its whole context: its own slot, and a mask of one True).
+        `one_span`: the rows are one sequence's, their masks over its span (all of them then
+        start where the span does): its context is read once for them all. The padding rows
+        join that tree: its block table and start, a context reaching its first slot.
         """
         n = len(tokens)
         bucket = self._bucket(n)
-        self._copied.synchronize()  # the previous step's copy has left the pinned buffer
+        layout: Layout = "rows" if masks is None else "one_span" if one_span else "masked"
+        graph = self._graph(bucket, aux, layout)
+        self._copied.synchronize()  # the previous step's copy has left the pinned buffers
         self._pack(self._host_np, tokens, positions, lengths, tables, bucket)
+        if masks is not None:
+            starts, mask = masks
+            self._host_np[:n, START] = starts
+            self._host_np[n:bucket, START] = 0
+            self._masks_host[:bucket] = False
+            self._masks_host[:n, : mask.shape[1]] = mask
+            self._masks_host[n:bucket, 0] = True  # padding rows see their first slot
+            if one_span:  # (padding rows keep slot 0 of block 0 for their own K/V)
+                self._host_np[n:bucket, TABLE:] = self._host_np[0, TABLE:]
+                self._host_np[n:bucket, START] = starts[0]
+                self._host_np[n:bucket, LENGTH] = starts[0] + 1
+            self._masks[:bucket].copy_(self._masks_host[:bucket], non_blocking=True)
         self._inputs[:bucket].copy_(self._host[:bucket], non_blocking=True)
         self._copied.record()
         if fed is not None:
             pairs, source = fed
             pairs_t = torch.tensor(pairs).to(source.device, non_blocking=True)
             self._inputs[pairs_t[:, 0], TOKEN] = source[pairs_t[:, 1]].to(self._inputs.dtype)
-        self._graphs[bucket, aux].replay()
+        graph.replay()
         # A copy: the next replay overwrites the buffer while a caller may still hold these rows.
         return self._logits[:n].clone()
 
@@ -183,7 +245,7 @@ class DecodeGraphs:
         self._copied.record()
         inputs = inputs.view(steps, bucket, width)
         sampled = torch.empty(steps, n, dtype=torch.long, device=self._inputs.device)
-        graph = self._graphs[bucket, aux_out is not None]
+        graph = self._graphs[bucket, aux_out is not None, "rows"]
         for s in range(steps):
             self._inputs[:bucket].copy_(inputs[s])
             if fed is not None:

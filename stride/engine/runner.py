@@ -6,13 +6,14 @@ an optional mask among them, and how many trailing rows need logits. Keys and va
 scored token are written to the slots right after the sequence's cached ones; the decoder's
 commit decides how many of them stay.
 
-On a GPU the layers run through fused Triton kernels (`fused.FusedForward`), and short causal
-spans (a decode token, a speculative tail plus its drafts, a Jacobi window) skip the general
-path: each of their tokens becomes one row of a decode step replayed as a CUDA graph
-(`cuda_graphs.DecodeGraphs`). Masked spans (lookahead's branches) run as decode rows too, in
-one eager pass whose attention takes each row's mask over its span (`_forward_rows`), and
-whatever else the step holds (prefill chunks) runs eagerly on the general path. All write
-disjoint KV slots, so the split is invisible to callers.
+On a GPU the layers run through fused Triton kernels (`fused.FusedForward`), and short spans
+(a decode token, a speculative tail plus its drafts, a Jacobi window, lookahead's masked
+branches) skip the general path: each of their tokens becomes one row of a decode step replayed
+as a CUDA graph (`cuda_graphs.DecodeGraphs`), masked rows under their span's mask. A step that
+is one span over a long context replays as one tree (`ONE_SPAN_READ`): its context is read once
+for all its rows. Masked spans whose context the graphs cannot hold run as decode rows of one
+eager pass (`_forward_rows`), and whatever else the step holds (prefill chunks) runs eagerly on
+the general path. All write disjoint KV slots, so the split is invisible to callers.
 
 A span may hold MASK slots (`adapter.MASK_TOKEN`, the `introspective` refine method): with a
 `MaskAdapter` attached, a pass that has any runs the module forward with the adapter gated to
@@ -33,7 +34,7 @@ import torch
 from stride.engine import fused
 from stride.engine.adapter import MASK_TOKEN, MaskAdapter
 from stride.engine.attention import use_planless_sdpa
-from stride.engine.cuda_graphs import DecodeGraphs
+from stride.engine.cuda_graphs import MASK_WIDTH, DecodeGraphs
 from stride.engine.kernels.decode_attention import decode_kernel_supported
 from stride.engine.kv_cache import KVCache
 from stride.engine.model import CausalLM
@@ -47,6 +48,11 @@ from stride.engine.spans import Span, decode_rows, prepare
 # the suffixes of prefix-cached prompts are such spans.
 MAX_GRAPH_QUERY = 64
 GRAPH_KV_READ = 4 << 30
+# A step that is one sequence's span of several tokens (a prompt's tail after a prefix cache
+# hit, a proposal at batch 1) replays as one tree, its context read once for all its rows, once
+# its rows would read at least this many context tokens row by row: below it, the row kernel's
+# many small programs finish sooner than the tree kernel's few.
+ONE_SPAN_READ = 16384
 
 
 class SampledTokens:
@@ -149,6 +155,9 @@ class ModelRunner:
         if graphs is None or num_layers not in (None, self.model.num_layers):
             return self._forward_eager(spans, num_layers, fed=fed)
         out: list[torch.Tensor | None] = [None] * len(spans)
+        if len(spans) == 1 and self._one_span(spans[0]):
+            self._forward_graph(spans, [0], out, fed, one_span=True)
+            return out  # type: ignore[return-value]
         group: list[int] = []
         rows = 0
         for i, c in enumerate(spans):
@@ -229,21 +238,35 @@ class ModelRunner:
         )
 
     def _graphable(self, c: Span) -> bool:
-        """Short causal spans replay as graph rows: a decode token, K drafts, a Jacobi window."""
+        """Short spans replay as graph rows: a decode token, K drafts, a Jacobi window, and
+        masked ones (lookahead's branches) whose mask covers at most MASK_WIDTH slots."""
         n = len(c.token_ids)
         context = c.seq.num_cached + c.offset + n
         return (
-            c.mask is None
+            (c.mask is None or c.mask.shape[1] <= MASK_WIDTH)
             and n <= MAX_GRAPH_QUERY
             and n * context * self._kv_bytes_per_token <= GRAPH_KV_READ
             and len(c.seq.block_table) <= self.graphs.max_blocks
             and MASK_TOKEN not in c.token_ids
         )
 
+    def _one_span(self, c: Span) -> bool:
+        """Does a step of this span alone replay as one tree (`ONE_SPAN_READ`)?"""
+        n = len(c.token_ids)
+        context = c.seq.num_cached + c.offset
+        return (
+            1 < n <= MAX_GRAPH_QUERY
+            and n * context >= ONE_SPAN_READ
+            and (c.mask is None or c.mask.shape[1] <= MASK_WIDTH)
+            and len(c.seq.block_table) <= self.graphs.max_blocks
+            and MASK_TOKEN not in c.token_ids
+        )
+
     def _as_rows(self, c: Span) -> bool:
-        """A short masked span (lookahead's branches, a draft tree verified outside the device
-        loop) runs as decode rows (`_forward_rows`) where the graphs run; long ones, a prompt
-        with a proposal riding along, stay on the general path, which reads a context once."""
+        """A short masked span that the graphs cannot take (its context is longer than their
+        block tables) runs as decode rows of an eager pass (`_forward_rows`); long ones, a
+        prompt with a proposal riding along, stay on the general path, which reads a context
+        once."""
         n = len(c.token_ids)
         context = c.seq.num_cached + c.offset + n
         return (
@@ -314,12 +337,16 @@ class ModelRunner:
         group: list[int],
         out: list[torch.Tensor | None],
         fed: torch.Tensor | None,
+        one_span: bool = False,
     ) -> None:
-        """Replay the decode graph with one row per token of the grouped spans.
+        """Replay the decode graph with one row per token of the grouped spans (`one_span`:
+        one span, its rows one tree: `_one_span`).
 
         Token i of a span is a decode row whose context ends at itself: every layer writes all
         rows' K/V before any row attends, so row i sees rows 0..i-1 of its span, which is
-        exactly causal attention over the span.
+        exactly causal attention over the span. A masked span's rows see, of the slots its
+        mask covers, what the mask allows; when the group has one, the other rows' masks let
+        each see its own slot (and, before it, its whole context).
         """
         tokens: list[int] = []
         positions: list[int] = []
@@ -337,7 +364,13 @@ class ModelRunner:
             tables += [c.seq.block_table] * n
         features = self._wants_features([spans[i] for i in group])
         fed_rows = (feeds, fed) if feeds else None
-        logits = self.graphs.run(tokens, positions, lengths, tables, features, fed_rows)
+        if one_span:
+            masks = _span_mask(spans[group[0]], lengths)
+        else:
+            masks = _graph_masks([spans[i] for i in group], lengths)
+        logits = self.graphs.run(
+            tokens, positions, lengths, tables, features, fed_rows, masks, one_span
+        )
         if features:
             _hand_out(spans, group, self.graphs.aux[: len(tokens)])
         offset = 0
@@ -345,6 +378,37 @@ class ModelRunner:
             c = spans[i]
             offset += len(c.token_ids)
             out[i] = logits[offset - c.num_logits : offset]
+
+
+def _graph_masks(spans: list[Span], lengths: list[int]) -> tuple[list[int], torch.Tensor] | None:
+    """The rows' tree starts and masks for a graph replay (`DecodeGraphs.run`), or None when
+    no span is masked. A masked span of n tokens whose mask covers w slots starts its rows'
+    masks at its last w slots; any other row starts at its own slot, which it sees."""
+    if all(c.mask is None for c in spans):
+        return None
+    starts = [length - 1 for length in lengths]
+    masks = torch.zeros(len(lengths), max(1 if c.mask is None else c.mask.shape[1] for c in spans),
+                        dtype=torch.bool)  # fmt: skip
+    masks[:, 0] = True
+    row = 0
+    for c in spans:
+        n = len(c.token_ids)
+        if c.mask is not None:
+            w = c.mask.shape[1]
+            end = lengths[row + n - 1]  # the span's context, its last token included
+            starts[row : row + n] = [end - w] * n
+            masks[row : row + n] = False
+            masks[row : row + n, :w] = c.mask.cpu()
+        row += n
+    return starts, masks
+
+
+def _span_mask(c: Span, lengths: list[int]) -> tuple[list[int], torch.Tensor]:
+    """One span's rows as one tree: all start where its mask does (its last w slots; a causal
+    span's own n), each row's mask over them."""
+    mask = c.mask.cpu() if c.mask is not None else torch.ones(len(lengths), len(lengths),
+                                                              dtype=torch.bool).tril()  # fmt: skip
+    return [lengths[-1] - mask.shape[1]] * len(lengths), mask
 
 
 def _mask_rows(spans: list[Span]) -> list[int]:

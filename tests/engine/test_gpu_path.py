@@ -163,9 +163,8 @@ def _fp32_engine(tiny_dir, device: str, eager_tokens: list[int], monkeypatch) ->
     ],
 )
 def test_multi_token_spans_replay_as_graph_rows(tiny_dir, decoder, options, monkeypatch):
-    """Drafts and Jacobi windows are scored as graph rows, lookahead's masked branches as decode
-    rows (no padded eager pass once prompts are in), and the tokens still equal the CPU path's
-    in fp32."""
+    """Drafts, Jacobi windows and lookahead's masked branches are scored as graph rows (no
+    eager pass once prompts are in), and the tokens still equal the CPU path's in fp32."""
     prompt = [5, 6, 7, 8, 9] * 14  # repetitive (n-gram drafts), longer than MAX_GRAPH_QUERY
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     outs = {}
@@ -272,3 +271,68 @@ def test_fused_forward_matches_module_forward(tiny_dirs, arch, lengths):
     fused_, fused_k = _hidden(bf16, bf16.runner.forward_fn, spans)
     assert _rel(fused_, ref) < 1.5 * _rel(module, ref) + 1e-3
     assert _rel(fused_k, ref_k) < 1.5 * _rel(module_k, ref_k) + 1e-3
+
+
+@needs_triton
+@needs_cuda
+def test_masked_spans_replay_as_graph_rows_scoring_what_the_padded_path_does(tiny_dir):
+    """Lookahead-like spans (a tail, a window, a branch that sees only the tail), a mask that
+    reaches into cached slots, and a causal span beside them, in one masked graph replay: the
+    logits of the padded masked-SDPA path, in fp32; and the decode graphs replay unmasked as
+    before once no span is masked."""
+    engine = Engine(EngineConfig(model=str(tiny_dir), device="cuda", dtype="float32",
+                                 kv_cache_memory=64 << 20))  # fmt: skip
+    runner, cache = engine.runner, engine.cache
+    assert runner.graphs is not None
+    g = torch.Generator().manual_seed(3)
+    seqs = []
+    for i, n in enumerate((30, 45, 9)):
+        ids = torch.randint(3, 384, (n,), generator=g).tolist()
+        seq = Sequence(f"s{i}", ids, SamplingParams(max_tokens=4, temperature=0.0))
+        cache.reserve(seq, n + 8)
+        runner.forward([Span(seq, ids[:-1], num_logits=0)])
+        seq.num_cached = n - 1
+        seqs.append(seq)
+    branchy = torch.ones(7, 7, dtype=torch.bool).tril()
+    branchy[4:, 1:4] = False  # rows 4-6, a branch, see the tail and themselves, not the window
+    reach = torch.ones(3, 5, dtype=torch.bool).tril(2)  # 3 tokens seeing 2 cached slots too
+    reach[2, 3] = False
+    at = seqs[0].num_cached
+    window = [at + p for p in (0, 1, 2, 3, 1, 2, 3)]
+    spans = [
+        Span(seqs[0], seqs[0].token_ids[-1:] + [5, 6, 7, 8, 9, 10], 7, window, branchy),
+        Span(seqs[1], seqs[1].token_ids[-1:] + [11, 12], 3, mask=reach),
+        Span(seqs[2], seqs[2].token_ids[-1:] + [13, 14], 3),  # causal, no mask
+    ]
+    padded = runner._forward_eager(spans, None)
+    replayed = runner.forward(spans)
+    assert any(layout == "masked" for (_, _, layout) in runner.graphs._graphs)
+    for a, b in zip(padded, replayed, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+    causal = [Span(seqs[2], seqs[2].token_ids[-1:] + [13, 14], 3)]
+    torch.testing.assert_close(runner.forward(causal)[0], padded[2], atol=1e-4, rtol=1e-4)
+
+
+@needs_triton
+@needs_cuda
+def test_one_span_over_a_long_context_replays_as_one_tree(tiny_dir):
+    """A step that is one sequence's span over a long cached context (a prompt's tail after a
+    prefix cache hit, a proposal at batch 1), causal or masked, replays as one tree: the
+    logits of the padded path, in fp32."""
+    engine = Engine(EngineConfig(model=str(tiny_dir), device="cuda", dtype="float32",
+                                 kv_cache_memory=64 << 20))  # fmt: skip
+    runner, cache = engine.runner, engine.cache
+    g = torch.Generator().manual_seed(4)
+    ids = torch.randint(3, 384, (700,), generator=g).tolist()
+    seq = Sequence("long", ids, SamplingParams(max_tokens=4, temperature=0.0))
+    cache.reserve(seq, len(ids) + 8)
+    runner.forward([Span(seq, ids[:600], num_logits=0)])  # the cached prefix
+    seq.num_cached = 600
+    branchy = torch.ones(32, 32, dtype=torch.bool).tril()
+    branchy[18:, 4:18] = False  # a branch that sees the first four and itself
+    for span in (Span(seq, ids[600:640], 40), Span(seq, ids[600:632], 32, mask=branchy)):
+        assert runner._one_span(span)
+        padded = runner._forward_eager([span], None)[0]
+        replayed = runner.forward([span])[0]
+        torch.testing.assert_close(replayed, padded, atol=1e-4, rtol=1e-4)
+    assert any(layout == "one_span" for (_, _, layout) in runner.graphs._graphs)

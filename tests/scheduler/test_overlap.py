@@ -467,7 +467,7 @@ class _RecordingGraphs(DecodeGraphs):
         self._steps_inputs = self._steps_host.clone()
         self._copied = SimpleNamespace(synchronize=lambda: None, record=lambda: None)
         self._logits = torch.zeros(max_batch, 100)
-        self._graphs = {(max_batch, False): self}
+        self._graphs = {(max_batch, False, "rows"): self}
         self.replayed: list[torch.Tensor] = []
 
     def replay(self) -> None:

@@ -442,12 +442,14 @@ if triton is not None:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             m = m_new
         # The tree's own slots, in the last split only (where the prefix leaves the least work):
-        # row r sees slot j if its mask says so and its context reaches it.
+        # row r sees slot j if its mask says so and its context reaches it. No slot past the
+        # furthest row's context is read (a mask may be wider than the tree: the decode graphs').
         reach = tl.load(lens_ptr + row, mask=m_ok, other=0) - prefix
-        tree_tiles = tl.where(split == num_splits - 1, tl.cdiv(tree_n, BLOCK_N), 0)
+        far = tl.maximum(tl.minimum(tl.max(reach, axis=0), tree_n), 0)
+        tree_tiles = tl.where(split == num_splits - 1, tl.cdiv(far, BLOCK_N), 0)
         for i in range(0, tree_tiles):
             j = i * BLOCK_N + offs
-            j_ok = j < tree_n
+            j_ok = j < far
             t = prefix + j
             block = tl.load(table + t // BLOCK_SIZE, mask=j_ok, other=0)
             slot = block.to(tl.int64) * BLOCK_SIZE + t % BLOCK_SIZE
