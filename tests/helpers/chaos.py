@@ -1,5 +1,6 @@
 """Chaos traffic against a live `stride serve`: valid requests over every decoder, a corpus of
-hostile bodies, and the contract every answer is checked against (tests/server/test_chaos.py).
+hostile bodies, the contract every answer is checked against, and the run that sends them
+(tests/server/test_chaos.py, test_chaos_default.py).
 
 Each request gets exactly one terminal answer: a response whose choices all finished, one
 error (a status and an OpenAI error), or a stream whose choices each finished once, or that
@@ -322,3 +323,46 @@ def check_answers(records: list[Record], allowed: set[str]) -> None:
             assert (r.error_code or r.stream_error) in allowed, r
         if r.status == 429 or (r.status == 503 and r.error_code == "engine_dead"):
             assert r.retry_after is not None and int(r.retry_after) >= 1, r
+
+
+# ---- running it -------------------------------------------------------------------------------
+
+RUN_S = 9.0  # of traffic, before the end
+KILL_AT_S = 4.0
+AFTER_S = 3.0  # of traffic at least after the middle (which may outlast RUN_S: restarts)
+WORKERS = 5  # valid traffic; one more sends the hostile corpus
+LENGTHS = (6, 12)  # max_tokens of valid requests
+
+
+def run_traffic(chaos: Chaos, middle, end=None) -> None:
+    """Workers for RUN_S seconds (at least AFTER_S after it), `middle()` at KILL_AT_S; `end()`
+    (if any) while they still run, after which they stop."""
+    workers = [threading.Thread(target=chaos.valid, args=(i,)) for i in range(WORKERS)]
+    workers.append(threading.Thread(target=chaos.hostile, args=(hostile_bodies(HOSTILE_DECODERS),)))
+    deadline = time.monotonic() + RUN_S
+    for w in workers:
+        w.start()
+    time.sleep(KILL_AT_S)
+    middle()
+    time.sleep(max(AFTER_S, deadline - time.monotonic()))
+    if end is not None:
+        end()
+    chaos.stop.set()
+    for w in workers:
+        w.join(180)
+        assert not w.is_alive(), "a request never got an answer"
+    print(summary(chaos.records))
+
+
+def until(condition, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+def health(url: str) -> str:
+    try:
+        return httpx.get(f"{url}/health", timeout=10).json()["status"]
+    except httpx.TransportError:
+        return "gone"
