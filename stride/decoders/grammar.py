@@ -19,10 +19,9 @@ How every decoder keeps to it:
 - State: a matcher advances only on committed tokens (`EngineCore._apply`), never on a draft,
   so a rejected draft leaves nothing to undo: the grammar state rolls back with the KV for free.
   When the grammar can go no further, the sequence finishes with "stop".
-- Device paths that pick several tokens with no host in between (bursts, EAGLE's device
-  cycles) are not used for constrained sequences (`sampling.on_device`). A one-step launch that
-  stays in flight is: its constrained rows are drawn on the device once the host has applied
-  the last token and put the mask on (`Executor` draws them after the step's commits).
+- Constrained sequences are never drawn on the device paths (bursts, EAGLE's device cycles,
+  launches kept in flight: `sampling.on_device`): their rows are masked and drawn on the host
+  after the launch is waited for.
 """
 
 from __future__ import annotations

@@ -243,16 +243,11 @@ def on_device(seq: Sequence) -> bool:
     in a row with no host in between? Nothing may need the host between two tokens: no logit
     bias, penalties, pending min_tokens or grammar (logprobs are taken on the device too:
     `DrawnLogprobs`)."""
-    return seq.grammar is None and masked_on_device(seq)
-
-
-def masked_on_device(seq: Sequence) -> bool:
-    """May its next token be drawn on the device once the host has put its grammar's mask on
-    the logits (one pass at a time: the mask needs the token before it)? As `on_device`, but a
-    grammar is allowed."""
     p = seq.params
-    return p.unbiased and (
-        not p.min_tokens or len(seq.token_ids) - len(seq.prompt_ids) >= p.min_tokens
+    return (
+        p.unbiased
+        and seq.grammar is None
+        and (not p.min_tokens or len(seq.token_ids) - len(seq.prompt_ids) >= p.min_tokens)
     )
 
 

@@ -24,12 +24,6 @@ its result is committed: its rows continue from the last pending tokens on the d
 rows, `Scheduled.fed`), and the host's commit, detokenizing and output of one step run while
 the device computes the next. A launch that anything else needs the commit of (drafts to verify,
 a sample drawn on the host) is waited for at once. On the CPU everything is synchronous.
-
-Rows under a grammar stay in flight too, one step at a time: their mask needs the token before
-them on the host. So a launch with such rows queues its forward, and draws its rows only at
-the end of `run`, once the launch before has been committed and applied (the grammars have
-their last token): the host's commit and mask of step N run while the device computes step
-N's forward, and step N + 1's forward, fed from those draws, is queued behind them.
 """
 
 from __future__ import annotations
@@ -40,7 +34,7 @@ from collections.abc import Iterator
 
 import torch
 
-from stride.decoders import grammar, sampling
+from stride.decoders import sampling
 from stride.decoders.base import Proposal
 from stride.decoders.draw_graphs import DrawGraphs
 from stride.engine.engine import Engine
@@ -92,14 +86,7 @@ class Executor:
                 self._in_flight = launch
             else:
                 finishing.append(launch)
-        return self._finishing(finishing, launch)
-
-    def _finishing(self, finishing: list[Launch], launch: Launch | None) -> Iterator[StepResult]:
-        """Finish each launch as it is taken; then draw what the new one left undrawn."""
-        for done in finishing:
-            yield self._finish(done)
-        if launch is not None and launch.undrawn is not None:
-            self._draw(launch)
+        return map(self._finish, finishing)
 
     @property
     def in_flight(self) -> bool:
@@ -159,34 +146,18 @@ class Executor:
         launch = ForwardLaunch(kept, logits, continuable and bool(committing))
         launch.result.prompt_rows = rows
         launch.result.failed = [(plan[i].seq, error, "scoring") for i, error in failed.items()]
-        if launch.continuable:
+        if launch.continuable:  # its committing rows drawn on the device, now
             seqs = launch.sampling = [kept.plan[i].seq for i in committing]
-            launch.draws = self._draw_settings(seqs, 1)
-            launch.logprobs = sampling.DrawnLogprobs.of(seqs)
-            launch.undrawn = torch.cat([logits[i] for i in committing])
-            if all(seq.grammar is None for seq in seqs):  # no mask to wait for: draw now
-                self._draw(launch)
+            draws = launch.draws = self._draw_settings(seqs, 1)
+            logprobs = sampling.DrawnLogprobs.of(seqs)
+            stacked = torch.cat([logits[i] for i in committing])
+            drawn = launch.sampled = sampling.device_sample(stacked, draws)
+            launch.tokens = SampledTokens(drawn[None])
+            if logprobs is not None:
+                logprobs.take(stacked, drawn)
+                launch.logprobs = logprobs.copied()
         self._started(launch, [1] * len(kept.plan))
         return launch
-
-    def _draw(self, launch: ForwardLaunch) -> None:
-        """Draw the committing rows of a launch kept in flight, on the device, each row under a
-        grammar from its logits masked by the grammar's state (its sequence's last token
-        applied); the raw logits give the logprobs."""
-        logits, seqs = launch.undrawn, launch.sampling
-        launch.undrawn = None
-        rows = [i for i, seq in enumerate(seqs)
-                if seq.grammar is not None and seq.status is not Status.FINISHED]  # fmt: skip
-        masked = logits
-        if rows:
-            masked = logits.clone()
-            grammar.mask_logits(masked, rows, [(seqs[i].grammar, []) for i in rows])
-        drawn = sampling.device_sample(masked, launch.draws)
-        if launch.logprobs is not None:
-            launch.logprobs.take(logits, drawn)
-            launch.logprobs = launch.logprobs.copied()
-        launch.tokens = SampledTokens(drawn[None])
-        launch.sampled = drawn
 
     def _draw_settings(self, seqs: list[Sequence], steps: int) -> sampling.DrawSettings:
         """`seqs`' settings for `steps` draws on the device, from the token after their pending
@@ -207,7 +178,7 @@ class Executor:
             if not item.completes_tail:
                 seq.num_cached += item.num_tail
                 cache.seal(seq)
-            elif launch.draws is not None and prop is not None:  # sampled on the device
+            elif launch.sampled is not None and prop is not None:  # sampled on the device
                 seq.pending += n
                 seq.promised = prop.plain_steps - n
 
@@ -229,7 +200,7 @@ class Executor:
             result.commits = decoders.commit(launch.batch, scored)
             return result
         finally:
-            if launch.draws is not None:
+            if launch.sampled is not None:
                 for item in launch.batch.plan:
                     if item.completes_tail:
                         item.seq.pending -= launch.passes
@@ -255,13 +226,12 @@ class Executor:
         """How `batch` launches: the steps of a burst (0: a forward), with the blocks for them
         reserved (what is reserved goes back when the step commits: the core trims), and
         whether the launch may stay in flight: every committing row a plain step sampled on the
-        device (`sampling.on_device`, or `masked_on_device` for a forward of one step), its
-        decoder promising more plain steps after this launch, and its next row one the decode
-        graphs can feed. A burst needs every row to be such a decode row, under no grammar;
-        several steps only for batches up to `MAX_BURST_BATCH` where nobody waits."""
+        device (`sampling.on_device`), its decoder promising more plain steps after this
+        launch, and its next row one the decode graphs can feed. A burst needs every row to be
+        such a decode row; several steps only for batches up to `MAX_BURST_BATCH` where nobody
+        waits."""
         plan = batch.plan
         decodes = plain = True  # every row a plain decode row / every committing row plain
-        masked = False  # some committing row under a grammar: one step, a forward
         promised = left = 1 << 30  # plain steps promised, tokens left, the least of any row
         made = 0  # the most tokens of any committing row (pending ones included)
         for item, prop in zip(plan, batch.proposals, strict=True):  # (every row, every step)
@@ -271,9 +241,8 @@ class Executor:
             seq = item.seq
             if prop is None or prop.tokens or prop.positions is not None:
                 return 0, False
-            if not item.fed and not sampling.masked_on_device(seq):  # (fed: checked at launch)
+            if not item.fed and not sampling.on_device(seq):  # (fed: checked at launch)
                 return 0, False
-            masked = masked or seq.grammar is not None
             decodes = decodes and item.num_tail == 1
             count = len(seq.token_ids) + seq.pending
             made = max(made, count)
@@ -286,8 +255,6 @@ class Executor:
             return self.overlap and plain and promised > n and runner.can_feed(made + n)
 
         steps = 0
-        if masked:
-            return 0, continuable(1)
         if decodes and (self.burst_steps > 1 or self.overlap):
             burst = self.burst_steps if len(plan) <= MAX_BURST_BATCH and batch.alone else 1
             steps = max(0, min(burst, promised, left, self.engine.max_model_len - made))

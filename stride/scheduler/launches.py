@@ -36,8 +36,6 @@ class Launch:
         self.sampling: list[Sequence] = []
         self.draws: sampling.DrawSettings | None = None  # their settings (the next may reuse)
         self.logprobs: sampling.DrawnLogprobs | None = None  # of their draws, where asked for
-        # Their logits, while rows under a grammar wait for their masks (`Executor._draw`).
-        self.undrawn: torch.Tensor | None = None
 
     @cached_property
     def rows(self) -> dict[str, int]:

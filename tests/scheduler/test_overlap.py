@@ -389,28 +389,39 @@ def _constrained_requests() -> list[GenerateRequest]:
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
-def test_rows_under_a_grammar_stay_in_flight_and_change_no_output(tiny_dir, device, monkeypatch):
-    """Launches with rows under a grammar stay in flight: those rows are drawn on the device
-    once the step before is applied (their grammars have its token), and every output is what
-    one launch at a time gives, where the host masks and draws them."""
+def test_rows_under_a_grammar_never_stay_in_flight_and_change_no_output(
+    tiny_dir, device, monkeypatch
+):
+    """A launch with a committing row under a grammar is waited for at once (the host masks and
+    draws its rows), while free rows beside them still stay in flight once the grammars are
+    done; every output is what one launch at a time gives."""
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("no GPU")
-    drawn_masked = []
-    draw = executor_module.Executor._draw
+    launches = []  # (kept in flight, some committing row under a grammar, its sampled rows')
+    launch = executor_module.Executor._launch
 
-    def recording(self, launch):
-        drawn_masked.append(any(seq.grammar is not None for seq in launch.sampling))
-        return draw(self, launch)
+    def recording(self, batch):
+        made = launch(self, batch)
+        if made is not None:
+            constrained = any(item.completes_tail and item.seq.grammar is not None
+                              for item in made.batch.plan)  # fmt: skip
+            sampled = any(seq.grammar is not None for seq in made.sampling)
+            launches.append((made.continuable, constrained, sampled))
+        return made
 
-    monkeypatch.setattr(executor_module.Executor, "_draw", recording)
+    monkeypatch.setattr(executor_module.Executor, "_launch", recording)
     config = EngineConfig(model=str(tiny_dir), device=device, dtype="float32",
                           kv_cache_memory=16 << 20)  # fmt: skip
     runs = []
     for overlap in (True, False):
         core = EngineCore(Engine(config), SchedulerConfig(max_num_seqs=8))
         runs.append(_run_mixed(core, overlap, _constrained_requests()))
-        assert any(drawn_masked) == overlap
-        drawn_masked.clear()
+        assert any(constrained for _, constrained, _ in launches)
+        assert not any(sampled for _, _, sampled in launches)  # never drawn on the device
+        kept = [constrained for continuable, constrained, _ in launches if continuable]
+        assert not any(kept)  # no launch with a constrained row stays in flight
+        assert bool(kept) == overlap  # (free rows alone do, with overlap)
+        launches.clear()
     _same_mixed(*runs)
     ends = {request_id: r[3] for request_id, r in runs[0].items()}
     assert ends["r0"] == ends["r5"] == "stop"  # the grammar ended them
