@@ -138,6 +138,7 @@ class DrawSettings:
     any_greedy: bool
     k_max: int  # > 0: every sampled row keeps at most its top_k, this the largest
     any_top_p: bool
+    any_top_k: bool  # some sampled row has a top-k (with k_max 0: not every one has)
     any_min_p: bool
 
 
@@ -172,6 +173,7 @@ def settings(
         any_greedy=bool(greedy.any()),
         k_max=int(top_k) if top_k < NO_TOP_K else 0,
         any_top_p=bool((sampled[:, 1] < 1.0).any()),
+        any_top_k=bool((sampled[:, 4] < NO_TOP_K).any()),
         any_min_p=bool((sampled[:, 2] > -math.inf).any()),
     )
 
@@ -204,12 +206,13 @@ def device_sample(logits: torch.Tensor, s: DrawSettings, step: int = 0) -> torch
 def _candidates(scaled: torch.Tensor, s: DrawSettings) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The tokens a draw picks among, with their temperature-scaled logits, -inf where top-k,
     top-p or min-p drop them: the batch's `k_max` best when every sampled row has a top-k
-    (no full-vocabulary sort), all of them sorted when some row needs top-p without one, or
-    the whole row unsorted (ids None) when nothing needs a rank. top-p counts the mass of what
+    (no full-vocabulary sort), all of them sorted when some row needs a rank without that
+    (top-p, or a top-k beside rows without one), or the whole row unsorted (ids None) when
+    nothing needs a rank. top-p counts the mass of what
     top-k kept; min-p compares with the most likely token."""
     if s.k_max:
         vals, ids = scaled.topk(min(s.k_max, scaled.shape[-1]), dim=-1)
-    elif s.any_top_p:
+    elif s.any_top_p or s.any_top_k:
         vals, ids = scaled.sort(dim=-1, descending=True)
     else:
         if s.any_min_p:

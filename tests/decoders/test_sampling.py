@@ -27,6 +27,20 @@ def test_top_k_keeps_k_most_likely():
     assert math.isclose(probs.sum().item(), 1.0, rel_tol=1e-6)
 
 
+def test_a_top_k_holds_on_the_device_beside_rows_without_one():
+    """A device draw keeps a row's top-k when another sampled row in its batch has none (and
+    nobody asks for top-p): the row with top_k=2 draws only its two most likely tokens."""
+    logits = torch.zeros(2, 64)
+    logits[:, 10], logits[:, 20] = 0.5, 0.4  # nearly flat: without its top-k, row 0 roams
+    seqs = [Sequence(f"r{i}", [1, 2, 3], SamplingParams(temperature=1.0, seed=i, top_k=k))
+            for i, k in enumerate((2, 0))]  # fmt: skip
+    drawn = set()
+    for position in range(200):
+        s = sampling.settings(seqs, [3 + position] * 2, logits.device)
+        drawn.add(sampling.device_sample(logits, s)[0].item())
+    assert drawn == {10, 20}
+
+
 def test_top_p_keeps_smallest_prefix_reaching_p():
     probs_in = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
     probs = sampling.probabilities(probs_in.log(), rows(top_p=0.8))
