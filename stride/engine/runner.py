@@ -242,21 +242,18 @@ class ModelRunner:
         masked ones (lookahead's branches) whose mask covers at most MASK_WIDTH slots."""
         n = len(c.token_ids)
         context = c.seq.num_cached + c.offset + n
-        return (
-            (c.mask is None or c.mask.shape[1] <= MASK_WIDTH)
-            and n <= MAX_GRAPH_QUERY
-            and n * context * self._kv_bytes_per_token <= GRAPH_KV_READ
-            and len(c.seq.block_table) <= self.graphs.max_blocks
-            and MASK_TOKEN not in c.token_ids
-        )
+        return self._fits_graphs(c) and n * context * self._kv_bytes_per_token <= GRAPH_KV_READ
 
     def _one_span(self, c: Span) -> bool:
         """Does a step of this span alone replay as one tree (`ONE_SPAN_READ`)?"""
         n = len(c.token_ids)
-        context = c.seq.num_cached + c.offset
+        return n > 1 and n * (c.seq.num_cached + c.offset) >= ONE_SPAN_READ and self._fits_graphs(c)
+
+    def _fits_graphs(self, c: Span) -> bool:
+        """Can the decode graphs' buffers hold this span's rows: their count, mask width and
+        block table (MASK slots need the adapter's eager pass)?"""
         return (
-            1 < n <= MAX_GRAPH_QUERY
-            and n * context >= ONE_SPAN_READ
+            len(c.token_ids) <= MAX_GRAPH_QUERY
             and (c.mask is None or c.mask.shape[1] <= MASK_WIDTH)
             and len(c.seq.block_table) <= self.graphs.max_blocks
             and MASK_TOKEN not in c.token_ids
