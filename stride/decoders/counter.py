@@ -24,7 +24,8 @@ import torch
 MASK = 0xFFFFFFFF
 TARGET, DRAFT, ACCEPT = range(3)  # streams: the token kept, a drafter's guess, a rejection test
 _GOLDEN = 0x9E3779B9  # spreads stream ids apart (none of them zero) before they are hashed
-_TOKEN = 0x5BD1E995  # what token ids are mixed with, so that token codes and keys differ
+TOKEN = 0x5BD1E995  # what token ids are mixed with, so that token codes and keys differ
+MIX = (0x2C1B3C6D, 0x297A2D39)  # `mix32`'s multipliers (the Triton draws hash with them too)
 
 Ints = TypeVar("Ints", np.ndarray, torch.Tensor)
 
@@ -33,9 +34,9 @@ def mix32(x: Ints) -> Ints:
     """A 32-bit integer hash (Wellons' `prospector32`: two xorshift-multiply rounds whose
     multipliers are below 2^31), for int64 arrays or tensors holding values in [0, 2^32)."""
     x = x ^ (x >> 15)
-    x = (x * 0x2C1B3C6D) & MASK
+    x = (x * MIX[0]) & MASK
     x = x ^ (x >> 12)
-    x = (x * 0x297A2D39) & MASK
+    x = (x * MIX[1]) & MASK
     return x ^ (x >> 15)
 
 
@@ -68,7 +69,7 @@ def unit(x: torch.Tensor) -> torch.Tensor:
 def _token_codes(vocab: int, device: torch.device) -> torch.Tensor:
     """Each token id hashed, by another function than keys are (a key and a token code must
     not cancel out along a pattern of positions and ids): [vocab] int64."""
-    return mix32(mix32(torch.arange(vocab, dtype=torch.int64, device=device)) ^ _TOKEN)
+    return mix32(mix32(torch.arange(vocab, dtype=torch.int64, device=device)) ^ TOKEN)
 
 
 def uniforms(keys: torch.Tensor, tokens: torch.Tensor | None, vocab: int) -> torch.Tensor:

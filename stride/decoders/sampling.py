@@ -23,7 +23,7 @@ from operator import is_
 import numpy as np
 import torch
 
-from stride.decoders import counter, grammar
+from stride.decoders import counter, draw_kernels, grammar
 from stride.engine.sequence import NO_TOP_K, SamplingParams, Sequence
 
 
@@ -192,7 +192,20 @@ def columns(floats: torch.Tensor) -> dict[str, torch.Tensor]:
 
 def device_sample(logits: torch.Tensor, s: DrawSettings, step: int = 0) -> torch.Tensor:
     """Each row's token [B], left on the logits' device: greedy rows their argmax, sampled rows
-    argmax(truncated logits / T + Gumbel noise keyed by their step `step` draw)."""
+    argmax(truncated logits / T + Gumbel noise keyed by their step `step` draw). On the GPU,
+    two fused kernels (`draw_kernels`) where the batch's truncation allows it, else `ops_sample`."""
+    if s.all_greedy:
+        return logits.argmax(-1)
+    if draw_kernels.available(logits):
+        if 0 < s.k_max <= draw_kernels.TOP_MAX:
+            return draw_kernels.draw(logits, s.floats, s.keys[step], True, s.any_top_p, s.any_min_p)
+        if not (s.any_top_k or s.any_top_p or s.any_min_p):
+            return draw_kernels.draw(logits, s.floats, s.keys[step], False, False, False)
+    return ops_sample(logits, s, step)
+
+
+def ops_sample(logits: torch.Tensor, s: DrawSettings, step: int = 0) -> torch.Tensor:
+    """`device_sample` as plain tensor ops, on any device and for any settings."""
     if s.all_greedy:
         return logits.argmax(-1)
     vals, ids = _candidates(logits / s.temperature, s)
@@ -319,6 +332,9 @@ class DrawnLogprobs:
     def take(self, logits: torch.Tensor, tokens: torch.Tensor) -> None:
         """Step's logprobs (raw logits, as `logprobs` takes them): the drawn token's and the k
         most likely, for every row (rows that asked for fewer keep theirs)."""
+        if draw_kernels.available(logits) and self.k <= draw_kernels.LOGPROBS_MAX:
+            self._steps.append(draw_kernels.logprobs(logits, tokens, self.k))
+            return
         lp = torch.log_softmax(logits.float(), dim=-1)
         vals, ids = lp.topk(self.k, dim=-1) if self.k else (lp[:, :0], lp[:, :0].long())
         self._steps.append((lp.gather(1, tokens[:, None])[:, 0], vals, ids))

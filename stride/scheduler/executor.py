@@ -34,7 +34,7 @@ from collections.abc import Iterator
 
 import torch
 
-from stride.decoders import sampling
+from stride.decoders import draw_kernels, sampling
 from stride.decoders.base import Proposal
 from stride.decoders.draw_graphs import DrawGraphs
 from stride.engine.engine import Engine
@@ -62,6 +62,8 @@ class Executor:
         self.decoders = decoders
         self.burst_steps = burst_steps
         self._draw_graphs = DrawGraphs()
+        if draw_kernels.available(engine.device):
+            draw_kernels.warm(engine.device, engine.hf_config.vocab_size)
         self.overlap = engine.runner.graphs is not None
         self.load = StepLoad()  # the current step's work on the device (roofline metrics)
         self._in_flight: Launch | None = None

@@ -1,0 +1,75 @@
+"""The checks of `draw_kernels` against the plain tensor ops, on a device: the GPU, or the CPU
+under Triton's interpreter (a subprocess started with TRITON_INTERPRET=1, which Triton reads
+when a kernel is defined; it runs a top-k some 10^5 times slower, hence `quick`)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from stride.decoders import draw_kernels, sampling
+from stride.decoders.sampling import DrawSettings
+
+
+def settings(rows: list[tuple[float, float, float, int]], device: str, seed: int) -> DrawSettings:
+    """Settings for rows of (temperature, top_p, min_p, top_k); temperature 0: greedy; top_k 0:
+    none. The keys are random: what matters is that both paths use the same."""
+    floats = torch.tensor(
+        [[t or 1.0, p, math.log(m) if m else -math.inf, float(t == 0), k or 1e9]
+         for t, p, m, k in rows]
+    )  # fmt: skip
+    sampled = [r for r in rows if r[0] > 0]
+    gen = torch.Generator().manual_seed(seed)
+    return DrawSettings(
+        seqs=[],
+        bases=np.zeros(len(rows), dtype=np.int64),
+        **sampling.columns(floats.to(device)),
+        keys=torch.randint(0, 2**32, (1, len(rows), 1), generator=gen).to(device),
+        all_greedy=not sampled,
+        any_greedy=len(sampled) < len(rows),
+        k_max=max((r[3] for r in sampled), default=0) if all(r[3] for r in sampled) else 0,
+        any_top_p=any(r[1] < 1 for r in sampled),
+        any_top_k=any(r[3] for r in sampled),
+        any_min_p=any(r[2] for r in sampled),
+    )
+
+
+MIXES = {
+    "whole rows": [(1.0, 1.0, 0, 0), (0.7, 1.0, 0, 0), (0, 1.0, 0, 0), (1.6, 1.0, 0, 0)],
+    "top-k": [(1.0, 1.0, 0, 50), (0.8, 1.0, 0, 1), (1.3, 1.0, 0, 64), (0, 1.0, 0, 0)],
+    "top-k top-p": [(1.0, 0.95, 0, 50), (0.5, 0.3, 0, 7), (1.0, 1.0, 0, 20), (2.0, 0.9, 0, 64)],
+    "top-k min-p": [(1.0, 1.0, 0.05, 40), (1.0, 0.9, 0.2, 64), (0, 1.0, 0, 0)],
+}
+
+
+def check(device: str, quick: bool = False) -> None:
+    """Draws equal `ops_sample`'s token for token; logprobs equal log-softmax's. Seed 1 makes
+    ties (the first of equal values wins on both paths), seed 2 masks a whole chunk and more
+    (as a grammar does). `quick`: smaller chunks, and those two seeds only."""
+    if quick:
+        draw_kernels.CHUNK = 256
+    vocab = 5 * draw_kernels.CHUNK // 2  # three chunks, the last one half full
+    gen = torch.Generator().manual_seed(0)
+    for name, rows in MIXES.items():
+        for seed in (1, 2) if quick else range(4):
+            logits = (torch.randn(len(rows), vocab, generator=gen) * 3).to(device)
+            if seed == 1:
+                logits = logits.round()
+            if seed == 2:
+                logits[:, : draw_kernels.CHUNK + 5] = -math.inf
+            s = settings(rows, device, seed)
+            top = s.k_max > 0
+            got = draw_kernels.draw(logits, s.floats, s.keys[0], top, s.any_top_p, s.any_min_p)
+            expected = sampling.ops_sample(logits, s)
+            assert got.tolist() == expected.tolist(), (name, seed)
+    logits = (torch.randn(6, vocab, generator=gen) * 3).to(device)
+    tokens = torch.randint(0, vocab, (6,), generator=gen).to(device)
+    for n in (0, 5) if quick else (0, 1, 5, 20):
+        chosen, vals, ids = draw_kernels.logprobs(logits, tokens, n)
+        lp = torch.log_softmax(logits, dim=-1)
+        top_v, top_i = lp.topk(n, dim=-1)
+        torch.testing.assert_close(chosen, lp.gather(1, tokens[:, None])[:, 0])
+        torch.testing.assert_close(vals, top_v)
+        assert ids.tolist() == top_i.tolist()
