@@ -1,12 +1,12 @@
-"""A batch's draws, and its logprobs, in two Triton kernels each.
+"""A batch's draws, and their logprobs where rows ask for them, in two Triton kernels.
 
 As plain tensor ops a sampled draw (`sampling.device_sample`) is 20 to 60 kernels (torch's
 multi-block top-k alone is about 40), each reading or writing a [rows, vocab] array: at one row
 their launches set its cost, at 256 rows their memory traffic does. Here each row's logits are
 read once, a chunk per program, by `_chunk_kernel`, which keeps what the row needs of its chunk:
-its `TOP` largest logits (top-k, top-p, min-p and logprobs pick among those), or its best
-logit / T + Gumbel noise (a draw over the whole row), or its log-sum-exp terms (logprobs).
-`_row_kernel`, a program per row, merges a row's chunks and draws, or takes the logprobs.
+its `TOP` largest logits (top-k, top-p, min-p and logprobs pick among those), its best
+logit / T + Gumbel noise (a draw over the whole row), and its log-sum-exp terms (logprobs).
+`_row_kernel`, a program per row, merges a row's chunks, draws, and takes the logprobs.
 
 The arithmetic is `sampling.device_sample`'s: IEEE division by the temperature, `counter`'s hash
 and Gumbel transform (bit for bit), softmax and the mass before each candidate in rank order for
@@ -18,6 +18,7 @@ row's draw depends only on its own logits, settings and key, never on the rows b
 from __future__ import annotations
 
 import os
+from itertools import product
 
 import torch
 
@@ -55,57 +56,45 @@ def draw(
     candidates are the row's TOP_MAX best), and `top_p`, `min_p` say whether some row has one;
     else no row truncates (no top-k, top-p or min-p) and the draw is over the whole row. One
     compiled variant per (`top`, `top_p`, `min_p`) whatever the k: `warm` compiles them."""
-    rows, vocab = logits.shape
-    chunks = triton.cdiv(vocab, CHUNK)
-    width = TOP_MAX if top else 0
-    out = torch.empty(rows, dtype=torch.int64, device=logits.device)
-    parts = _Parts(rows, chunks, width, logits.device)
-    _chunk_kernel[(rows, chunks)](
-        logits, logits.stride(0), floats, floats.stride(0), keys, keys.stride(0), vocab,
-        parts.top, parts.best, parts.at, parts.best, parts.best,
-        CHUNK=CHUNK, TOP=width, WHOLE=not top, LSE=False, MIX0=counter.MIX[0],
-        MIX1=counter.MIX[1], SALT=counter.TOKEN, num_warps=4,
-    )  # fmt: skip
-    _row_kernel[(rows,)](
-        logits, logits.stride(0), floats, floats.stride(0), keys, keys.stride(0), vocab, chunks,
-        parts.top, parts.best, parts.at, parts.best, parts.best,
-        out, out.stride(0), parts.best, parts.best, out, 0,
-        CHUNKS=triton.next_power_of_2(chunks), TOP=width, WHOLE=not top, TOP_P=top_p,
-        MIN_P=min_p, DRAW=True, MIX0=counter.MIX[0], MIX1=counter.MIX[1],
-        SALT=counter.TOKEN, num_warps=4,
-    )  # fmt: skip
-    return out
+    return _launch(logits, floats, keys, top, top_p, min_p, None)[0]
 
 
-def logprobs(
-    logits: torch.Tensor, tokens: torch.Tensor, n: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Under log-softmax(logits) [B, vocab]: each row's `tokens` [B] log-probability [B], and
-    its `n` (<= LOGPROBS_MAX) most likely tokens' [B, n] with their ids [B, n] (int64), most
-    likely first."""
+def draw_scored(
+    logits: torch.Tensor,
+    floats: torch.Tensor,
+    keys: torch.Tensor,
+    top: bool,
+    top_p: bool,
+    min_p: bool,
+    n: int,
+) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """`draw`, and in the same pass the drawn tokens' logprobs under log-softmax(logits): each
+    row's [B], and its `n` (<= LOGPROBS_MAX) most likely tokens' [B, n] with their ids [B, n]
+    (int64), most likely first."""
+    return _launch(logits, floats, keys, top, top_p, min_p, n)
+
+
+def _launch(logits, floats, keys, top, top_p, min_p, n):  # noqa: ANN001, ANN202
     rows, vocab = logits.shape
     chunks = triton.cdiv(vocab, CHUNK)
-    width = LOGPROBS_MAX
-    parts = _Parts(rows, chunks, width, logits.device)
-    peak, mass = parts.best, torch.empty_like(parts.best)
-    chosen = torch.empty(rows, dtype=torch.float32, device=logits.device)
-    vals = torch.empty(rows, n, dtype=torch.float32, device=logits.device)
-    ids = torch.empty(rows, n, dtype=torch.int64, device=logits.device)
-    _chunk_kernel[(rows, chunks)](
-        logits, logits.stride(0), logits, 0, tokens, 0, vocab,
-        parts.top, parts.best, parts.at, peak, mass,
-        CHUNK=CHUNK, TOP=width, WHOLE=False, LSE=True, MIX0=counter.MIX[0],
-        MIX1=counter.MIX[1], SALT=counter.TOKEN, num_warps=4,
-    )  # fmt: skip
-    _row_kernel[(rows,)](
-        logits, logits.stride(0), logits, 0, tokens, 0, vocab, chunks,
-        parts.top, parts.best, parts.at, peak, mass,
-        tokens, tokens.stride(0), chosen, vals, ids, n,
-        CHUNKS=triton.next_power_of_2(chunks), TOP=width, WHOLE=False, TOP_P=False,
-        MIN_P=False, DRAW=False, MIX0=counter.MIX[0], MIX1=counter.MIX[1],
-        SALT=counter.TOKEN, num_warps=4,
-    )  # fmt: skip
-    return chosen, vals, ids
+    width = TOP_MAX if top else (0 if n is None else LOGPROBS_MAX)
+    device = logits.device
+    tokens = torch.empty(rows, dtype=torch.int64, device=device)
+    top_part = torch.empty(rows, chunks, max(width, 1), dtype=torch.int64, device=device)
+    best, peak, mass = torch.empty(3, rows, chunks, dtype=torch.float32, device=device).unbind()
+    at = torch.empty(rows, chunks, dtype=torch.int32, device=device)
+    chosen = torch.empty(rows, dtype=torch.float32, device=device)
+    vals = torch.empty(rows, n or 0, dtype=torch.float32, device=device)
+    ids = torch.empty(rows, n or 0, dtype=torch.int64, device=device)
+    common = dict(WHOLE=not top, TOP=width, LOGPROBS=n is not None, MIX0=counter.MIX[0],
+                  MIX1=counter.MIX[1], SALT=counter.TOKEN, num_warps=4)  # fmt: skip
+    args = (logits, logits.stride(0), floats, floats.stride(0), keys, keys.stride(0), vocab,
+            top_part, best, at, peak, mass)  # fmt: skip
+    _chunk_kernel[(rows, chunks)](*args, CHUNK=CHUNK, **common)
+    _row_kernel[(rows,)](*args, chunks, tokens, chosen, vals, ids, n or 0,
+                         CHUNKS=triton.next_power_of_2(chunks), TOP_P=top_p, MIN_P=min_p,
+                         **common)  # fmt: skip
+    return tokens, (chosen, vals, ids)
 
 
 def warm(device: torch.device, vocab: int) -> None:
@@ -114,20 +103,9 @@ def warm(device: torch.device, vocab: int) -> None:
     logits = torch.zeros(1, vocab, device=device)
     floats = torch.tensor([[1.0, 0.5, 0.0, 0.0, 1.0]], device=device)
     keys = torch.zeros(1, 1, dtype=torch.int64, device=device)
-    draw(logits, floats, keys, False, False, False)
-    for top_p in (False, True):
-        for min_p in (False, True):
-            draw(logits, floats, keys, True, top_p, min_p)
-    logprobs(logits, keys[:, 0], 1)
-
-
-class _Parts:
-    """What `_chunk_kernel` leaves per (row, chunk) for `_row_kernel`."""
-
-    def __init__(self, rows: int, chunks: int, width: int, device: torch.device) -> None:
-        self.top = torch.empty(rows, chunks, max(width, 1), dtype=torch.int64, device=device)
-        self.best = torch.empty(rows, chunks, dtype=torch.float32, device=device)
-        self.at = torch.empty(rows, chunks, dtype=torch.int32, device=device)
+    for top, top_p, min_p in [(False, False, False)] + list(product([True], *[(False, True)] * 2)):
+        draw(logits, floats, keys, top, top_p, min_p)
+        draw_scored(logits, floats, keys, top, top_p, min_p, 1)
 
 
 if triton is not None:
@@ -186,11 +164,12 @@ if triton is not None:
     def _chunk_kernel(
         logits, logits_stride, floats, floats_stride, keys, keys_stride, vocab,
         top_out, best_out, at_out, peak_out, mass_out,
-        CHUNK: tl.constexpr, TOP: tl.constexpr, WHOLE: tl.constexpr, LSE: tl.constexpr,
+        CHUNK: tl.constexpr, TOP: tl.constexpr, WHOLE: tl.constexpr, LOGPROBS: tl.constexpr,
         MIX0: tl.constexpr, MIX1: tl.constexpr, SALT: tl.constexpr,
     ):  # fmt: skip
-        """One (row, chunk): its TOP best as packed keys; with WHOLE its best draw value and
-        where (a greedy row's: the raw logit); with LSE its max and sum of exp(x - max)."""
+        """One (row, chunk): its TOP best logits as packed keys; with WHOLE its best draw
+        value and where (a greedy row's: the raw logit); with LOGPROBS its max logit and sum of
+        exp(logit - max)."""
         row, chunk = tl.program_id(0), tl.program_id(1)
         chunks = tl.num_programs(1)
         ids = chunk * CHUNK + tl.arange(0, CHUNK)
@@ -212,64 +191,62 @@ if triton is not None:
             best = tl.max(value, 0)
             tl.store(best_out + here, best)
             tl.store(at_out + here, tl.min(tl.where(value == best, ids, vocab), 0))
-        if LSE:
+        if LOGPROBS:
             peak = tl.max(x, 0)
             tl.store(peak_out + here, peak)
-            tl.store(mass_out + here, tl.sum(_exp(x - peak), 0))
+            shift = tl.where(peak == -float("inf"), 0.0, peak)  # (a chunk all masked: mass 0)
+            tl.store(mass_out + here, tl.sum(_exp(x - shift), 0))
 
     @triton.jit
     def _row_kernel(
-        logits, logits_stride, floats, floats_stride, keys, keys_stride, vocab, chunks,
+        logits, logits_stride, floats, floats_stride, keys, keys_stride, vocab,
         top_in, best_in, at_in, peak_in, mass_in,
-        tokens, tokens_stride, chosen_out, vals_out, ids_out, n,
+        chunks, tokens, chosen_out, vals_out, ids_out, n,
         CHUNKS: tl.constexpr, TOP: tl.constexpr, WHOLE: tl.constexpr, TOP_P: tl.constexpr,
-        MIN_P: tl.constexpr, DRAW: tl.constexpr,
+        MIN_P: tl.constexpr, LOGPROBS: tl.constexpr,
         MIX0: tl.constexpr, MIX1: tl.constexpr, SALT: tl.constexpr,
     ):  # fmt: skip
-        """One row: merge its chunks; DRAW: its token into `tokens`; else the logprobs of
-        `tokens` and of its `n` most likely into `chosen_out`, `vals_out`, `ids_out`."""
+        """One row: merge its chunks into its token; with LOGPROBS, the token's logprob and the
+        `n` best."""
         row = tl.program_id(0)
         lane = tl.arange(0, CHUNKS)
+        mine = lane < chunks
         if TOP > 0:
             place = tl.arange(0, CHUNKS * TOP)
             packed = tl.load(top_in + row * chunks * TOP + place, mask=place < chunks * TOP,
                              other=_LOWEST)  # fmt: skip
             raw, ids = _unpack(tl.topk(packed, TOP), vocab)  # largest first
             rank = tl.arange(0, TOP)
-        if DRAW:
-            if WHOLE:
-                mine = lane < chunks
-                best = tl.load(best_in + row * chunks + lane, mask=mine, other=-float("inf"))
-                at = tl.load(at_in + row * chunks + lane, mask=mine, other=vocab)
-                token = tl.min(tl.where(best == tl.max(best, 0), at, vocab), 0)
-            else:
-                temperature = tl.load(floats + row * floats_stride)
-                greedy = tl.load(floats + row * floats_stride + 3) > 0
-                top_k = tl.load(floats + row * floats_stride + 4)
-                key = tl.load(keys + row * keys_stride).to(tl.uint32)
-                scaled = tl.div_rn(raw, tl.zeros_like(raw) + temperature)
-                keep = (rank.to(tl.float32) < top_k) & (rank < vocab)
-                if TOP_P:
-                    kept = tl.where(keep, scaled, -float("inf"))
-                    e = _exp(kept - tl.max(kept, 0))
-                    p = tl.div_rn(e, tl.zeros_like(e) + tl.sum(e, 0))
-                    keep = keep & (tl.cumsum(p, 0) - p < tl.load(floats + row * floats_stride + 1))
-                if MIN_P:
-                    floor = tl.max(scaled, 0) + tl.load(floats + row * floats_stride + 2)
-                    keep = keep & (scaled >= floor)
-                value = tl.where(keep, scaled, -float("inf")) + _gumbel(key, ids, MIX0, MIX1, SALT)
-                pick = tl.min(tl.where(value == tl.max(value, 0), rank, TOP), 0)
-                token = tl.where(greedy, tl.max(tl.where(rank == 0, ids, -1), 0),
-                                 tl.max(tl.where(rank == pick, ids, -1), 0))  # fmt: skip
-            tl.store(tokens + row * tokens_stride, token.to(tl.int64))
+        if WHOLE:
+            best = tl.load(best_in + row * chunks + lane, mask=mine, other=-float("inf"))
+            at = tl.load(at_in + row * chunks + lane, mask=mine, other=vocab)
+            token = tl.min(tl.where(best == tl.max(best, 0), at, vocab), 0)
         else:
-            peak = tl.load(peak_in + row * chunks + lane, mask=lane < chunks, other=-float("inf"))
-            mass = tl.load(mass_in + row * chunks + lane, mask=lane < chunks, other=0.0)
+            temperature = tl.load(floats + row * floats_stride)
+            greedy = tl.load(floats + row * floats_stride + 3) > 0
+            top_k = tl.load(floats + row * floats_stride + 4)
+            key = tl.load(keys + row * keys_stride).to(tl.uint32)
+            scaled = tl.div_rn(raw, tl.zeros_like(raw) + temperature)
+            keep = (rank.to(tl.float32) < top_k) & (rank < vocab)
+            if TOP_P:
+                kept = tl.where(keep, scaled, -float("inf"))
+                e = _exp(kept - tl.max(kept, 0))
+                p = tl.div_rn(e, tl.zeros_like(e) + tl.sum(e, 0))
+                keep = keep & (tl.cumsum(p, 0) - p < tl.load(floats + row * floats_stride + 1))
+            if MIN_P:
+                floor = tl.max(scaled, 0) + tl.load(floats + row * floats_stride + 2)
+                keep = keep & (scaled >= floor)
+            value = tl.where(keep, scaled, -float("inf")) + _gumbel(key, ids, MIX0, MIX1, SALT)
+            pick = tl.min(tl.where(value == tl.max(value, 0), rank, TOP), 0)
+            token = tl.where(greedy, tl.max(tl.where(rank == 0, ids, -1), 0),
+                             tl.max(tl.where(rank == pick, ids, -1), 0))  # fmt: skip
+        tl.store(tokens + row, token.to(tl.int64))
+        if LOGPROBS:
+            peak = tl.load(peak_in + row * chunks + lane, mask=mine, other=-float("inf"))
+            mass = tl.load(mass_in + row * chunks + lane, mask=mine, other=0.0)
             top = tl.max(peak, 0)
             log_sum = _log(tl.sum(mass * _exp(peak - top), 0))
-            token = tl.load(tokens + row * tokens_stride)
             x = tl.load(logits + row.to(tl.int64) * logits_stride + token).to(tl.float32)
             tl.store(chosen_out + row, x - top - log_sum)
-            if TOP > 0:
-                tl.store(vals_out + row * n + rank, raw - top - log_sum, mask=rank < n)
-                tl.store(ids_out + row * n + rank, ids.to(tl.int64), mask=rank < n)
+            tl.store(vals_out + row * n + rank, raw - top - log_sum, mask=rank < n)
+            tl.store(ids_out + row * n + rank, ids.to(tl.int64), mask=rank < n)

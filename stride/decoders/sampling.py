@@ -196,12 +196,22 @@ def device_sample(logits: torch.Tensor, s: DrawSettings, step: int = 0) -> torch
     two fused kernels (`draw_kernels`) where the batch's truncation allows it, else `ops_sample`."""
     if s.all_greedy:
         return logits.argmax(-1)
-    if draw_kernels.available(logits):
-        if 0 < s.k_max <= draw_kernels.TOP_MAX:
-            return draw_kernels.draw(logits, s.floats, s.keys[step], True, s.any_top_p, s.any_min_p)
-        if not (s.any_top_k or s.any_top_p or s.any_min_p):
-            return draw_kernels.draw(logits, s.floats, s.keys[step], False, False, False)
-    return ops_sample(logits, s, step)
+    route = _kernel_route(logits, s)
+    if route is None:
+        return ops_sample(logits, s, step)
+    return draw_kernels.draw(logits, s.floats, s.keys[step], *route)
+
+
+def _kernel_route(logits: torch.Tensor, s: DrawSettings) -> tuple[bool, bool, bool] | None:
+    """`draw_kernels.draw`'s (top, top_p, min_p) for these rows, or None where it cannot draw
+    them: off the GPU, a top-k past its candidates, top-p or min-p on rows without a top-k."""
+    if not draw_kernels.available(logits):
+        return None
+    if 0 < s.k_max <= draw_kernels.TOP_MAX:
+        return True, s.any_top_p, s.any_min_p
+    if s.all_greedy or not (s.any_top_k or s.any_top_p or s.any_min_p):
+        return False, False, False
+    return None
 
 
 def ops_sample(logits: torch.Tensor, s: DrawSettings, step: int = 0) -> torch.Tensor:
@@ -315,8 +325,8 @@ def scored(logits: torch.Tensor, tokens: list[int], k: int) -> list[TokenLogprob
 
 class DrawnLogprobs:
     """The logprobs of the tokens a launch drew on the device, for the rows that ask for them:
-    each step's are taken right after its draw (`take`), from the same logits, and copied to
-    the host once, behind the launch (like its tokens)."""
+    each step's are taken with its draw (`draw`), from the same logits, and copied to the host
+    once, behind the launch (like its tokens)."""
 
     def __init__(self, seqs: list[Sequence]) -> None:
         self.wanted = [s.params.logprobs for s in seqs]  # None: the row asks for none
@@ -329,12 +339,21 @@ class DrawnLogprobs:
     def of(seqs: list[Sequence]) -> DrawnLogprobs | None:
         return DrawnLogprobs(seqs) if any(s.params.logprobs is not None for s in seqs) else None
 
+    def draw(self, logits: torch.Tensor, s: DrawSettings, step: int) -> torch.Tensor:
+        """`device_sample`, and this step's logprobs taken: on the GPU in the same two kernels
+        where they can draw these rows."""
+        route = _kernel_route(logits, s)
+        if route is None or self.k > draw_kernels.LOGPROBS_MAX:
+            tokens = device_sample(logits, s, step)
+            self.take(logits, tokens)
+            return tokens
+        tokens, taken = draw_kernels.draw_scored(logits, s.floats, s.keys[step], *route, self.k)
+        self._steps.append(taken)
+        return tokens
+
     def take(self, logits: torch.Tensor, tokens: torch.Tensor) -> None:
         """Step's logprobs (raw logits, as `logprobs` takes them): the drawn token's and the k
         most likely, for every row (rows that asked for fewer keep theirs)."""
-        if draw_kernels.available(logits) and self.k <= draw_kernels.LOGPROBS_MAX:
-            self._steps.append(draw_kernels.logprobs(logits, tokens, self.k))
-            return
         lp = torch.log_softmax(logits.float(), dim=-1)
         vals, ids = lp.topk(self.k, dim=-1) if self.k else (lp[:, :0], lp[:, :0].long())
         self._steps.append((lp.gather(1, tokens[:, None])[:, 0], vals, ids))

@@ -115,10 +115,9 @@ class Executor:
         draw = self._draw_graphs if graphed else sampling.device_sample
 
         def sample(logits: torch.Tensor, step: int) -> torch.Tensor:
-            drawn = draw(logits, draws, step)
-            if logprobs is not None:
-                logprobs.take(logits, drawn)
-            return drawn
+            if logprobs is not None:  # (with logprobs, the draws are not graphed)
+                return logprobs.draw(logits, draws, step)
+            return draw(logits, draws, step)
 
         made = self.engine.runner.decode_steps(seqs, tokens, steps, sample, offsets)
         self.load.add_decode_steps(seqs, steps, offsets)
@@ -153,11 +152,13 @@ class Executor:
             draws = launch.draws = self._draw_settings(seqs, 1)
             logprobs = sampling.DrawnLogprobs.of(seqs)
             stacked = torch.cat([logits[i] for i in committing])
-            drawn = launch.sampled = sampling.device_sample(stacked, draws)
-            launch.tokens = SampledTokens(drawn[None])
-            if logprobs is not None:
-                logprobs.take(stacked, drawn)
+            if logprobs is None:
+                drawn = sampling.device_sample(stacked, draws)
+            else:
+                drawn = logprobs.draw(stacked, draws, 0)
                 launch.logprobs = logprobs.copied()
+            launch.sampled = drawn
+            launch.tokens = SampledTokens(drawn[None])
         self._started(launch, [1] * len(kept.plan))
         return launch
 

@@ -45,31 +45,49 @@ MIXES = {
 
 
 def check(device: str, quick: bool = False) -> None:
-    """Draws equal `ops_sample`'s token for token; logprobs equal log-softmax's. Seed 1 makes
-    ties (the first of equal values wins on both paths), seed 2 masks a whole chunk and more
-    (as a grammar does). `quick`: smaller chunks, and those two seeds only."""
+    """Draws equal `ops_sample`'s token for token, with their logprobs taken or not; the
+    logprobs equal log-softmax's. Seed 1 makes ties in whole rows (the first of equal values
+    wins on both paths; which of the tokens tied at a top-k boundary torch keeps is its own),
+    seed 2 masks a whole chunk and more (as a grammar does). `quick`: smaller chunks, and one
+    of those two seeds per mix."""
     if quick:
         draw_kernels.CHUNK = 256
     vocab = 5 * draw_kernels.CHUNK // 2  # three chunks, the last one half full
     gen = torch.Generator().manual_seed(0)
-    for name, rows in MIXES.items():
-        for seed in (1, 2) if quick else range(4):
+    for i, ((name, rows), n) in enumerate(zip(MIXES.items(), (0, 5, 20, 1), strict=True)):
+        for seed in [1 + i % 2] if quick else range(4):
             logits = (torch.randn(len(rows), vocab, generator=gen) * 3).to(device)
-            if seed == 1:
+            tied = seed == 1 and name == "whole rows"
+            if tied:
                 logits = logits.round()
             if seed == 2:
                 logits[:, : draw_kernels.CHUNK + 5] = -math.inf
             s = settings(rows, device, seed)
-            top = s.k_max > 0
-            got = draw_kernels.draw(logits, s.floats, s.keys[0], top, s.any_top_p, s.any_min_p)
-            expected = sampling.ops_sample(logits, s)
-            assert got.tolist() == expected.tolist(), (name, seed)
-    logits = (torch.randn(6, vocab, generator=gen) * 3).to(device)
-    tokens = torch.randint(0, vocab, (6,), generator=gen).to(device)
-    for n in (0, 5) if quick else (0, 1, 5, 20):
-        chosen, vals, ids = draw_kernels.logprobs(logits, tokens, n)
-        lp = torch.log_softmax(logits, dim=-1)
-        top_v, top_i = lp.topk(n, dim=-1)
-        torch.testing.assert_close(chosen, lp.gather(1, tokens[:, None])[:, 0])
-        torch.testing.assert_close(vals, top_v)
-        assert ids.tolist() == top_i.tolist()
+            route = (s.k_max > 0, s.any_top_p, s.any_min_p)
+            expected = sampling.ops_sample(logits, s).tolist()
+            plain = draw_kernels.draw(logits, s.floats, s.keys[0], *route).tolist()
+            assert plain == expected, (name, seed, plain, expected)
+            keys = s.keys[0]
+            got, (chosen, vals, ids) = draw_kernels.draw_scored(logits, s.floats, keys, *route, n)
+            assert got.tolist() == expected, (name, seed)
+            lp = torch.log_softmax(logits, dim=-1)
+            top_v, top_i = lp.topk(n, dim=-1)
+            torch.testing.assert_close(chosen, lp.gather(1, got[:, None])[:, 0])
+            torch.testing.assert_close(vals, top_v)
+            if not tied:  # (tied logprobs may come in either order)
+                assert ids.tolist() == top_i.tolist()
+    top_p_boundary(device, vocab, gen)
+
+
+def top_p_boundary(device: str, vocab: int, gen: torch.Generator) -> None:
+    """Two tokens hold about 0.5 and 0.31 of the mass: top-p 0.7 keeps the second (the mass
+    before it, 0.5, is below 0.7), so rows draw it about 38 % of the time, and both paths agree
+    on which rows do."""
+    rows = [(1.0, 0.7, 0, 64)] * 8
+    logits = torch.randn(len(rows), vocab, generator=gen)
+    logits[:, 7], logits[:, 11] = 10.0, 9.5
+    s = settings(rows, device, seed=5)
+    logits = logits.to(device)
+    got = draw_kernels.draw(logits, s.floats, s.keys[0], True, True, False).tolist()
+    assert got == sampling.ops_sample(logits, s).tolist()
+    assert {7, 11} <= set(got), got
