@@ -3,15 +3,15 @@
 At each concurrency (default 1, 64 and 256), the same prompts decode the same number of tokens
 (`ignore_eos`) under each variant of the sampling settings, and output tok/s is compared with
 greedy's. Sampled rows with nothing that needs the host between two tokens are drawn on the
-device (bursts, one launch in flight); `logprobs` makes every step's draw a host one, which is
-part of what is measured.
+device (bursts, one launch in flight; on the GPU in `draw_kernels`, logprobs included), so what
+is measured is the draw's device time and the host's work per step around it.
 
 - `greedy`: temperature 0;
 - `temperature`: temperature 1, seeded (Gumbel noise over the whole vocabulary);
 - `top-k-top-p`: temperature 1, top-k 50, top-p 0.95, seeded (the 50 best columns only);
 - `unseeded`: as `top-k-top-p`, unseeded (a random seed per sequence);
 - `top-p`: temperature 1, top-p 0.95, seeded (a full-vocabulary sort);
-- `logprobs`: as `top-k-top-p`, with 5 logprobs per token (drawn on the host).
+- `logprobs`: as `top-k-top-p`, with 5 logprobs per token (taken with the draw).
 
     python bench/bench_sampling.py --device cuda --json OUT  # the default model
     python bench/bench_sampling.py --device cuda --shape smollm2-135m  # its shape, random weights
