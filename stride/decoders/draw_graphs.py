@@ -2,10 +2,11 @@
 
 In a burst the decode forward is one graph replay, and the host queues the next step while the
 device runs this one, so a step costs the host only what it queues. A sampled row's draw
-(`sampling.device_sample`) is twenty to forty small tensor ops: queued one by one after every
-replay, they cost a small batch more host time than the forward they follow. Captured once per
-(logits buffer, rows, which ops the settings need), a draw is three: the step's keys copied in,
-the settings copied in when they changed (once per launch), one replay.
+(`sampling.device_sample`) is two Triton kernels and their buffers (`draw_kernels`), or twenty
+to sixty small tensor ops where those do not apply: queued after every replay, they cost a
+small batch host time the forward does not. Captured once per (logits buffer, rows, which ops
+the settings need), a draw is three: the step's keys copied in, the settings copied in when
+they changed (once per launch), one replay.
 
 The logits a burst draws from are a view of the decode graphs' output buffer, the same memory
 every step, which is what lets a graph read them: the caller uses these graphs only for such

@@ -8,17 +8,18 @@ its `TOP` largest logits (top-k, top-p, min-p and logprobs pick among those), it
 logit / T + Gumbel noise (a draw over the whole row), and its log-sum-exp terms (logprobs).
 `_row_kernel`, a program per row, merges a row's chunks, draws, and takes the logprobs.
 
-The arithmetic is `sampling.device_sample`'s: IEEE division by the temperature, `counter`'s hash
-and Gumbel transform (bit for bit), softmax and the mass before each candidate in rank order for
-top-p, and the first of equal values for an argmax. The sums (softmax, cumulative mass) may round
-differently, which can move a top-p boundary that falls within a rounding error of `top_p`. A
-row's draw depends only on its own logits, settings and key, never on the rows beside it.
+The arithmetic is the plain ops' (`sampling.ops_sample`): IEEE division by the temperature,
+`counter`'s hash and Gumbel transform (bit for bit), softmax and the mass before each candidate
+in rank order for top-p, and the first of equal values for an argmax. The sums (softmax,
+cumulative mass) may round differently, which can move a top-p boundary that falls within a
+rounding error of `top_p`; which of several tokens tied at a top-k boundary stay is torch's own
+choice there, the lower ids here. A row's draw depends only on its own logits, settings and
+key, never on the rows beside it.
 """
 
 from __future__ import annotations
 
 import os
-from itertools import product
 
 import torch
 
@@ -74,7 +75,16 @@ def draw_scored(
     return _launch(logits, floats, keys, top, top_p, min_p, n)
 
 
-def _launch(logits, floats, keys, top, top_p, min_p, n):  # noqa: ANN001, ANN202
+def _launch(
+    logits: torch.Tensor,
+    floats: torch.Tensor,
+    keys: torch.Tensor,
+    top: bool,
+    top_p: bool,
+    min_p: bool,
+    n: int | None,
+) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Both kernels, with their buffers; `n` None: no logprobs (empty tensors in their place)."""
     rows, vocab = logits.shape
     chunks = triton.cdiv(vocab, CHUNK)
     width = TOP_MAX if top else (0 if n is None else LOGPROBS_MAX)
@@ -103,7 +113,8 @@ def warm(device: torch.device, vocab: int) -> None:
     logits = torch.zeros(1, vocab, device=device)
     floats = torch.tensor([[1.0, 0.5, 0.0, 0.0, 1.0]], device=device)
     keys = torch.zeros(1, 1, dtype=torch.int64, device=device)
-    for top, top_p, min_p in [(False, False, False)] + list(product([True], *[(False, True)] * 2)):
+    tops = [(True, top_p, min_p) for top_p in (False, True) for min_p in (False, True)]
+    for top, top_p, min_p in [(False, False, False), *tops]:
         draw(logits, floats, keys, top, top_p, min_p)
         draw_scored(logits, floats, keys, top, top_p, min_p, 1)
 
