@@ -6,34 +6,22 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
 import torch
 
 from stride.decoders import draw_kernels, sampling
 from stride.decoders.sampling import DrawSettings
+from stride.engine.sequence import SamplingParams, Sequence
 
 
 def settings(rows: list[tuple[float, float, float, int]], device: str, seed: int) -> DrawSettings:
-    """Settings for rows of (temperature, top_p, min_p, top_k); temperature 0: greedy; top_k 0:
-    none. The keys are random: what matters is that both paths use the same."""
-    floats = torch.tensor(
-        [[t or 1.0, p, math.log(m) if m else -math.inf, float(t == 0), k or 1e9]
-         for t, p, m, k in rows]
-    )  # fmt: skip
-    sampled = [r for r in rows if r[0] > 0]
-    gen = torch.Generator().manual_seed(seed)
-    return DrawSettings(
-        seqs=[],
-        bases=np.zeros(len(rows), dtype=np.int64),
-        **sampling.columns(floats.to(device)),
-        keys=torch.randint(0, 2**32, (1, len(rows), 1), generator=gen).to(device),
-        all_greedy=not sampled,
-        any_greedy=len(sampled) < len(rows),
-        k_max=max((r[3] for r in sampled), default=0) if all(r[3] for r in sampled) else 0,
-        any_top_p=any(r[1] < 1 for r in sampled),
-        any_top_k=any(r[3] for r in sampled),
-        any_min_p=any(r[2] for r in sampled),
-    )
+    """The sampler's settings for rows of (temperature, top_p, min_p, top_k) (temperature 0:
+    greedy; top_k 0: none), each row a sequence of its own seed."""
+    seqs = [
+        Sequence(f"{seed}-{i}", [1], SamplingParams(temperature=t, top_p=p, min_p=m, top_k=k,
+                                                    seed=100 * seed + i))
+        for i, (t, p, m, k) in enumerate(rows)
+    ]  # fmt: skip
+    return sampling.settings(seqs, [7] * len(seqs), torch.device(device))
 
 
 MIXES = {
