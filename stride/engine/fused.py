@@ -214,6 +214,13 @@ class FusedHead:
     def supported(head: EagleHead) -> bool:
         return head.config.eagle3 and len(head.layers) == 1
 
+    def logits(self, out: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary logits of the layer's output (`weight`: the draft vocabulary's
+        rows of the LM head), in the head's dtype: for a few rows one GEMV with the norm in it."""
+        if len(out) <= FEW_ROWS:
+            return gemv(out, weight, norm=self.head.norm)
+        return F.linear(rms_norm(out, self.head.norm, None), weight)
+
     def __call__(self, tokens, hidden, positions, kv, meta: DecodeMetadata) -> torch.Tensor:
         layer, head = self.layer, self.head
         emb = rms_norm(head.embed(tokens), layer.input_layernorm, None)

@@ -35,19 +35,17 @@ import logging
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from stride.decoders.speculative.device_tree import (
     DraftedTree,
+    TreeConstants,
     TreeShape,
-    chain_tree,
     compact,
     draft_tree,
 )
 from stride.decoders.speculative.verify import accept_greedy
 from stride.engine.eagle import HeadRunner
 from stride.engine.fused import FusedHead
-from stride.engine.kernels import layer as kernels
 from stride.engine.kernels.decode_attention import DecodeMetadata
 from stride.engine.runner import ModelRunner
 
@@ -102,6 +100,7 @@ class EagleCycles:
                                  device=device)  # fmt: skip
         self.counts = torch.zeros(max_cycles, b, dtype=torch.long, device=device)
         self._graphs: dict[tuple[int, TreeShape], torch.cuda.CUDAGraph] = {}
+        self._constants: dict[tuple[int, TreeShape], Fixed] = {}
         self._pool = None
 
     def fits(self, seqs, cycles: int, shape: TreeShape) -> bool:
@@ -200,116 +199,157 @@ class EagleCycles:
         bs = self.block_size
         return tables.gather(1, positions // bs).long() * bs + positions % bs
 
-    def _meta(
-        self,
-        slots_at: torch.Tensor,
-        tables: torch.Tensor,
-        tree: tuple | None = None,
-        tree_rows: int = 0,
-    ) -> DecodeMetadata:
-        """Decode rows writing the slots of context index `slots_at` [R] (their own context
-        ends there), under `tree` = (tree_start [R], tree_mask [R, N]) if given; `tree_rows`:
-        the rows are whole trees of that many rows (`DecodeMetadata.tree_rows`)."""
-        return DecodeMetadata(
-            slot_mapping=self._slots(slots_at[:, None], tables)[:, 0],
-            block_tables=tables,
-            context_lens=(slots_at + 1).to(torch.int32),
-            block_size=self.block_size,
-            tree_start=None if tree is None else tree[0],
-            tree_mask=None if tree is None else tree[1].contiguous(),
-            tree_rows=tree_rows,
-        )
-
-    def _head_rows(self, tokens, hidden, positions, tables, tree=None, tree_rows=0) -> torch.Tensor:
-        kv = (self.heads.k, self.heads.v)
-        meta = self._meta(positions, tables, tree, tree_rows)
-        return self.head_forward(tokens, hidden, positions, kv, meta)
+    def _fixed(self, b: int, shape: TreeShape) -> Fixed:
+        fixed = self._constants.get((b, shape))
+        if fixed is None:  # (made eagerly: a graph is captured only after a first eager cycle)
+            fixed = self._constants[(b, shape)] = Fixed.of(b, shape, self.base.device)
+        return fixed
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
-        """Draft-vocabulary logits of head outputs."""
+        """Draft-vocabulary logits of head outputs (in the head's dtype on the GPU)."""
         if isinstance(self.head_forward, FusedHead):
-            x = kernels.rms_norm(h, self.head.norm, None)
-            return F.linear(x, self.lm_weight).float()
+            return self.head_forward.logits(h, self.lm_weight)
         return self.head.logits(h)
 
-    def _draft_chain(self, b: int, k: int) -> DraftedTree:
-        base, g, tables = self.base[:b], self.g[:b], self.tables[:b]
+    def _draft_chain(self, b: int, k: int, rows: Rows, fixed: Fixed) -> DraftedTree:
+        g, tables = self.g[:b], self.tables[:b]
+        # chain row j (at context index base + j - 1) reads draft j: its slot, context length
+        # and position as [B] vectors of their own (one copy each, not a computation per row)
+        slots, lens = rows.slots.t().contiguous(), rows.lens.t().contiguous()
+        positions = rows.at.t()
         h, d = g, self.draft_ids[self._logits(g).argmax(-1)]
         drafts = [d]
-        for j in range(1, k):  # chain row j (position base + j - 1) reads draft j
-            h = self._head_rows(d, h, base + (j - 1), tables)
+        kv = (self.heads.k, self.heads.v)
+        for j in range(1, k):
+            meta = DecodeMetadata(slots[j - 1], tables, lens[j - 1], self.block_size)
+            h = self.head_forward(d, h, positions[j - 1], kv, meta)
             d = self.draft_ids[self._logits(h).argmax(-1)]
             drafts.append(d)
-        return chain_tree(self.tail[:b], torch.stack(drafts, 1))
+        return DraftedTree(torch.cat([self.tail[:b, None], torch.stack(drafts, 1)], 1),
+                           *fixed.chain)  # fmt: skip
 
-    def _draft_tree(self, b: int, shape: TreeShape) -> DraftedTree:
+    def _draft_tree(self, b: int, shape: TreeShape, rows: Rows, fixed: Fixed) -> DraftedTree:
         k, levels = shape.topk, shape.depth - 1
-        base, tables = self.base[:b], self.tables[:b]
+
         # Every level's rows at once: scratch row s of a sequence (level s // k + 1, row s % k)
         # sits in the slot of context index base + s, at position base + s // k.
-        steps = torch.arange(shape.scratch, device=base.device)
-        at = base[:, None] + steps
-
         def by_level(x: torch.Tensor) -> torch.Tensor:  # [B, scratch] -> [levels, B * k]
-            return x.view(b, levels, k).transpose(0, 1).reshape(levels, b * k)
+            return x[:, : shape.scratch].view(b, levels, k).transpose(0, 1).reshape(levels, b * k)
 
-        slots, lens = by_level(self._slots(at, tables)), by_level(at + 1).to(torch.int32)
-        positions = by_level(base[:, None] + steps // k)
-        row_tables, starts = tables.repeat_interleave(k, 0), base.repeat_interleave(k)
+        slots, lens = by_level(rows.slots), by_level(rows.lens)
+        positions = by_level(self.base[:b, None] + fixed.scratch_levels)
+        tables = fixed.per_row(self.tables[:b], k)
+        starts = fixed.per_row(self.base[:b], k)
         kv = (self.heads.k, self.heads.v)
 
         def expand(level: int, tokens, hidden, sees) -> torch.Tensor:
-            meta = DecodeMetadata(slots[level - 1], row_tables, lens[level - 1], self.block_size,
+            meta = DecodeMetadata(slots[level - 1], tables, lens[level - 1], self.block_size,
                                   starts, sees)  # fmt: skip
             return self.head_forward(tokens, hidden, positions[level - 1], kv, meta)
 
         def logprobs(h: torch.Tensor) -> torch.Tensor:
-            return torch.log_softmax(self._logits(h), -1)
+            return torch.log_softmax(self._logits(h), -1, dtype=torch.float32)
 
-        return draft_tree(shape, self.g[:b], self.tail[:b], expand, logprobs, self.draft_ids)
+        return draft_tree(shape, self.g[:b], self.tail[:b], expand, logprobs, self.draft_ids,
+                          fixed.tree)  # fmt: skip
 
     def _cycle(self, b: int, shape: TreeShape) -> None:
         base, tail, g, tables = self.base[:b], self.tail[:b], self.g[:b], self.tables[:b]
+        fixed, n_rows, depth = self._fixed(b, shape), shape.nodes, shape.depth
+        # every slot the cycle writes, from the tail's: context index base + s (s < span)
+        at = base[:, None] + fixed.steps
+        rows = Rows(at, self._slots(at, tables), (at + 1).to(torch.int32))
         # 1. drafts
-        tree = self._draft_chain(b, shape.depth) if shape.is_chain else self._draft_tree(b, shape)
-        n_rows, depth = shape.nodes, shape.depth
+        if shape.is_chain:
+            tree = self._draft_chain(b, depth, rows, fixed)
+        else:
+            tree = self._draft_tree(b, shape, rows, fixed)
         # 2. verify every row in the N slots from the tail's, each at its parent's position + 1
-        slots_at = (base[:, None] + torch.arange(n_rows, device=base.device)).flatten()
-        row_tables = tables.repeat_interleave(n_rows, 0)
         # (a tree's rows, a chain's too, share its prefix: the kernel reads it once for all)
-        mask = (base.repeat_interleave(n_rows), tree.sees.flatten(0, 1))
-        meta = self._meta(slots_at, row_tables, mask, n_rows)
+        sees = fixed.causal if shape.is_chain else tree.sees.flatten(0, 1)
+        meta = self._rows_meta(rows, n_rows, fixed, sees)
         positions = (base[:, None] + tree.depths).flatten()
         kv = (self.runner.cache.k, self.runner.cache.v)
         aux_layers = self.head.config.aux_layers
         hidden, aux = self.runner.forward_fn(tree.tokens.flatten(), positions, kv, meta,
                                              aux=aux_layers)  # fmt: skip
-        best = self.model.logits(hidden).argmax(-1).view(b, n_rows)
+        best = self.model.lm_head(hidden).argmax(-1).view(b, n_rows)  # (in its dtype: same argmax)
         # 3. accept the longest path of drafts equal to the target's choice, then its next one
         n, path, bonus = accept_greedy(tree.tokens, tree.parents, tree.sees, tree.depths, best,
                                        depth)  # fmt: skip
-        steps = torch.arange(depth + 1, device=base.device)
+        steps = fixed.steps[: depth + 1]
         after = torch.cat([tree.tokens.gather(1, path[:, 1:]), bonus[:, None]], 1)
         after = torch.where(steps < n[:, None], after, bonus[:, None])  # the token after each
         committed = torch.where(steps <= n[:, None], after, -1)
         self.tokens[:, :b, : depth + 1].index_copy_(0, self.cycle, committed[None])
         self.counts[:, :b].index_copy_(0, self.cycle, (n + 1)[None])
+        features = aux.view(b, n_rows, -1)
         if not shape.is_chain:  # (a chain's path is already where it belongs)
             compact([self.runner.cache.k, self.runner.cache.v], path, n,
                     lambda p: self._slots(p, tables), base)  # fmt: skip
-        # 4. catch up: the path's head rows; row n's output drafts the next cycle
-        features = aux.view(b, n_rows, -1).gather(1, path[..., None].expand(-1, -1, aux.shape[-1]))
-        catch_up = (base[:, None] + steps).flatten()
-        if n_rows != depth + 1:
-            row_tables = tables.repeat_interleave(depth + 1, 0)
-        causal = torch.ones(depth + 1, depth + 1, dtype=torch.bool, device=base.device).tril()
-        path_rows = (base.repeat_interleave(depth + 1), causal.repeat(b, 1))  # a chain's mask
-        outs = self._head_rows(after.flatten(), self.head.project(features.flatten(0, 1)),
-                               catch_up, row_tables, path_rows, depth + 1)  # fmt: skip
-        g.copy_(outs.view(b, depth + 1, -1)[torch.arange(b, device=n.device), n])
+            features = features.gather(1, path[..., None].expand(-1, -1, aux.shape[-1]))
+            meta = self._rows_meta(rows, depth + 1, fixed, fixed.causal)
+        # 4. catch up: the path's head rows (a chain's are its verified rows, under the same
+        # causal mask); row n's output drafts the next cycle
+        outs = self.head_forward(after.flatten(), self.head.project(features.flatten(0, 1)),
+                                 rows.at[:, : depth + 1].flatten(), (self.heads.k, self.heads.v),
+                                 meta)  # fmt: skip
+        outs = outs.view(b, depth + 1, -1)
+        g.copy_(outs.gather(1, n[:, None, None].expand(b, 1, outs.shape[-1]))[:, 0])
         tail.copy_(bonus)
         base.add_(n + 1)
         self.cycle.add_(1)
+
+    def _rows_meta(self, rows: Rows, r: int, fixed: Fixed, sees: torch.Tensor) -> DecodeMetadata:
+        """Decode rows for the first `r` slots of every sequence's span, one tree of `r` rows
+        per sequence under `sees` [B * r, r] (`DecodeMetadata.tree_rows`)."""
+        b = len(rows.at)
+        return DecodeMetadata(
+            slot_mapping=rows.slots[:, :r].flatten(),
+            block_tables=fixed.per_row(self.tables[:b], r),
+            context_lens=rows.lens[:, :r].flatten(),
+            block_size=self.block_size,
+            tree_start=fixed.per_row(self.base[:b], r),
+            tree_mask=sees,
+            tree_rows=r,
+        )
+
+
+@dataclass
+class Rows:
+    """The slots a cycle writes, from the tail's on: context index `at` = base + s [B, span],
+    the cache slot of each and the context length a row there attends to."""
+
+    at: torch.Tensor
+    slots: torch.Tensor
+    lens: torch.Tensor
+
+
+@dataclass
+class Fixed:
+    """What every cycle at one batch size and shape reads and never changes, made once before
+    its graph is captured (inside a graph, each op that made them would launch at every replay)."""
+
+    steps: torch.Tensor  # [span] 0, 1, 2, ...
+    causal: torch.Tensor  # [B * (depth + 1), depth + 1] bool: catch-up rows' mask, a chain's
+    chain: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # a chain's parents, depths, sees
+    scratch_levels: torch.Tensor  # [scratch] a tree's scratch row s is at position base + s // k
+    tree: TreeConstants | None
+
+    @classmethod
+    def of(cls, b: int, shape: TreeShape, device: torch.device) -> Fixed:
+        steps = torch.arange(shape.span, device=device)
+        k1 = shape.depth + 1
+        lower = torch.ones(k1, k1, dtype=torch.bool, device=device).tril()
+        chain = ((steps[:k1] - 1).clamp(min=0).expand(b, k1), steps[:k1].expand(b, k1),
+                 lower.expand(b, k1, k1))  # fmt: skip
+        tree = None if shape.is_chain else TreeConstants.of(b, shape, device)
+        return cls(steps, lower.repeat(b, 1), chain, steps[: shape.scratch] // shape.topk, tree)
+
+    @staticmethod
+    def per_row(x: torch.Tensor, r: int) -> torch.Tensor:
+        """Each sequence's row of `x` [B, ...] repeated for its `r` rows: [B * r, ...]."""
+        return x[:, None].expand(x.shape[0], r, *x.shape[1:]).flatten(0, 1)
 
 
 def reach(shape: TreeShape, cycles: int) -> int:

@@ -78,6 +78,40 @@ class DraftedTree:
 Expand = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
+@dataclass(frozen=True)
+class TreeConstants:
+    """What `draft_tree` reads at one batch size and shape and never changes, made once (a
+    cycle is a CUDA graph: each op that made them would launch at every replay)."""
+
+    first_paths: torch.Tensor  # [B, k, depth] the first level's paths: their own id, then -1
+    no_scratch: torch.Tensor  # [B, k, scratch] False: the first level sees no scratch row
+    own: torch.Tensor  # [depth - 1, 1, k, scratch] frontier row j's own scratch slot, per level
+    children: torch.Tensor  # [k, k] a frontier row's children's ids, less the level's offset
+    columns: torch.Tensor  # [depth] which column of a path is which level
+    floor: torch.Tensor  # () -inf: `nextafter` toward it
+    lower: torch.Tensor  # [B, N, N] bool lower triangle: the root's and a row's own column
+    zero: torch.Tensor  # [B, 1] the root's parent row and depth
+    row_ids: torch.Tensor  # [B, N - 1] 1 .. N - 1: the drafts' rows
+
+    @classmethod
+    def of(cls, b: int, shape: TreeShape, device: torch.device) -> TreeConstants:
+        k, depth, n = shape.topk, shape.depth, shape.nodes
+        first = torch.full((b, k, depth), -1, dtype=torch.long, device=device)
+        first[:, :, 0] = torch.arange(k, device=device)
+        slot = torch.arange(shape.scratch, device=device)
+        return cls(
+            first_paths=first,
+            no_scratch=torch.zeros(b, k, shape.scratch, dtype=torch.bool, device=device),
+            own=slot.view(depth - 1, 1, k, 1) == slot,
+            children=torch.arange(k * k, device=device).view(k, k),
+            columns=torch.arange(depth, device=device),
+            floor=torch.full((), float("-inf"), device=device),
+            lower=torch.ones(b, n, n, dtype=torch.bool, device=device).tril(),
+            zero=torch.zeros(b, 1, dtype=torch.long, device=device),
+            row_ids=torch.arange(1, n, device=device).expand(b, n - 1),
+        )
+
+
 def draft_tree(
     shape: TreeShape,
     g: torch.Tensor,
@@ -85,35 +119,27 @@ def draft_tree(
     expand: Expand,
     logprobs: Callable[[torch.Tensor], torch.Tensor],
     draft_ids: torch.Tensor,
+    fixed: TreeConstants,
 ) -> DraftedTree:
     """EAGLE-2's tree under each sequence's tail, from the head's output `g` [B, H] for it.
 
     `logprobs(h)`: draft-vocabulary log-probabilities of head outputs; `draft_ids`: the target
-    token of each draft id."""
-    b, k, depth, dev = len(g), shape.topk, shape.depth, g.device
+    token of each draft id; `fixed`: `TreeConstants.of(len(g), shape, device)`."""
+    b, k, depth = len(g), shape.topk, shape.depth
     score, index = top_k(logprobs(g), k)  # the first level: the root's children
-    ids = torch.arange(k, device=dev).expand(b, k)
-    path = torch.full((b, k, depth), -1, dtype=torch.long, device=dev)  # ids down to each one
-    path[:, :, 0] = ids
+    path = fixed.first_paths  # the candidate ids from the first level down to each one
     tokens, scores, paths = [draft_ids[index]], [score], [path]
     frontier = (draft_ids[index], score, path, g[:, None].expand(b, k, g.shape[-1]))
-    sees = torch.zeros(b, k, shape.scratch, dtype=torch.bool, device=dev)
-    # Constants of every level, made once: (the cycle is a graph: each op is a launch)
-    # frontier row j's own scratch slot, a child's id, and which column of a path is its level.
-    slot = torch.arange(shape.scratch, device=dev)
-    own = slot.view(depth - 1, 1, k, 1) == slot  # [level - 1, 1, k, scratch]
-    child = torch.arange(k * k, device=dev).view(k, k)
-    column = torch.arange(depth, device=dev)
-    floor = torch.full((), float("-inf"), device=dev)
+    sees = fixed.no_scratch
     for level in range(1, depth):
         f_tok, f_score, f_path, f_hidden = frontier
-        sees = sees | own[level - 1]  # and its own row
+        sees = sees | fixed.own[level - 1]  # and its own row
         h = expand(level, f_tok.flatten(), f_hidden.flatten(0, 1), sees.flatten(0, 1))
         lp, index = top_k(logprobs(h), k)
-        below = torch.nextafter(f_score, floor)
+        below = torch.nextafter(f_score, fixed.floor)
         c_score = torch.minimum(f_score[..., None] + lp.view(b, k, k), below[..., None])
-        c_ids = child + (k + (level - 1) * k * k)
-        c_path = torch.where(column == level, c_ids[..., None], f_path[:, :, None])
+        c_ids = fixed.children + (k + (level - 1) * k * k)
+        c_path = torch.where(fixed.columns == level, c_ids[..., None], f_path[:, :, None])
         c_tok = draft_ids[index].view(b, k * k)
         c_score, c_path = c_score.view(b, k * k), c_path.view(b, k * k, depth)
         tokens.append(c_tok)
@@ -126,7 +152,8 @@ def draft_tree(
             chosen = c_path.gather(1, pick[..., None].expand(b, k, depth))
             frontier = (c_tok.gather(1, pick), score, chosen, hidden)
             sees = sees.gather(1, parent[..., None].expand(b, k, shape.scratch))
-    return _select(shape, tail, torch.cat(tokens, 1), torch.cat(scores, 1), torch.cat(paths, 1))
+    cat = (torch.cat(tokens, 1), torch.cat(scores, 1), torch.cat(paths, 1))
+    return _select(shape, tail, *cat, fixed)
 
 
 def top_k(x: torch.Tensor, k: int, chunk: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
@@ -148,39 +175,27 @@ def _select(
     tokens: torch.Tensor,
     scores: torch.Tensor,
     paths: torch.Tensor,
+    fixed: TreeConstants,
 ) -> DraftedTree:
     """The best `nodes - 1` candidates (tokens, scores [B, C]; paths [B, C, depth]: the
     candidate ids from the first level down to each, -1 below it), parents first."""
-    b, n, dev = len(tail), shape.nodes, tail.device
+    b, n = len(tail), shape.nodes
     _, chosen = scores.topk(n - 1, -1)  # sorted: strictly falling scores put parents first
     path = paths.gather(1, chosen[..., None].expand(b, n - 1, shape.depth))  # [B, N-1, depth]
     depth = (path >= 0).sum(-1)  # 1 for the first level
     # row r sees row c (both drafts) if c's candidate is on r's path at c's depth
     at_depth = path.gather(2, (depth - 1)[:, None, :].expand(b, n - 1, n - 1))
-    sees = torch.ones(b, n, n, dtype=torch.bool, device=dev).tril()
+    sees = fixed.lower.clone()
     sees[:, 1:, 1:] = at_depth == chosen[:, None, :]
     parent_id = path.gather(2, (depth - 2).clamp(min=0)[..., None])[..., 0]
     parent_id = torch.where(depth > 1, parent_id, -1)
-    row_of = torch.zeros(b, scores.shape[1] + 1, dtype=torch.long, device=dev)  # id + 1 → row
-    row_of.scatter_(1, chosen + 1, torch.arange(1, n, device=dev).expand(b, n - 1))
-    zero = torch.zeros(b, 1, dtype=torch.long, device=dev)
+    row_of = torch.zeros(b, scores.shape[1] + 1, dtype=torch.long, device=tail.device)
+    row_of.scatter_(1, chosen + 1, fixed.row_ids)  # a candidate's id + 1 → its row
     return DraftedTree(
         tokens=torch.cat([tail[:, None], tokens.gather(1, chosen)], 1),
-        parents=torch.cat([zero, row_of.gather(1, parent_id + 1)], 1),
-        depths=torch.cat([zero, depth], 1),
+        parents=torch.cat([fixed.zero, row_of.gather(1, parent_id + 1)], 1),
+        depths=torch.cat([fixed.zero, depth], 1),
         sees=sees,
-    )
-
-
-def chain_tree(tail: torch.Tensor, drafted: torch.Tensor) -> DraftedTree:
-    """A chain [B, K] of drafts as the tree it is (each row under the one before)."""
-    b, k1, dev = len(tail), drafted.shape[1] + 1, tail.device
-    steps = torch.arange(k1, device=dev)
-    return DraftedTree(
-        tokens=torch.cat([tail[:, None], drafted], 1),
-        parents=(steps - 1).clamp(min=0).expand(b, k1),
-        depths=steps.expand(b, k1),
-        sees=torch.ones(k1, k1, dtype=torch.bool, device=dev).tril().expand(b, k1, k1),
     )
 
 
