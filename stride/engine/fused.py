@@ -52,8 +52,9 @@ from stride.engine.model import CausalLM
 from stride.engine.parallel import RowParallelLinear
 
 # Rows up to which a layer whose weights fit in L2 takes the fused GEMV: past it cuBLAS is
-# faster (SmolLM2 on an H200: docs/BENCHMARKS.md).
-FEW_ROWS = 4
+# faster (SmolLM2 on an H200: a chain of 4 or 5 drafts verifies its 5 or 6 rows faster here,
+# 8 rows are faster on cuBLAS; docs/BENCHMARKS.md).
+FEW_ROWS = 6
 
 
 def supported(model: CausalLM, device: torch.device) -> bool:
