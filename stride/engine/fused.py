@@ -216,11 +216,16 @@ class FusedHead:
         return head.config.eagle3 and len(head.layers) == 1
 
     def logits(self, out: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """Draft-vocabulary logits of the layer's output (`weight`: the draft vocabulary's
-        rows of the LM head), in the head's dtype: for a few rows one GEMV with the norm in it."""
-        if len(out) <= FEW_ROWS:
-            return gemv(out, weight, norm=self.head.norm)
+        """Draft-vocabulary logits of the layer's output (`weight`: the draft vocabulary's rows
+        of the LM head), in the head's dtype."""
         return F.linear(rms_norm(out, self.head.norm, None), weight)
+
+    def best(self, out: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """The most likely draft id of each row: for a few rows one GEMV with the norm in it
+        (a chain's choice; a tree ranks its candidates by `logits`)."""
+        if len(out) <= FEW_ROWS:
+            return gemv(out, weight, norm=self.head.norm).argmax(-1)
+        return self.logits(out, weight).argmax(-1)
 
     def __call__(self, tokens, hidden, positions, kv, meta: DecodeMetadata) -> torch.Tensor:
         layer, head = self.layer, self.head

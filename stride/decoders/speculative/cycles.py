@@ -211,19 +211,25 @@ class EagleCycles:
             return self.head_forward.logits(h, self.lm_weight)
         return self.head.logits(h)
 
+    def _best(self, h: torch.Tensor) -> torch.Tensor:
+        """The most likely draft of each head output, as a target token id."""
+        if isinstance(self.head_forward, FusedHead):
+            return self.draft_ids[self.head_forward.best(h, self.lm_weight)]
+        return self.draft_ids[self.head.logits(h).argmax(-1)]
+
     def _draft_chain(self, b: int, k: int, rows: Rows, fixed: Fixed) -> DraftedTree:
         g, tables = self.g[:b], self.tables[:b]
         # chain row j (at context index base + j - 1) reads draft j: its slot, context length
         # and position as [B] vectors of their own (one copy each, not a computation per row)
         slots, lens = rows.slots.t().contiguous(), rows.lens.t().contiguous()
         positions = rows.at.t()
-        h, d = g, self.draft_ids[self._logits(g).argmax(-1)]
+        h, d = g, self._best(g)
         drafts = [d]
         kv = (self.heads.k, self.heads.v)
         for j in range(1, k):
             meta = DecodeMetadata(slots[j - 1], tables, lens[j - 1], self.block_size)
             h = self.head_forward(d, h, positions[j - 1], kv, meta)
-            d = self.draft_ids[self._logits(h).argmax(-1)]
+            d = self._best(h)
             drafts.append(d)
         return DraftedTree(torch.cat([self.tail[:b, None], torch.stack(drafts, 1)], 1),
                            *fixed.chain)  # fmt: skip
@@ -248,7 +254,7 @@ class EagleCycles:
             return self.head_forward(tokens, hidden, positions[level - 1], kv, meta)
 
         def logprobs(h: torch.Tensor) -> torch.Tensor:
-            return torch.log_softmax(self._logits(h), -1, dtype=torch.float32)
+            return torch.log_softmax(self._logits(h).float(), -1)
 
         return draft_tree(shape, self.g[:b], self.tail[:b], expand, logprobs, self.draft_ids,
                           fixed.tree)  # fmt: skip
