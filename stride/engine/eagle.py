@@ -38,7 +38,7 @@ from transformers import LlamaConfig
 from stride.engine.attention import AttentionMetadata, paged_attention
 from stride.engine.kernels.decode_attention import DecodeMetadata
 from stride.engine.kv_cache import KVCache
-from stride.engine.model import MLP, CausalLM, RMSNorm, Rotary, rotate
+from stride.engine.model import MLP, CausalLM, RMSNorm, Rotary, head_product, rotate
 from stride.engine.spans import Span, prepare
 
 EAGLE3 = "LlamaForCausalLMEagle3"
@@ -289,7 +289,7 @@ class EagleHead(nn.Module):
     def logits(self, out: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
         """Draft-vocabulary logits of the head's output (EAGLE-1: the target's head, no norm)."""
         x = self.norm(out) if self.config.eagle3 else out
-        return F.linear(x, self.head_weight() if weight is None else weight).float()
+        return head_product(x, self.head_weight() if weight is None else weight).float()
 
     def rope(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cos, sin = self.rotary(x, positions.reshape(1, -1))

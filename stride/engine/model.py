@@ -24,6 +24,27 @@ from stride.engine.attention import AttentionMetadata, paged_attention
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 
 
+class VocabHead(nn.Linear):
+    """The LM head: hidden states to logits over the vocabulary, a weight far larger than a CPU's
+    caches.
+
+    On a CPU, MKL's GEMM takes 2 to 64 rows against such a weight at 2-3x the time of one row
+    (it packs the weight and streams it again); the same product as weight @ x^T streams it once,
+    so a verification pass of a few drafts, or a small batch, pays for its logits about what one
+    row pays (docs/BENCHMARKS.md, "A vocabulary head's product for a few rows, CPU").
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return head_product(x, self.weight)
+
+
+def head_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x @ weight^T for a vocabulary head's weight (see `VocabHead`)."""
+    if x.device.type == "cpu" and x.dim() == 2 and 1 < len(x) <= 64:
+        return torch.mm(weight, x.t()).t().contiguous()
+    return F.linear(x, weight)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -162,7 +183,7 @@ class CausalLM(nn.Module):
             )
         self.config = config
         self.model = Backbone(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = VocabHead(config.hidden_size, config.vocab_size, bias=False)
         if getattr(config, "tie_word_embeddings", False):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary = Rotary(config)

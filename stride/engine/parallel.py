@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 
-from stride.engine.model import CausalLM
+from stride.engine.model import CausalLM, VocabHead, head_product
 
 # torch 2.13 renamed the gather into one tensor and warns on the old name; 2.11 has only the old
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -159,7 +159,7 @@ class VocabParallelEmbedding(nn.Embedding):
         return x
 
 
-class VocabParallelHead(nn.Linear):
+class VocabParallelHead(VocabHead):
     """The LM head's slice of rows: each rank's logits, all-gathered into the whole row."""
 
     def __init__(self, hidden: int, per_rank: int, vocab: int, world: int) -> None:
@@ -167,7 +167,7 @@ class VocabParallelHead(nn.Linear):
         self.vocab, self.world = vocab, world
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        local = F.linear(x, self.weight)
+        local = head_product(x, self.weight)
         gathered = local.new_empty(self.world * local.shape[0], local.shape[1])
         _all_gather(gathered, local.contiguous())
         whole = gathered.view(self.world, *local.shape).permute(1, 0, 2).flatten(1)
