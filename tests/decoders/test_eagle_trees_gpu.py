@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from stride.decoders.registry import DecodersConfig, build_decoders
+from stride.decoders.speculative.cycles import Fixed
 from stride.decoders.speculative.device_tree import TreeShape
 from stride.decoders.speculative.tree import Tree
 from stride.engine.config import EngineConfig
@@ -74,6 +75,38 @@ def test_the_kernel_under_tree_masks_equals_the_reference(dtype, launch):
         decode_attention(q, k_cache, v_cache, full, launch).float(),
         decode_attention(q, k_cache, v_cache, plain, launch).float(),
         **tol,
+    )
+
+
+def test_the_kernel_reads_rows_sharing_a_block_table_and_tree_start_as_views():
+    """A tree level's expansion rows at batch 1 share their sequence's block table and tree
+    start as views of the loop's buffers with a stride of 0 (`cycles.Fixed.per_row`); the
+    kernel reads them as the reference does, not the buffers' next rows (other sequences')."""
+    gen = torch.Generator().manual_seed(1)
+    heads, kv_heads, dim, block, blocks, rows, prefix = 8, 2, 64, 16, 40, 6, 37
+    dev = torch.device("cuda")
+    k_cache = torch.randn(blocks * block, kv_heads, dim, generator=gen).to(dev)
+    v_cache = torch.randn(blocks * block, kv_heads, dim, generator=gen).to(dev)
+    tables = torch.zeros(8, 10, dtype=torch.int32, device=dev)  # the loop's buffers: row 0 the
+    tables[0] = torch.randperm(blocks, generator=gen)[:10].to(dev)  # sequence's, the rest stale
+    base = torch.zeros(8, dtype=torch.long, device=dev)
+    base[0] = prefix
+    parents = [-1] + [int(torch.randint(-1, i, (1,), generator=gen)) for i in range(1, rows - 1)]
+    meta = DecodeMetadata(
+        slot_mapping=torch.zeros(rows, dtype=torch.long, device=dev),
+        block_tables=Fixed.per_row(tables[:1], rows),
+        context_lens=torch.arange(prefix + 1, prefix + rows + 1, dtype=torch.int32, device=dev),
+        block_size=block,
+        tree_start=Fixed.per_row(base[:1], rows),
+        tree_mask=Tree([0] * (rows - 1), parents).mask().to(dev),
+    )
+    assert meta.tree_start.stride(0) == 0 and meta.block_tables.stride(0) == 0
+    q = torch.randn(rows, heads, dim, generator=gen).to(dev)
+    torch.testing.assert_close(
+        decode_attention(q, k_cache, v_cache, meta),
+        decode_attention_reference(q, k_cache, v_cache, meta),
+        atol=1e-4,
+        rtol=1e-4,
     )
 
 

@@ -85,7 +85,7 @@ def decode_attention(
     tree = meta.tree_mask is not None
     # (without a tree the mask arguments are never read: any tensor will do)
     mask = meta.tree_mask.view(torch.uint8) if tree else lengths
-    start = meta.tree_start if tree else lengths
+    start = meta.tree_start.contiguous() if tree else lengths  # (rows may share one: a view)
     _decode_kernel[(b, kv, splits)](
         q,
         k_cache,
