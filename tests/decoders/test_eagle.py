@@ -316,6 +316,31 @@ def test_device_cycles_decode_exactly_and_accept_what_chains_accept(
     assert all(tokens[f"b{i}"] == eagle_ref[i] for i in range(len(PROMPTS)))
 
 
+def test_a_batch_keeps_its_loop_to_each_requests_last_tokens(eagle_target, eagle_head, eagle_ref):
+    """Requests of a fixed K that end at different steps, each at some point fewer tokens from
+    its end than a cycle makes: every step after the prefills still runs in the device loop
+    (the cycles make tokens past a request's end, which its commit drops), never a step that
+    drafts on the host, and each output is AR's, cut at its length."""
+    core = eagle_core(eagle_target, eagle_head, fused_decode_steps=4)
+    ran = record_bursts(core)
+    eagle, on_host = core.decoders["speculative"].eagle, []
+    draft = eagle.draft
+
+    def counted(seqs, ks, eos_ids):
+        on_host.append(ks)
+        return draft(seqs, ks, eos_ids)
+
+    eagle.draft = counted
+    lengths = [13, 17, 24, 9]
+    requests = [GenerateRequest(str(i), p, greedy(n), "speculative", CHAIN)
+                for i, (p, n) in enumerate(zip(PROMPTS, lengths, strict=True))]  # fmt: skip
+    tokens, _ = run(core, requests)
+    assert ran and not on_host
+    for i, n in enumerate(lengths):
+        assert tokens[str(i)] == eagle_ref[i][:n]
+    assert free(core)
+
+
 def test_a_prompt_the_prefix_cache_holds_but_its_last_token_drafts_after_its_first_pass(
     eagle_target, eagle_head
 ):

@@ -38,17 +38,25 @@ class Speculative(Protocol):
     def committed(self) -> None: ...
 
 
-def loop_shape(seq: Sequence, state: SeqState) -> TreeShape | None:
+def loop_shape(seq: Sequence, state: SeqState, eagle: EagleDrafter) -> TreeShape | None:
     """What `seq` drafts with the head this step, as the device loop's shape (None: nothing,
-    or not with the head). A tree keeps the nodes it asked for where the step's budget would
-    trim them (the loop reserves its own slots): one graph per depth, not one per node count."""
+    or not with the head). A request of a fixed K drafts its own chain or tree, not what the
+    step reserved for it, which its last tokens trim: the loop reserves its own slots, runs
+    no more cycles than the longest sequence needs, and a commit keeps nothing past a request's
+    end (as after an EOS), so a batch keeps one shape, and its loop, to each request's end.
+    An adaptive request drafts what the policy chose for this step."""
     options = seq.decoder_options
-    if options["draft"] != EAGLE or not state.reserved:
+    if options["draft"] != EAGLE:
+        return None
+    if options["adaptive"]:
+        k = (state.depth if options.get("tree_nodes") else state.reserved) if state.reserved else 0
+    else:
+        k = options["num_speculative_tokens"] if eagle.available(seq, 1) else 0
+    if not k:
         return None
     if not options.get("tree_nodes"):
-        return TreeShape.chain(state.reserved)
-    nodes = max(options["tree_nodes"], state.depth)
-    return TreeShape.of(nodes, state.depth, options["tree_topk"])
+        return TreeShape.chain(k)
+    return TreeShape.of(max(options["tree_nodes"], k), k, options["tree_topk"])
 
 
 def _loop_choice(spec: Speculative, seqs: list[Sequence]) -> Choice | None:
@@ -77,7 +85,7 @@ def start_burst(spec: Speculative, seqs: list[Sequence], passes: int) -> Burst |
         ready = all(eagle.available(s, 1) for s in seqs)
         choice = _loop_choice(spec, seqs) if ready else None
     else:
-        shapes = {loop_shape(s, st) for s, st in zip(seqs, states, strict=True)}
+        shapes = {loop_shape(s, st, eagle) for s, st in zip(seqs, states, strict=True)}
         one = shapes.pop() if len(shapes) == 1 else None
         choice = None if one is None else Choice(one, eagle.cycles.max_cycles)
     if choice is None:
