@@ -14,12 +14,14 @@ token (exact in fp32; bf16 may differ by rounding). Two parts:
   included) against AR run before and after in the same process.
 
 On a GPU it then times one device cycle (its CUDA graph replayed alone, `--context` tokens in)
-of chains and of trees of 64 and 128 verified rows at batch 1, 2, 4 and 8, against one plain
-decode step (the decode graph) at the same batch and context: `--cycles-only` does just that.
+of chains and of trees of 64 and 128 verified rows (and of each "tree N dD kK" configuration
+named) at batch 1, 2, 4 and 8, against one plain decode step (the decode graph) at the same
+batch and context: `--cycles-only` does just that.
 
     python bench/bench_eagle.py --device cpu --concurrency 1 --json eagle-cpu.json
     python bench/bench_eagle.py --device cuda --concurrency 1 8 64 --json eagle-h100.json
     python bench/bench_eagle.py --device cuda --cycles-only --json eagle-cycles.json
+    python bench/bench_eagle.py --device cuda --concurrency 1 8 --configs "tree 32 d4 k8"
 """
 
 from __future__ import annotations
@@ -62,6 +64,23 @@ CONFIGS = {
     "chain K=3": {"num_speculative_tokens": 3, "adaptive": False},
     "default": {},  # what {"draft": "eagle"} gets: adaptive, the loop policy's choice on a GPU
 }
+
+
+def named(name: str) -> str:
+    """A configuration's name, checked: one of `CONFIGS`, or "tree N dD kK" (N drafts, D levels,
+    K children per expanded node, not adaptive), which it adds to `CONFIGS` and `SHAPES`."""
+    if name not in CONFIGS:
+        try:
+            kind, nodes, depth, topk = name.split()
+            assert kind == "tree" and depth[0] == "d" and topk[0] == "k"
+            nodes, depth, topk = int(nodes), int(depth[1:]), int(topk[1:])
+        except (ValueError, AssertionError):
+            raise argparse.ArgumentTypeError(f"{name!r}: one of {list(CONFIGS)} or "
+                                             f"'tree N dD kK'") from None  # fmt: skip
+        CONFIGS[name] = {"num_speculative_tokens": depth, "tree_nodes": nodes, "tree_topk": topk,
+                         "adaptive": False}  # fmt: skip
+        SHAPES[name] = TreeShape.of(nodes, depth, topk)
+    return name
 
 
 def run(core: EngineCore, prompts: list[list[int]], tokens: int, decoder: str, options: dict):
@@ -216,7 +235,13 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=128, help="new tokens per request")
     ap.add_argument("--concurrency", type=int, nargs="*", default=[1])
     ap.add_argument("--speed-prompts", type=int, default=8, help="requests per speed run")
-    ap.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    ap.add_argument(
+        "--configs",
+        nargs="+",
+        type=named,
+        default=list(CONFIGS),
+        help="names of CONFIGS, or 'tree N dD kK' (its cycle is timed too)",
+    )
     ap.add_argument("--skip-acceptance", action="store_true")
     ap.add_argument("--cycles-only", action="store_true", help="GPU: time device cycles only")
     ap.add_argument("--context", type=int, default=512, help="cycle timing: tokens in context")
