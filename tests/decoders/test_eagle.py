@@ -320,7 +320,8 @@ def test_a_batch_keeps_its_loop_to_each_requests_last_tokens(eagle_target, eagle
     """Requests of a fixed K that end at different steps, each at some point fewer tokens from
     its end than a cycle makes: every step after the prefills still runs in the device loop
     (the cycles make tokens past a request's end, which its commit drops), never a step that
-    drafts on the host, and each output is AR's, cut at its length."""
+    drafts on the host, and each output is AR's, cut at its length, its drafting stats only
+    its own cycles'."""
     core = eagle_core(eagle_target, eagle_head, fused_decode_steps=4)
     ran = record_bursts(core)
     eagle, on_host = core.decoders["speculative"].eagle, []
@@ -334,10 +335,14 @@ def test_a_batch_keeps_its_loop_to_each_requests_last_tokens(eagle_target, eagle
     lengths = [13, 17, 24, 9]
     requests = [GenerateRequest(str(i), p, greedy(n), "speculative", CHAIN)
                 for i, (p, n) in enumerate(zip(PROMPTS, lengths, strict=True))]  # fmt: skip
-    tokens, _ = run(core, requests)
+    tokens, stats = run(core, requests)
     assert ran and not on_host
     for i, n in enumerate(lengths):
         assert tokens[str(i)] == eagle_ref[i][:n]
+        # its drafting stats count the cycles that made its tokens after the prefill's (each
+        # makes one or more), not those its batch ran after its end
+        made = stats[str(i)]["accepted_tokens"] + stats[str(i)]["drafts"]
+        assert stats[str(i)]["drafts"] <= n - 1 <= made < n + K
     assert free(core)
 
 

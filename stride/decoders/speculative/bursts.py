@@ -138,7 +138,7 @@ class _EagleBurst(Burst):
             if seq.status is Status.FINISHED:  # aborted meanwhile: released, nothing to count
                 out.append(Commit([], []))
                 continue
-            for cycle in cycles:
+            for cycle in cycles[: _cycles_kept(seq, cycles, spec.engine.eos_ids)]:
                 spec.record(seq, st, depth, len(cycle) - 1)
             spec.eagle.burst_done(seq, len(tokens), self.result.roots[i])
             out.append(
@@ -152,3 +152,19 @@ class _EagleBurst(Burst):
             )
         spec.committed()
         return out
+
+
+def _cycles_kept(seq: Sequence, cycles: list[list[int]], eos_ids: set[int]) -> int:
+    """How many of a burst's cycles make tokens that `seq` keeps: those that start before its
+    end (its max_tokens, or an EOS it stops at); the cycles after it ran for the batch's other
+    sequences, and count in none of its stats (a stop string's end is the core's to find)."""
+    p = seq.params
+    made, stops = seq.num_output_tokens, () if p.ignore_eos else eos_ids
+    for i, cycle in enumerate(cycles):
+        if made >= p.max_tokens:
+            return i
+        for token in cycle:
+            made += 1
+            if token in stops and made >= p.min_tokens:
+                return i + 1
+    return len(cycles)
