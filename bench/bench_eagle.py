@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import re
 import sys
 import time
 from datetime import date
@@ -70,13 +71,11 @@ def named(name: str) -> str:
     """A configuration's name, checked: one of `CONFIGS`, or "tree N dD kK" (N drafts, D levels,
     K children per expanded node, not adaptive), which it adds to `CONFIGS` and `SHAPES`."""
     if name not in CONFIGS:
-        try:
-            kind, nodes, depth, topk = name.split()
-            assert kind == "tree" and depth[0] == "d" and topk[0] == "k"
-            nodes, depth, topk = int(nodes), int(depth[1:]), int(topk[1:])
-        except (ValueError, AssertionError):
-            raise argparse.ArgumentTypeError(f"{name!r}: one of {list(CONFIGS)} or "
-                                             f"'tree N dD kK'") from None  # fmt: skip
+        parts = name.split()
+        if (len(parts) != 4 or parts[0] != "tree" or not parts[1].isdigit()
+                or not re.fullmatch(r"d\d+", parts[2]) or not re.fullmatch(r"k\d+", parts[3])):
+            raise argparse.ArgumentTypeError(f"{name!r}: one of {list(CONFIGS)} or 'tree N dD kK'")
+        nodes, depth, topk = int(parts[1]), int(parts[2][1:]), int(parts[3][1:])
         CONFIGS[name] = {"num_speculative_tokens": depth, "tree_nodes": nodes, "tree_topk": topk,
                          "adaptive": False}  # fmt: skip
         SHAPES[name] = TreeShape.of(nodes, depth, topk)

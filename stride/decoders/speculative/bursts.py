@@ -49,10 +49,12 @@ def loop_shape(seq: Sequence, state: SeqState, eagle: EagleDrafter) -> TreeShape
     if options["draft"] != EAGLE:
         return None
     if options["adaptive"]:
-        k = (state.depth if options.get("tree_nodes") else state.reserved) if state.reserved else 0
+        if not state.reserved:
+            return None
+        k = state.depth if options.get("tree_nodes") else state.reserved
+    elif eagle.available(seq, 1):
+        k = options["num_speculative_tokens"]
     else:
-        k = options["num_speculative_tokens"] if eagle.available(seq, 1) else 0
-    if not k:
         return None
     if not options.get("tree_nodes"):
         return TreeShape.chain(k)
