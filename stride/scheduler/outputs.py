@@ -70,7 +70,14 @@ def _reduce_output(out: RequestOutput) -> tuple[type, tuple]:
     return RequestOutput, tuple(out.__dict__.values())
 
 
+def _reduce_logprob(lp: TokenLogprob) -> tuple[type, tuple]:
+    """A TokenLogprob as its field values, for the same reason: a step with logprobs sends one
+    per row (docs/BENCHMARKS.md, "Design choices")."""
+    return TokenLogprob, (lp.token_id, lp.logprob, lp.top, lp.rank)
+
+
 ForkingPickler.register(RequestOutput, _reduce_output)  # what Connection.send pickles with
+ForkingPickler.register(TokenLogprob, _reduce_logprob)
 
 
 @dataclass
