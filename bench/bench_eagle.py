@@ -11,7 +11,9 @@ token (exact in fp32; bf16 may differ by rounding). Two parts:
 - acceptance: all prompts at once, each configuration's mean accepted length: tokens committed
   per verification pass that checked drafts (the accepted drafts plus the target's own token);
 - speed: at each concurrency, the first `c` prompts in flight at once, output tok/s (prefill
-  included) against AR run before and after in the same process.
+  included) against AR run before and after in the same process; on a GPU `--busy` adds each
+  one's share of wall time with a kernel running (a profiled run of its own, every kernel an
+  event: use a few prompts): below 1, the device waited for the host.
 
 On a GPU it then times one device cycle (its CUDA graph replayed alone, `--context` tokens in)
 of chains and of trees of 64 and 128 verified rows (and of each "tree N dD kK" configuration
@@ -134,18 +136,26 @@ def policy_view(core: EngineCore) -> dict:
     return view
 
 
-def speed(core, encoded, conc: int, tokens: int, requests: int, configs: list[str]) -> dict:
-    """Output tok/s of each configuration against AR (run before and after) at `conc`."""
+def speed(
+    core, encoded, conc: int, tokens: int, requests: int, configs: list[str], busy: bool = False
+) -> dict:
+    """Output tok/s of each configuration against AR (run before and after) at `conc`; with
+    `busy`, also the share of a further run's wall time in which the GPU runs a kernel."""
     runs = max(1, requests // conc)
     groups = [[encoded[(r * conc + i) % len(encoded)] for i in range(conc)] for r in range(runs)]
     ar1, ref, _ = timed(core, groups, tokens, "ar", {})
-    rows = {}
+    rows, shares = {}, {}
     for name in configs:  # each run once untimed: its graphs captured, its policy settled
         timed(core, groups, tokens, "speculative", CONFIGS[name])
         rows[name] = timed(core, groups, tokens, "speculative", CONFIGS[name])
+        if busy:
+            shares[name] = busy_share(lambda n=name: timed(core, groups, tokens, "speculative",
+                                                           CONFIGS[n]))  # fmt: skip
     ar2, _, _ = timed(core, groups, tokens, "ar", {})
     base = (ar1 + ar2) / 2
     entry: dict = {"concurrency": conc, "ar_tok_s": round(base, 1), "configs": {}}
+    if busy:
+        entry["ar_gpu_busy"] = busy_share(lambda: timed(core, groups, tokens, "ar", {}))
     for name, (rate, outs, stats) in rows.items():
         entry["configs"][name] = {
             "tok_s": round(rate, 1),
@@ -153,11 +163,35 @@ def speed(core, encoded, conc: int, tokens: int, requests: int, configs: list[st
             "accepted_length": round(accepted_length(stats), 3),
             "same_as_ar": all(o == r for o, r in zip(outs, ref, strict=True)),
         }
+        if busy:
+            entry["configs"][name]["gpu_busy"] = shares[name]
         print(f"c={conc} {name}: {entry['configs'][name]} (ar {base:.1f} tok/s)", flush=True)
     if any(CONFIGS[name].get("adaptive", True) for name in configs):
         entry["policy"] = policy_view(core)  # (after every configuration: a shared policy)
         print(f"c={conc} policy: {entry['policy']}", flush=True)
     return entry
+
+
+def busy_share(work) -> float:
+    """The share of `work()`'s wall time in which some kernel runs on the GPU (below 1: the
+    device waits for the host), from a profile of its CUDA activity (which slows the host a
+    little: a run of its own, not a timed one)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        work()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - start
+    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                   if e.device_type.name == "CUDA")  # fmt: skip
+    busy, end = 0.0, float("-inf")
+    for a, b in spans:  # (µs) the union of the kernels' intervals
+        if b > end:
+            busy += b - max(a, end)
+            end = b
+    return round(busy / 1e6 / wall, 3)
 
 
 # Device cycles timed: chains, and trees of 64 and 128 verified rows (the root and 63 or 127
@@ -242,6 +276,7 @@ def main() -> None:
         help="names of CONFIGS, or 'tree N dD kK' (its cycle is timed too)",
     )
     ap.add_argument("--skip-acceptance", action="store_true")
+    ap.add_argument("--busy", action="store_true", help="GPU: share of a run with a kernel running")
     ap.add_argument("--cycles-only", action="store_true", help="GPU: time device cycles only")
     ap.add_argument("--context", type=int, default=512, help="cycle timing: tokens in context")
     ap.add_argument("--profile", action="store_true", help="with --cycles-only: kernels per cycle")
@@ -309,7 +344,8 @@ def main() -> None:
             print(f"acceptance {name}: {entry}", flush=True)
     if not args.cycles_only:
         result["speed"] = [
-            speed(core, encoded, conc, args.tokens, args.speed_prompts, args.configs)
+            speed(core, encoded, conc, args.tokens, args.speed_prompts, args.configs,
+                  args.busy and engine.device.type == "cuda")  # fmt: skip
             for conc in args.concurrency
         ]
     if engine.device.type == "cuda":  # the device's share of a cycle (the rest is the host's)
