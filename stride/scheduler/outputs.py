@@ -63,21 +63,15 @@ class RequestOutput:
         return self.finish_reason is not None or self.error is not None
 
 
-def _reduce_output(out: RequestOutput) -> tuple[type, tuple]:
-    """A RequestOutput as its field values in order (every field is an __init__ argument),
-    not the default pickled __dict__: about half the time to pickle and unpickle a step's
-    outputs (docs/BENCHMARKS.md, "Design choices")."""
-    return RequestOutput, tuple(out.__dict__.values())
+def _as_fields(record: RequestOutput | TokenLogprob) -> tuple[type, tuple]:
+    """A record as its field values in order (every field is an __init__ argument), not the
+    default pickled __dict__: about half the time to pickle and unpickle a step's outputs and
+    their logprobs, one per row (docs/BENCHMARKS.md, "Design choices")."""
+    return type(record), tuple(record.__dict__.values())
 
 
-def _reduce_logprob(lp: TokenLogprob) -> tuple[type, tuple]:
-    """A TokenLogprob as its field values, for the same reason: a step with logprobs sends one
-    per row (docs/BENCHMARKS.md, "Design choices")."""
-    return TokenLogprob, (lp.token_id, lp.logprob, lp.top, lp.rank)
-
-
-ForkingPickler.register(RequestOutput, _reduce_output)  # what Connection.send pickles with
-ForkingPickler.register(TokenLogprob, _reduce_logprob)
+ForkingPickler.register(RequestOutput, _as_fields)  # what Connection.send pickles with
+ForkingPickler.register(TokenLogprob, _as_fields)
 
 
 @dataclass

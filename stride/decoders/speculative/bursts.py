@@ -158,10 +158,12 @@ class _EagleBurst(Burst):
 
 def _cycles_kept(seq: Sequence, cycles: list[list[int]], eos_ids: set[int]) -> int:
     """How many of a burst's cycles make tokens that `seq` keeps: those that start before its
-    end (its max_tokens, or an EOS it stops at); the cycles after it ran for the batch's other
-    sequences, and count in none of its stats (a stop string's end is the core's to find)."""
+    end (its max_tokens, or a stop token or EOS it stops at, as the core stops it); the cycles
+    after it ran for the batch's other sequences, and count in none of its stats (a stop
+    string's end is the core's to find)."""
     p = seq.params
-    made, stops = seq.num_output_tokens, () if p.ignore_eos else eos_ids
+    made = seq.num_output_tokens
+    stops = set(p.stop_token_ids) if p.ignore_eos else eos_ids.union(p.stop_token_ids)
     for i, cycle in enumerate(cycles):
         if made >= p.max_tokens:
             return i
