@@ -156,6 +156,7 @@ def speed(
     entry: dict = {"concurrency": conc, "ar_tok_s": round(base, 1), "configs": {}}
     if busy:
         entry["ar_gpu_busy"] = busy_share(lambda: timed(core, groups, tokens, "ar", {}))
+        print(f"c={conc} ar: gpu_busy {entry['ar_gpu_busy']}", flush=True)
     for name, (rate, outs, stats) in rows.items():
         entry["configs"][name] = {
             "tok_s": round(rate, 1),
