@@ -76,6 +76,49 @@ def parse_options(model: type[OptionsT], options: dict[str, Any], what: str) -> 
         raise DecoderError(f"{what}: option {key!r}: {error['msg']}") from None
 
 
+@dataclass(frozen=True)
+class Variants:
+    """A decoder's options told apart by one key (refine's `method`): each value has a model of
+    its own, and a request may leave the key out for `default`."""
+
+    key: str
+    what: str  # how errors name a value's options: f"{what} {value!r}"
+    models: dict[str, type[Options]]
+    default: str
+
+    def split(self, options: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+        """The value `options` name (a known one, or DecoderError), and their other options."""
+        value = options.get(self.key, self.default)
+        if not isinstance(value, str) or value not in self.models:
+            raise DecoderError(f"unknown {self.what} {value!r}; valid: {', '.join(self.models)}")
+        return value, {k: v for k, v in options.items() if k != self.key}
+
+
+def check_options(decoder: type[Decoder], options: dict[str, Any]) -> Options:
+    """A request's options for `decoder` (`Decoder.options_model`): their names, types and
+    ranges, checked without an engine, or DecoderError."""
+    model = decoder.options_model
+    if isinstance(model, Variants):
+        value, rest = model.split(options)
+        return parse_options(model.models[value], rest, f"{model.what} {value!r}")
+    return parse_options(model, options, f"decoder {decoder.name!r}")
+
+
+def options_schemas(decoder: type[Decoder]) -> list[dict[str, Any]]:
+    """JSON schemas of `decoder`'s options object, one per variant, for the OpenAPI document."""
+    model = decoder.options_model
+    if not isinstance(model, Variants):
+        return [model.model_json_schema()]
+    out = []
+    for value, variant in model.models.items():
+        schema = variant.model_json_schema()
+        schema["properties"] = {model.key: {"const": value}, **schema["properties"]}
+        if value != model.default:
+            schema["required"] = [model.key, *schema.get("required", [])]
+        out.append(schema)
+    return out
+
+
 UNLIMITED = 1 << 30  # plain steps for good (`ar`)
 
 
@@ -182,22 +225,13 @@ class DecodersConfig:
 
 class Decoder:
     name: str = ""
-    options_model: ClassVar[type[Options]] = Options  # what `{"type": name, ...}` may add
+    # What `{"type": name, ...}` may add (`check_options`, `options_schemas`).
+    options_model: ClassVar[type[Options] | Variants] = Options
 
     @classmethod
     def from_config(cls, engine: Engine, config: DecodersConfig) -> Decoder:
         """The server's instance; decoders with models or settings of their own override this."""
         return cls()
-
-    @classmethod
-    def check_options(cls, options: dict[str, Any]) -> Options:
-        """The options' names, types and ranges (no engine needed), or DecoderError."""
-        return parse_options(cls.options_model, options, f"decoder {cls.name!r}")
-
-    @classmethod
-    def options_schemas(cls) -> list[dict[str, Any]]:
-        """JSON schemas of the options object (one per variant), for the OpenAPI document."""
-        return [cls.options_model.model_json_schema()]
 
     def validate(self, params: SamplingParams, options: dict[str, Any]) -> dict[str, Any]:
         """Check a request's options at admission; return them normalised or raise DecoderError.
@@ -205,7 +239,7 @@ class Decoder:
         Never raises anything else: what the schema let through (`check_options`) plus what
         depends on this server is checked here, before the request reaches a step.
         """
-        return self.check_options(options).model_dump()
+        return check_options(type(self), options).model_dump()
 
     def admit(self, seq: Sequence) -> None:
         """`seq` was admitted: set up what must exist before its first forward pass."""

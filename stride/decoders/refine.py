@@ -19,11 +19,10 @@ from stride.decoders.base import (
     DecoderError,
     DecodersConfig,
     ModelGroup,
-    Options,
     Proposal,
     Scored,
     StepContext,
-    parse_options,
+    Variants,
 )
 from stride.decoders.catalog import DIFFUSION, INTROSPECTIVE, JACOBI, LOOKAHEAD, REFINE
 from stride.decoders.diffusion import DiffusionGroup, DiffusionOptions
@@ -34,17 +33,22 @@ from stride.engine.adapter import MaskAdapter
 from stride.engine.engine import Engine
 from stride.engine.sequence import SamplingParams, Sequence
 
-METHODS: dict[str, type[Options]] = {  # one per `catalog.REFINE_METHODS`
-    JACOBI: JacobiOptions,
-    LOOKAHEAD: LookaheadOptions,
-    INTROSPECTIVE: IntrospectiveOptions,
-    DIFFUSION: DiffusionOptions,
-}
-DEFAULT_METHOD = JACOBI
+METHODS = Variants(  # one per `catalog.REFINE_METHODS`
+    key="method",
+    what="refine method",
+    models={
+        JACOBI: JacobiOptions,
+        LOOKAHEAD: LookaheadOptions,
+        INTROSPECTIVE: IntrospectiveOptions,
+        DIFFUSION: DiffusionOptions,
+    },
+    default=JACOBI,
+)
 
 
 class Refine(Decoder):
     name = REFINE
+    options_model = METHODS
 
     def __init__(
         self, diffusion: DiffusionGroup | None = None, adapter: MaskAdapter | None = None
@@ -77,25 +81,8 @@ class Refine(Decoder):
             engine.runner.attach_adapter(adapter)
         return cls(group, adapter)
 
-    @classmethod
-    def check_options(cls, options: dict[str, Any]) -> Options:
-        method, rest = _method(options)
-        return parse_options(METHODS[method], rest, f"refine method {method!r}")
-
-    @classmethod
-    def options_schemas(cls) -> list[dict[str, Any]]:
-        """One object per method, told apart by `method` (which the default may leave out)."""
-        out = []
-        for method, model in METHODS.items():
-            schema = model.model_json_schema()
-            schema["properties"] = {"method": {"const": method}, **schema["properties"]}
-            if method != DEFAULT_METHOD:
-                schema["required"] = ["method", *schema.get("required", [])]
-            out.append(schema)
-        return out
-
     def validate(self, params: SamplingParams, options: dict[str, Any]) -> dict[str, Any]:
-        method, options = _method(options)
+        method, options = METHODS.split(options)
         if method == DIFFUSION:
             if self.diffusion is None:
                 raise DecoderError(
@@ -148,14 +135,6 @@ class Refine(Decoder):
 
     def _of(self, seq: Sequence) -> Decoder:
         return self.causal[seq.decoder_options["method"]]
-
-
-def _method(options: dict[str, Any]) -> tuple[str, dict[str, Any]]:
-    """The refine method a request names (a known one, or DecoderError), and its other options."""
-    method = options.get("method", DEFAULT_METHOD)
-    if not isinstance(method, str) or method not in METHODS:
-        raise DecoderError(f"unknown refine method {method!r}; valid: {', '.join(METHODS)}")
-    return method, {k: v for k, v in options.items() if k != "method"}
 
 
 def _by_method(seqs: list[Sequence]) -> dict[str, list[int]]:

@@ -6,7 +6,13 @@ from typing import Any, NamedTuple
 
 from stride.decoders import catalog
 from stride.decoders.autoregressive import Autoregressive
-from stride.decoders.base import Decoder, DecoderError, DecodersConfig
+from stride.decoders.base import (
+    Decoder,
+    DecoderError,
+    DecodersConfig,
+    check_options,
+    options_schemas,
+)
 from stride.decoders.refine import Refine
 from stride.decoders.speculative import Speculative
 from stride.engine.engine import Engine
@@ -30,7 +36,7 @@ def parse_spec(spec: Any) -> Choice:
     `"refine/lookahead"`: `catalog.shorthand`) is its decoder with that option.
 
     Raises DecoderError for an unknown decoder, or options of the wrong name, type or range
-    (`Decoder.check_options`); what depends on the server is checked at admission.
+    (`base.check_options`); what depends on the server is checked at admission.
     """
     if isinstance(spec, str):
         name, options = catalog.shorthand(spec) or (spec, {})
@@ -44,7 +50,7 @@ def parse_spec(spec: Any) -> Choice:
     if name not in DECODERS:
         valid = ", ".join((*DECODERS, *catalog.shorthands()))
         raise DecoderError(f"unknown decoder {name!r}; valid decoders: {valid}")
-    DECODERS[name].check_options(options)
+    check_options(DECODERS[name], options)
     return Choice(name, options)
 
 
@@ -52,7 +58,7 @@ def spec_schema() -> dict[str, Any]:
     """The JSON schema of a `decoder` field: a name, or an object of a decoder's options."""
     objects = []
     for name, cls in DECODERS.items():
-        for schema in cls.options_schemas():
+        for schema in options_schemas(cls):
             properties = {"type": {"const": name}, **schema.get("properties", {})}
             required = ["type", *schema.get("required", [])]
             shape = {k: v for k, v in schema.items() if k not in ("title", "description")}

@@ -10,7 +10,7 @@ from stride.decoders.registry import DECODERS, spec_schema
 
 def test_every_catalogued_decoder_has_a_class_and_every_refine_method_its_options():
     assert all(DECODERS[name].name == name for name in catalog.DECODERS)
-    assert tuple(METHODS) == catalog.REFINE_METHODS
+    assert tuple(METHODS.models) == catalog.REFINE_METHODS
     assert spec_schema()["oneOf"][0]["enum"][: len(catalog.DECODERS)] == list(catalog.DECODERS)
 
 
