@@ -349,7 +349,9 @@ def main() -> None:
                   args.busy and engine.device.type == "cuda")  # fmt: skip
             for conc in args.concurrency
         ]
-    if engine.device.type == "cuda":  # the device's share of a cycle (the rest is the host's)
+    # The device's share of a cycle (the rest is the host's). Not after `--busy`'s profiled runs,
+    # after which it has ended in a device-side assert (BENCHMARKS: "Cycles per burst").
+    if engine.device.type == "cuda" and not args.busy:
         result["cycle_gpu_ms"] = cycle_costs(core, args.context)
         if args.profile:
             result["cycle_profile"] = cycle_profile(core, args.context)
