@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from stride.decoders.speculative.device_tree import TreeShape
@@ -16,6 +17,7 @@ from stride.decoders.speculative.loop_policy import (
     MIN_GAIN,
     Choice,
     LoopPolicy,
+    Spent,
     menu,
 )
 from stride.scheduler.outputs import GenerateRequest
@@ -25,6 +27,11 @@ from tests.helpers.eagle import eagle_core, free, record_bursts
 CHAIN, TREE = TreeShape.chain(4), TreeShape.of(32, 4, 4)
 SHAPES = (CHAIN, TREE)
 TRY, BURST = LoopPolicy.TRY_CYCLES, 8  # the cycles of a try, and of the chosen shape's bursts
+
+
+def took(seconds: float) -> Spent:
+    """A burst in a row whose wall time was all its cycles' device time."""
+    return Spent(seconds, seconds, in_a_row=True)
 
 
 def test_menus_follow_the_requests_tree_options():
@@ -38,9 +45,9 @@ def test_plain_first_then_each_shape_then_the_fastest():
     loop = LoopPolicy(max_batch=8, max_cycles=BURST)
     assert loop.choose(1, SHAPES, None, 0) is None  # plain decoding not timed yet
     assert loop.choose(1, SHAPES, 1e-3, 4) == Choice(CHAIN, TRY)  # untried: tried in order
-    loop.measured(1, CHAIN, 4, 4 * 2e-3, 4 * 3, 4)  # 1,500 tok/s against 1,000 plain
+    loop.measured(1, CHAIN, 4, took(4 * 2e-3), 4 * 3, 4)  # 1,500 tok/s against 1,000 plain
     assert loop.choose(1, SHAPES, 1e-3, 8) == Choice(TREE, TRY)
-    loop.measured(1, TREE, 4, 4 * 3e-3, 4 * 6, 8)  # 2,000 tok/s
+    loop.measured(1, TREE, 4, took(4 * 3e-3), 4 * 6, 8)  # 2,000 tok/s
     assert loop.choose(1, SHAPES, 1e-3, 12) == Choice(TREE, BURST)
     assert loop.choose(8, SHAPES, 1e-3, 12) == Choice(CHAIN, TRY)  # a bucket measures its own
 
@@ -48,39 +55,57 @@ def test_plain_first_then_each_shape_then_the_fastest():
 def test_plain_unless_a_shape_beats_it_by_the_margin():
     loop = LoopPolicy(max_batch=8, max_cycles=BURST)
     plain_s = 1e-3  # 8 sequences: 8,000 tok/s
-    loop.measured(8, CHAIN, 8, 8 * 2e-3, 8 * 8 * 2 * MIN_GAIN * 0.99, 0)
-    loop.measured(8, TREE, 8, 8 * 4e-3, 8 * 8 * 3, 0)  # 6,000 tok/s
+    loop.measured(8, CHAIN, 8, took(8 * 2e-3), 8 * 8 * 2 * MIN_GAIN * 0.99, 0)
+    loop.measured(8, TREE, 8, took(8 * 4e-3), 8 * 8 * 3, 0)  # 6,000 tok/s
     assert loop.choose(8, SHAPES, plain_s, 10) is None
     assert loop.plain_steps(8, SHAPES, 10) == LoopPolicy.RETRY_EVERY - 10
     assert loop.plain_steps(9, SHAPES, 10) == LoopPolicy.RETRY_EVERY  # past the loop
 
 
+def test_a_burst_after_plain_steps_is_priced_without_its_switch():
+    """A burst after plain steps carries the head's catch-up over the tokens decoded plainly
+    meanwhile, which bursts in a row do not pay: it is priced at its cycles' device time and the
+    host's share that bursts in a row showed at its bucket, not at its wall time."""
+    loop = LoopPolicy(max_batch=8, max_cycles=BURST)
+    # A try after plain steps: 4 cycles of 1 ms on the device, 10 ms of wall time with the switch.
+    loop.measured(8, CHAIN, TRY, Spent(10e-3, TRY * 1e-3, in_a_row=False), 8 * TRY * 2, 0)
+    assert loop.rates[(3, CHAIN)].seconds == pytest.approx(1e-3)  # (no host share known yet)
+    # Bursts in a row: 8 cycles of 1 ms on the device in 10 ms of wall time, a host share of 1/4.
+    for step in range(1, 30):
+        loop.measured(8, TREE, BURST, Spent(10e-3, BURST * 1e-3, in_a_row=True), 8 * 16, step)
+    assert loop.rates[(3, TREE)].seconds == pytest.approx(1.25e-3, rel=1e-3)
+    assert loop.host_share[3] == pytest.approx(0.25, rel=1e-3)
+    loop.measured(8, CHAIN, TRY, Spent(10e-3, TRY * 1e-3, in_a_row=False), 8 * TRY * 2, 30)
+    chain = loop.rates[(3, CHAIN)].seconds
+    assert 1e-3 < chain < 1.25e-3  # moving towards 1.25 ms, nowhere near the try's 2.5 ms
+
+
 def test_a_candidate_not_chosen_is_retried_and_its_rate_follows():
     loop = LoopPolicy(max_batch=8, max_cycles=BURST)
-    loop.measured(1, CHAIN, 8, 8 * 1e-3, 8 * 3, 0)  # 3,000 tok/s
-    loop.measured(1, TREE, 8, 8 * 4e-3, 8 * 4, 0)  # 1,000
+    loop.measured(1, CHAIN, 8, took(8 * 1e-3), 8 * 3, 0)  # 3,000 tok/s
+    loop.measured(1, TREE, 8, took(8 * 4e-3), 8 * 4, 0)  # 1,000
     step = 0
     for step in range(8, LoopPolicy.RETRY_EVERY, 8):
         assert loop.choose(1, SHAPES, 1e-3, step) == Choice(CHAIN, BURST)
-        loop.measured(1, CHAIN, 8, 8 * 1e-3, 8 * 3, step)
+        loop.measured(1, CHAIN, 8, took(8 * 1e-3), 8 * 3, step)
     assert loop.choose(1, SHAPES, 1e-3, step + 8) == Choice(TREE, TRY)  # due again
     for _ in range(12):  # its cycles got cheaper: it wins once its average follows
-        loop.measured(1, TREE, 8, 8 * 1e-3, 8 * 4, step + 8)
+        loop.measured(1, TREE, 8, took(8 * 1e-3), 8 * 4, step + 8)
     assert loop.choose(1, SHAPES, 1e-3, step + 16) == Choice(TREE, BURST)
 
 
 def test_a_candidate_that_keeps_losing_is_retried_ever_less_often():
     loop = LoopPolicy(max_batch=8, max_cycles=BURST)
     plain_s = 1e-3  # 1,000 tok/s; neither shape pays
-    loop.measured(1, CHAIN, TRY, TRY * 2e-3, TRY * 1, 0)
-    loop.measured(1, TREE, TRY, TRY * 4e-3, TRY * 2, 0)
+    loop.measured(1, CHAIN, TRY, took(TRY * 2e-3), TRY * 1, 0)
+    loop.measured(1, TREE, TRY, took(TRY * 4e-3), TRY * 2, 0)
     tries: dict[TreeShape, list[int]] = {CHAIN: [0], TREE: [0]}
     for step in range(1, 4000):
         choice = loop.choose(1, SHAPES, plain_s, step)
         if choice is not None:
             assert choice.cycles == TRY
             tries[choice.shape].append(step)
-            loop.measured(1, choice.shape, TRY, TRY * 4e-3, TRY * 2, step)  # it loses again
+            loop.measured(1, choice.shape, TRY, took(TRY * 4e-3), TRY * 2, step)  # it loses again
         assert loop.plain_steps(1, SHAPES, step) >= 1
     for steps in tries.values():
         gaps = [b - a for a, b in zip(steps, steps[1:], strict=False)]

@@ -13,7 +13,7 @@ from stride.decoders.catalog import EAGLE
 from stride.decoders.speculative.cycles import CycleResult, reach
 from stride.decoders.speculative.device_tree import TreeShape
 from stride.decoders.speculative.eagle import EagleDrafter
-from stride.decoders.speculative.loop_policy import Choice, LoopPolicy, menu
+from stride.decoders.speculative.loop_policy import Choice, LoopPolicy, Spent, menu
 from stride.decoders.speculative.policy import AdaptivePolicy, SeqState, StepPlans
 from stride.engine.engine import Engine
 from stride.engine.kv_cache import OutOfBlocks
@@ -106,7 +106,9 @@ def start_burst(spec: Speculative, seqs: list[Sequence], passes: int) -> Burst |
     spec.plans = StepPlans()  # (the step its sequences' plans were for runs as the burst)
     # (a burst that captures its graph is not timed: the capture would price the shape)
     timed = eagle.cycles.warm(len(seqs), shape)
-    return _EagleBurst(spec, seqs, states, shape, eagle.burst(seqs, shape, cycles), timed)
+    in_a_row = all(eagle.caught_up(s) for s in seqs)  # (before this burst catches up)
+    result = eagle.burst(seqs, shape, cycles)
+    return _EagleBurst(spec, seqs, states, shape, result, timed, in_a_row)
 
 
 class _EagleBurst(Burst):
@@ -120,9 +122,10 @@ class _EagleBurst(Burst):
         shape: TreeShape,
         result: CycleResult,
         timed: bool,
+        in_a_row: bool,
     ) -> None:
         self.spec, self.seqs, self.states, self.shape = spec, seqs, states, shape
-        self.result, self.timed = result, timed
+        self.result, self.timed, self.in_a_row = result, timed, in_a_row
 
     def commits(self, since: float) -> list[Commit]:
         spec, depth, policy = self.spec, self.shape.depth, self.spec.policy
@@ -132,8 +135,8 @@ class _EagleBurst(Burst):
         cycles = len(per_seq[0]) if per_seq else 0
         if cycles and self.timed:
             made = sum(len(c) for cycles_of in per_seq for c in cycles_of)
-            seconds = time.perf_counter() - since
-            spec.loop.measured(len(self.seqs), self.shape, cycles, seconds, made, policy.seen.steps)
+            spent = Spent(time.perf_counter() - since, self.result.cycle_seconds(), self.in_a_row)
+            spec.loop.measured(len(self.seqs), self.shape, cycles, spent, made, policy.seen.steps)
         policy.stepped(cycles)
         for i, (seq, st, cycles) in enumerate(zip(self.seqs, self.states, per_seq, strict=True)):
             tokens = [t for cycle in cycles for t in cycle]

@@ -32,6 +32,7 @@ the same code runs eagerly (what the CPU tests check).
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
@@ -56,13 +57,16 @@ BUCKETS = (1, 2, 4, 8)  # batch sizes with graphs: bursts pay where the host is 
 
 @dataclass
 class CycleResult:
-    """What `EagleCycles.run` leaves: committed tokens on their way to the host, and each
-    sequence's new `g` (its last real row's head output) on the device."""
+    """What `EagleCycles.run` leaves: committed tokens on their way to the host, each
+    sequence's new `g` (its last real row's head output) on the device, and the cycles' own
+    time: on a GPU, events around their replays (read once the copy has arrived, no sync of its
+    own); elsewhere, measured as they ran."""
 
     tokens: torch.Tensor  # [cycles, B, depth + 1] (host), -1 past each cycle's committed tokens
     counts: torch.Tensor  # [cycles, B] tokens committed per cycle
     roots: torch.Tensor  # [B, H]
     copied: torch.cuda.Event | None
+    cycles_timed: tuple[torch.cuda.Event, torch.cuda.Event] | float
 
     def per_sequence(self) -> list[list[list[int]]]:
         """Each sequence's committed tokens, cycle by cycle (waits for the copy)."""
@@ -73,6 +77,13 @@ class CycleResult:
             [tokens[c][b][: counts[c][b]] for c in range(len(counts))]
             for b in range(len(counts[0]))
         ]
+
+    def cycle_seconds(self) -> float:
+        """The cycles' time on the device, seconds (after `per_sequence`)."""
+        if isinstance(self.cycles_timed, float):
+            return self.cycles_timed
+        start, end = self.cycles_timed
+        return start.elapsed_time(end) / 1e3
 
 
 class EagleCycles:
@@ -138,6 +149,12 @@ class EagleCycles:
         self.g[:bucket].zero_()
         self.g[:n].copy_(roots)
         self.cycle.zero_()
+        cuda = device.type == "cuda"
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+        else:
+            began = time.perf_counter()
         for _ in range(cycles):
             if graph is not None:
                 graph.replay()
@@ -145,13 +162,15 @@ class EagleCycles:
                 self._cycle(bucket, shape)
         tokens = self.tokens[:cycles, :n, : shape.advance]
         counts = self.counts[:cycles, :n]
-        copied = None
-        if device.type == "cuda":
-            tokens = tokens.to("cpu", non_blocking=True)
-            counts = counts.to("cpu", non_blocking=True)
-            copied = torch.cuda.Event()
-            copied.record()
-        return CycleResult(tokens, counts, self.g[:n].clone(), copied)
+        if not cuda:
+            return CycleResult(tokens, counts, self.g[:n].clone(), None,
+                               time.perf_counter() - began)  # fmt: skip
+        end.record()
+        tokens = tokens.to("cpu", non_blocking=True)
+        counts = counts.to("cpu", non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+        return CycleResult(tokens, counts, self.g[:n].clone(), copied, (start, end))
 
     def replay_ms(self, batch: int, shape: TreeShape, context: int = 0, repeats: int = 50) -> float:
         """GPU time of one cycle (its graph replayed alone): what a cycle costs the device, against

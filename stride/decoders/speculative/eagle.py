@@ -80,8 +80,13 @@ class EagleDrafter(Drafter):
             return 0
         if seq.features:
             return k
+        return k if self.caught_up(seq) else 0
+
+    def caught_up(self, seq: Sequence) -> bool:
+        """Has the head read all of `seq` (on the device, in a burst), so that a draft needs no
+        catch-up over tokens decoded plainly since its last one?"""
         cur = self.cursors.get(seq.request_id)
-        return k if cur is not None and cur.root is not None and cur.done == seq.num_cached else 0
+        return cur is not None and cur.root is not None and cur.done == seq.num_cached
 
     # ---- drafting ---------------------------------------------------------------------------
 

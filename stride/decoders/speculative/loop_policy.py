@@ -19,10 +19,16 @@ The device loop. Where the loop serves EAGLE (a GPU with graphs), an adaptive EA
 drafts only there: a step that drafts on the host pays a round trip per pass and loses to plain
 decoding on such a device. The candidates of a batch are its requests' `menu`: a chain of K
 drafts and a tree (the requests' own, else `DEFAULT_TREE`). Each has a rate measured per
-batch-size bucket (`bucket`): tokens the batch commits per second of its bursts, each timed from
-the previous launch's end to its commit, so that the host's work between bursts (which plain
-steps in flight hide) counts against the loop. Plain decoding has its own, from the plain steps
-the speculative policy times. The batch runs the fastest, and plain decoding unless a shape
+batch-size bucket (`bucket`): tokens the batch commits per second of its bursts (`Spent`). A
+burst right after another is timed from the previous launch's end to its commit, so that the
+host's work between bursts (which plain steps in flight hide) counts against the loop; its
+share beside the cycles' device time is kept per bucket. A burst after plain steps (a try, or
+the first of a choice) pays once for switching: the head catches up on every token decoded
+plainly since its last draft. Staying in the loop does not pay that, so such a burst is priced
+at its cycles' device time and the bucket's host share (device time alone until a burst in a
+row has measured it): a try of a few cycles would otherwise carry the whole switch and price
+the shape far above what it costs in a row. Plain decoding has its own rate, from the plain
+steps the speculative policy times. The batch runs the fastest, and plain decoding unless a shape
 beats it by `MIN_GAIN`.
 
 What is not measured yet at a bucket is tried once plain decoding has been timed there; a
@@ -143,6 +149,15 @@ class Rate:
         return batch * self.tokens / self.seconds
 
 
+class Spent(NamedTuple):
+    """What a burst took: wall seconds from the previous launch's end to its commit, its cycles'
+    seconds on the device, and whether it ran right after a burst of the same sequences."""
+
+    wall: float
+    device: float
+    in_a_row: bool
+
+
 class Choice(NamedTuple):
     """The shape a burst drafts, and the most cycles it runs (fewer for a try)."""
 
@@ -163,6 +178,7 @@ class LoopPolicy:
         self.rates: dict[tuple[int, TreeShape], Rate] = {}
         self.tried: dict[tuple[int, TreeShape], int] = {}  # step of each candidate's last try
         self.waits: dict[tuple[int, TreeShape], int] = {}  # steps until its next retry is due
+        self.host_share: dict[int, float] = {}  # per bucket: bursts' host time over device time
 
     def choose(
         self, batch: int, shapes: tuple[TreeShape, ...], plain_s: float | None, step: int
@@ -202,11 +218,19 @@ class LoopPolicy:
         return max(1, due - step)
 
     def measured(
-        self, batch: int, shape: TreeShape, cycles: int, seconds: float, tokens: int, step: int
+        self, batch: int, shape: TreeShape, cycles: int, spent: Spent, tokens: int, step: int
     ) -> None:
-        """A burst of `cycles` cycles of `shape` over `batch` sequences committed `tokens` in
-        `seconds`, starting at `step`."""
-        key = (bucket(batch), shape)
+        """A burst of `cycles` cycles of `shape` over `batch` sequences, starting at `step`,
+        committed `tokens` and took `spent` (priced as the module docstring says)."""
+        at = bucket(batch)
+        if spent.in_a_row:
+            seconds = spent.wall
+            if spent.device > 0:
+                share = max(0.0, spent.wall / spent.device - 1)
+                self.host_share[at] = ema(self.host_share.get(at), share)
+        else:
+            seconds = spent.device * (1 + self.host_share.get(at, 0.0))
+        key = (at, shape)
         old = self.rates.get(key)
         per_cycle, made = seconds / cycles, tokens / (cycles * batch)
         if old is None:
