@@ -122,13 +122,16 @@ def timed(core, groups: list[list[list[int]]], tokens: int, decoder: str, option
 
 def policy_view(core: EngineCore) -> dict:
     """What the speculative policies know after a run, per batch-size bucket (`costs.bucket`):
-    the plain step the loop is priced against, and each loop shape's measured cycle (ms, and
-    tokens per sequence): where an adaptive request's choices come from."""
+    the plain step the loop is priced against, the host's share beside the device time of
+    bursts in a row, and each loop shape's measured cycle (ms, and tokens per sequence): where
+    an adaptive request's choices come from."""
     spec = core.decoders.decoders["speculative"]
     view: dict = {}
     for key, timings in sorted(spec.policy.seen.timings.items()):
         if timings.plain_s is not None:
             view.setdefault(f"bucket {key}", {})["plain_ms"] = round(timings.plain_s * 1e3, 3)
+    for key, share in sorted(spec.loop.host_share.items()):
+        view.setdefault(f"bucket {key}", {})["host_share"] = round(share, 3)
     for (key, shape), rate in sorted(spec.loop.rates.items(), key=lambda kv: kv[0][0]):
         name = f"chain K={shape.depth}" if shape.is_chain else f"tree {shape.nodes} rows"
         view.setdefault(f"bucket {key}", {})[name] = {
