@@ -5,6 +5,7 @@ under it decode exactly what `ar` does, drafting only in the loop (run eagerly o
 
 from __future__ import annotations
 
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -18,6 +19,7 @@ from stride.decoders.speculative.loop_policy import (
     Choice,
     LoopPolicy,
     Spent,
+    bucket,
     menu,
 )
 from stride.scheduler.outputs import GenerateRequest
@@ -133,6 +135,34 @@ def test_adaptive_eagle_requests_draft_only_in_the_loop_and_decode_exactly(
     shapes = {shape for _, shape, _ in ran}
     assert shapes <= {TreeShape.chain(3), DEFAULT_TREE} and shapes
     assert spec.loop.rates  # the loop measured its bursts
+    assert free(core)
+
+
+def test_a_bursts_price_leaves_out_the_heads_catch_up_after_plain_steps(eagle_target, eagle_head):
+    """A burst after plain steps (or a prefill) first has the head catch up on the tokens it
+    has not read: here that takes 1 s, and the chain's cycle is priced nowhere near its share."""
+    core = eagle_core(eagle_target, eagle_head, fused_decode_steps=4)
+    spec = core.decoders["speculative"]
+    spec.device_loop = True
+    eagle, catch_up = spec.eagle, spec.eagle._catch_up
+    slowed = []
+
+    def slow(seqs):
+        if not all(eagle.caught_up(s) for s in seqs):
+            slowed.append(len(seqs))
+            time.sleep(1.0)
+        return catch_up(seqs)
+
+    eagle._catch_up = slow
+    options = {"draft": "eagle", "num_speculative_tokens": 3, "tree_nodes": 0}
+    reqs = [
+        GenerateRequest(str(i), p, greedy(40), "speculative", options)
+        for i, p in enumerate(PROMPTS[:3])
+    ]
+    run(core, reqs)
+    assert slowed and spec.loop.rates
+    assert list(spec.loop.rates) == [(bucket(3), TreeShape.chain(3))]
+    assert spec.loop.rates[(bucket(3), TreeShape.chain(3))].seconds < 1.0 / LoopPolicy.TRY_CYCLES
     assert free(core)
 
 
