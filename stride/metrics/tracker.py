@@ -14,8 +14,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from stride.metrics.access import Exchange, current_exchange
 from stride.metrics.decoders import DecoderMetrics
+from stride.metrics.edge import Exchange, current_exchange
 from stride.metrics.labels import FINISH_REASONS
 from stride.metrics.requests import RequestMetrics
 

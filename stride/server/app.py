@@ -28,7 +28,7 @@ from stride import adapters, drafts
 from stride.decoders.base import DecodersConfig
 from stride.engine.config import EngineConfig
 from stride.engine.loader import served_name
-from stride.metrics.middleware import MetricsMiddleware
+from stride.metrics.edge import MetricsMiddleware
 from stride.metrics.registry import Metrics
 from stride.scheduler.client import BaseClient, EngineClient
 from stride.scheduler.core import CoreConfig

@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from stride.metrics.access import PROBES
+from stride.metrics.edge import PROBES
 from stride.scheduler.client import BaseClient
 from stride.server.errors import APIError
 from stride.server.generation import Running

@@ -10,8 +10,8 @@ import pytest
 
 from stride.engine.sequence import SamplingParams
 from stride.metrics.buckets import STEP_BUCKETS
+from stride.metrics.edge import MetricsMiddleware
 from stride.metrics.labels import parse_users, strategy
-from stride.metrics.middleware import MetricsMiddleware
 from stride.metrics.registry import Metrics
 from stride.scheduler.client import EngineClient
 from stride.scheduler.outputs import EngineError, GenerateRequest, RequestOutput
