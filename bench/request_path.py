@@ -5,8 +5,7 @@ A real server on loopback (uvicorn in this process, the step loop on a thread: t
 where the engine process of a GPU server, `scheduler/process.py`, is not on the path), the
 embedded model unless `--model`, one streamed chat completion with the decoder named by
 `--decoder`; calls are recorded only while that request runs (after a warm-up request), in every
-thread. What issue-style questions ask ("how many files does one request pass through?") this
-answers with the code as it is:
+thread. How many files and calls one request passes through, measured on the code as it is:
 
     python bench/request_path.py --decoder eagle --tokens 16
 """
@@ -82,7 +81,7 @@ def main() -> None:
     recorder = Recorder()
     threading.setprofile(recorder)  # (threads started from now on: the server's, the loop's)
     sys.setprofile(recorder)
-    engine = EngineConfig(device="cpu") if args.model is None else EngineConfig(args.model, "cpu")
+    engine = EngineConfig(model=args.model, device="cpu")
     app = create_app(ServerConfig(engine=engine, engine_process=False))
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
