@@ -1,8 +1,8 @@
 """The path of one streamed request through Stride: every file of `stride/` whose functions run
 for it, in the order first reached, with the functions called there and how often.
 
-A real server on loopback (uvicorn in this process, the step loop on a thread: the CPU layout,
-where the engine process of a GPU server, `scheduler/process.py`, is not on the path), the
+A real server on loopback (uvicorn in this process, the step loop on a thread: the CPU layout;
+a GPU server's engine process, `scheduler/process.py` and its pipe, is not on the path), the
 embedded model unless `--model`, one streamed chat completion with the decoder named by
 `--decoder`; calls are recorded only while that request runs (after a warm-up request), in every
 thread. How many files and calls one request passes through, measured on the code as it is:
@@ -73,6 +73,7 @@ def stream(url: str, decoder: str, tokens: int) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--model", default=None, help="model (default: the embedded one)")
+    ap.add_argument("--device", default="cpu", help="cpu, or cuda: the GPU path, on a thread")
     ap.add_argument("--decoder", default="eagle", help="the decoder (a name or a shorthand)")
     ap.add_argument("--tokens", type=int, default=16, help="new tokens")
     ap.add_argument("--json", type=Path, default=None, help="write the path here")
@@ -81,7 +82,7 @@ def main() -> None:
     recorder = Recorder()
     threading.setprofile(recorder)  # (threads started from now on: the server's, the loop's)
     sys.setprofile(recorder)
-    engine = EngineConfig(model=args.model, device="cpu")
+    engine = EngineConfig(model=args.model, device=args.device)
     app = create_app(ServerConfig(engine=engine, engine_process=False))
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
