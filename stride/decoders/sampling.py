@@ -48,10 +48,20 @@ class Row:
 
 @dataclass
 class TokenLogprob:
+    """A token's log-probability and its most likely alternatives': their ids and values side by
+    side, each a slice of a step's lists (not a pair per alternative: a step of 256 rows makes
+    and pickles about a third of the objects)."""
+
     token_id: int
     logprob: float
-    top: list[tuple[int, float]]
+    top_ids: list[int]
+    top_logprobs: list[float]
     rank: int | None = None  # 1: the most likely token (prompt logprobs know it)
+
+    @property
+    def top(self) -> list[tuple[int, float]]:
+        """The alternatives as (id, logprob) pairs, most likely first."""
+        return list(zip(self.top_ids, self.top_logprobs, strict=True))
 
 
 def adjust(logits: torch.Tensor, rows: list[Row], eos_ids: set[int]) -> torch.Tensor:
@@ -300,9 +310,7 @@ def logprobs(logits: torch.Tensor, tokens: list[int], rows: list[Row]) -> list[T
     top_v, top_i, chosen = top_v.tolist(), top_i.tolist(), chosen[:, 0].tolist()
     for j, i in enumerate(wanted):
         k = rows[i].params.logprobs or 0
-        out[i] = TokenLogprob(
-            tokens[i], chosen[j], list(zip(top_i[j][:k], top_v[j][:k], strict=True))
-        )
+        out[i] = TokenLogprob(tokens[i], chosen[j], top_i[j][:k], top_v[j][:k])
     return out
 
 
@@ -319,7 +327,7 @@ def scored(logits: torch.Tensor, tokens: list[int], k: int) -> list[TokenLogprob
         top_v, top_i = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
         columns = (wanted, chosen[:, 0].tolist(), ranks, top_i.tolist(), top_v.tolist())
         for t, c, rank, ti, tv in zip(*columns, strict=True):
-            out.append(TokenLogprob(t, c, list(zip(ti, tv, strict=True)), rank))
+            out.append(TokenLogprob(t, c, ti, tv, rank))
     return out
 
 
@@ -378,9 +386,10 @@ class DrawnLogprobs:
         for b, (k, made) in enumerate(zip(self.wanted, tokens, strict=True)):
             if k is None:
                 out.append([None] * len(made))
-                continue
-            out.append([
-                TokenLogprob(t, chosen[s][b], list(zip(ids[s][b][:k], vals[s][b][:k], strict=True)))
-                for s, t in enumerate(made)
-            ])  # fmt: skip
+            elif k == self.k:  # (a row's own lists, uncopied)
+                out.append([TokenLogprob(t, chosen[s][b], ids[s][b], vals[s][b])
+                            for s, t in enumerate(made)])  # fmt: skip
+            else:
+                out.append([TokenLogprob(t, chosen[s][b], ids[s][b][:k], vals[s][b][:k])
+                            for s, t in enumerate(made)])  # fmt: skip
         return out

@@ -9,7 +9,7 @@ from stride.scheduler.submission import coalesce
 
 
 def _out(rid: str, tokens: list[int], text: str, **kw) -> RequestOutput:
-    lps = [TokenLogprob(t, -float(t), []) for t in tokens]
+    lps = [TokenLogprob(t, -float(t), [], []) for t in tokens]
     return RequestOutput(rid, token_ids=tokens, text=text, logprobs=lps, **kw)
 
 

@@ -110,9 +110,9 @@ def test_sigterm_drains_then_stops_the_engine_process(served):
 def test_outputs_cross_the_pipe_whole():
     """The engine process pickles outputs and their logprobs as their field values in order:
     none is lost."""
-    logprobs = [TokenLogprob(1, -0.25, [(1, -0.25), (7, -2.0)]), None]
+    logprobs = [TokenLogprob(1, -0.25, [1, 7], [-0.25, -2.0]), None]
     out = RequestOutput("r", [1, 2], "ab", logprobs, "stop", "x", EngineError("c", "m"))
     out.num_prompt_tokens, out.num_output_tokens, out.num_cached_tokens = 3, 2, 16
     out.decoder_stats, out.timings = {"forward_passes": 2}, {"e2e": 0.5}
-    out.prompt_logprobs = [None, TokenLogprob(5, -1.5, [(4, -0.5)], rank=2)]
+    out.prompt_logprobs = [None, TokenLogprob(5, -1.5, [4], [-0.5], rank=2)]
     assert pickle.loads(ForkingPickler.dumps([out])) == [out]
