@@ -75,8 +75,7 @@ class Chunk:
 @dataclass
 class StepResult:
     """What one launch made: each committing plan item's `Commit`, the prompt rows and prefill
-    chunks it scored, the sequences that failed in it, and what it cost (`seconds`: from its
-    launch, or from the result before it where launches overlapped; `passes` of the target)."""
+    chunks it scored, the sequences that failed in it, and the `passes` of the target it ran."""
 
     batch: Batch
     commits: dict[int, Commit] = field(default_factory=dict)  # by plan index
@@ -84,5 +83,4 @@ class StepResult:
     chunks: list[Chunk] = field(default_factory=list)
     failed: list[Failure] = field(default_factory=list)
     launched_at: float = field(default_factory=time.monotonic)
-    seconds: float = 0.0
     passes: int = 1

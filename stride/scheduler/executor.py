@@ -71,14 +71,15 @@ class Executor:
 
     # ---- running a batch ----------------------------------------------------------------------
 
-    def run(self, batch: Batch) -> Iterator[StepResult]:
-        """Launch `batch` (at once); return the results of the launches it finishes, oldest
-        first: the one in flight before, if any, then this one, unless it stays in flight.
-        Each is finished (waited for, committed) as it is taken, so after the caller applied
-        the one before: a draw on the host keys its noise by its sequence's position, which
-        counts the tokens the launch before made."""
+    def run(self, batch: Batch, began: float) -> Iterator[StepResult]:
+        """Launch `batch` (at once), made by a step that began at `began` (`time.perf_counter`);
+        return the results of the launches it finishes, oldest first: the one in flight before,
+        if any, then this one, unless it stays in flight. Each is finished (waited for,
+        committed) as it is taken, so after the caller applied the one before: a draw on the
+        host keys its noise by its sequence's position, which counts the tokens the launch
+        before made."""
         self.load = StepLoad()
-        launch = self._launch(batch) if batch.plan else None
+        launch = self._launch(batch, began) if batch.plan else None
         finishing = []
         if self._in_flight is not None:
             finishing.append(self._in_flight)
@@ -94,18 +95,20 @@ class Executor:
     def in_flight(self) -> bool:
         return self._in_flight is not None
 
-    def _launch(self, batch: Batch) -> Launch | None:
+    def _launch(self, batch: Batch, began: float) -> Launch | None:
         if batch.burst is not None:
-            return LoopLaunch(batch, batch.burst)
+            return LoopLaunch(batch, began, batch.burst)
         steps, continuable = self._shape(batch)
         if steps:
             try:
-                return self._launch_burst(batch, steps, continuable)
+                return self._launch_burst(batch, began, steps, continuable)
             except Exception:  # the forward below tells whose fault it is
                 log.exception("a burst failed to launch; running a forward instead")
-        return self._launch_forward(batch, continuable and not steps)
+        return self._launch_forward(batch, began, continuable and not steps)
 
-    def _launch_burst(self, batch: Batch, steps: int, continuable: bool) -> BurstLaunch:
+    def _launch_burst(
+        self, batch: Batch, began: float, steps: int, continuable: bool
+    ) -> BurstLaunch:
         plan, seqs = batch.plan, batch.seqs
         offsets = [len(s.token_ids) - 1 + s.pending - s.num_cached for s in seqs]  # fed_offset
         tokens = self._first_tokens(plan)
@@ -121,13 +124,13 @@ class Executor:
 
         made = self.engine.runner.decode_steps(seqs, tokens, steps, sample, offsets)
         self.load.add_decode_steps(seqs, steps, offsets)
-        launch = BurstLaunch(batch, made, continuable)
+        launch = BurstLaunch(batch, began, made, continuable)
         launch.logprobs = logprobs and logprobs.copied()
         launch.sampled, launch.sampling, launch.draws = made.on_device[-1], seqs, draws
         self._started(launch, [steps] * len(plan))
         return launch
 
-    def _launch_forward(self, batch: Batch, continuable: bool) -> ForwardLaunch:
+    def _launch_forward(self, batch: Batch, began: float, continuable: bool) -> ForwardLaunch:
         plan = batch.plan
         spans = [_span(item, prop) for item, prop in zip(plan, batch.proposals, strict=True)]
         prompt_rows = _prompt_rows(plan, spans)
@@ -144,7 +147,7 @@ class Executor:
             kept = batch.without(failed)
             logits = [x for i, x in enumerate(logits) if i not in failed]
         committing = [i for i, item in enumerate(kept.plan) if item.completes_tail]
-        launch = ForwardLaunch(kept, logits, continuable and bool(committing))
+        launch = ForwardLaunch(kept, began, logits, continuable and bool(committing))
         launch.result.prompt_rows = rows
         launch.result.failed = [(plan[i].seq, error, "scoring") for i, error in failed.items()]
         if launch.continuable:  # its committing rows drawn on the device, now
@@ -196,10 +199,11 @@ class Executor:
                 return result
             scored = launch.scored(decoders)
             now = time.perf_counter()
-            seconds = now - max(launch.started, self._finished_at)
+            if launch.decode_only:
+                decoders.ctx.timing = now - self._since(launch)
+            else:
+                decoders.ctx.timing = None
             self._finished_at = now
-            result.seconds = seconds
-            decoders.ctx.timing = seconds if launch.decode_only else None
             result.commits = decoders.commit(launch.batch, scored)
             return result
         finally:
@@ -212,16 +216,19 @@ class Executor:
         result, plan = launch.result, launch.batch.plan
         seqs = [item.seq for item in plan]
         before = [s.stats.draft_tokens for s in seqs]
-        commits = launch.burst.commits(self._finished_at)
-        now = time.perf_counter()
-        result.seconds = now - max(launch.started, self._finished_at)
-        self._finished_at = now
+        commits = launch.burst.commits(self._since(launch))
+        self._finished_at = time.perf_counter()
         live = [i for i, s in enumerate(seqs) if s.status is not Status.FINISHED]
         result.commits = {i: commits[i] for i in live}
         passes = [commits[i].forward_passes for i in live]
         drafted = [seqs[i].stats.draft_tokens - before[i] for i in live]
         self.load.add_burst([seqs[i] for i in live], passes, drafted)
         result.passes = max(passes, default=1)
+
+    def _since(self, launch: Launch) -> float:
+        """Whence `launch`'s cost counts: from when its step began, or, where it overlapped the
+        launch before it, from that one's end (launches finish one after another)."""
+        return max(launch.began, self._finished_at)
 
     # ---- choosing how a batch runs ------------------------------------------------------------
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -502,6 +503,25 @@ def test_plain_proposals_promise_quiet_steps_up_to_the_next_plan(tiny_dir):
     assert plain_steps(request(num_speculative_tokens=0)) > 8  # never drafts
     nothing_to_look_up = (5, 6, 7, 8, 9, 10)
     assert plain_steps(request(nothing_to_look_up, adaptive=False)) == 1  # its next may draft
+
+
+def test_a_plain_steps_measured_cost_counts_its_own_forward(tiny_dir, monkeypatch):
+    """What the adaptive policy prices drafts against, a plain step's time, runs from when its
+    step began (here, on a CPU, the forward runs inside the launch), not from the launch's end."""
+    core = make(tiny_dir)
+    runner = core.engine.runner
+    forward = runner.forward
+
+    def slow(*args, **kwargs):
+        time.sleep(0.05)
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(runner, "forward", slow)
+    options = spec("ngram", adaptive=True)
+    run(core, [GenerateRequest("s", PROMPTS[1], greedy(6), "speculative", options)])
+    timings = core.decoders["speculative"].policy.seen.timings[bucket(1)]
+    assert timings.plain_steps >= 3
+    assert timings.plain_s * (1 + 1 / core.decoders["speculative"].policy.saturation) >= 0.05
 
 
 def test_adaptive_backs_off_when_drafts_fail(tiny_dir, reference):
