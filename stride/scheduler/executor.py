@@ -79,7 +79,9 @@ class Executor:
         host keys its noise by its sequence's position, which counts the tokens the launch
         before made."""
         self.load = StepLoad()
-        launch = self._launch(batch, began) if batch.plan else None
+        launch = self._launch(batch) if batch.plan else None
+        if launch is not None:
+            launch.began = began
         finishing = []
         if self._in_flight is not None:
             finishing.append(self._in_flight)
@@ -95,20 +97,18 @@ class Executor:
     def in_flight(self) -> bool:
         return self._in_flight is not None
 
-    def _launch(self, batch: Batch, began: float) -> Launch | None:
+    def _launch(self, batch: Batch) -> Launch | None:
         if batch.burst is not None:
-            return LoopLaunch(batch, began, batch.burst)
+            return LoopLaunch(batch, batch.burst)
         steps, continuable = self._shape(batch)
         if steps:
             try:
-                return self._launch_burst(batch, began, steps, continuable)
+                return self._launch_burst(batch, steps, continuable)
             except Exception:  # the forward below tells whose fault it is
                 log.exception("a burst failed to launch; running a forward instead")
-        return self._launch_forward(batch, began, continuable and not steps)
+        return self._launch_forward(batch, continuable and not steps)
 
-    def _launch_burst(
-        self, batch: Batch, began: float, steps: int, continuable: bool
-    ) -> BurstLaunch:
+    def _launch_burst(self, batch: Batch, steps: int, continuable: bool) -> BurstLaunch:
         plan, seqs = batch.plan, batch.seqs
         offsets = [len(s.token_ids) - 1 + s.pending - s.num_cached for s in seqs]  # fed_offset
         tokens = self._first_tokens(plan)
@@ -124,13 +124,13 @@ class Executor:
 
         made = self.engine.runner.decode_steps(seqs, tokens, steps, sample, offsets)
         self.load.add_decode_steps(seqs, steps, offsets)
-        launch = BurstLaunch(batch, began, made, continuable)
+        launch = BurstLaunch(batch, made, continuable)
         launch.logprobs = logprobs and logprobs.copied()
         launch.sampled, launch.sampling, launch.draws = made.on_device[-1], seqs, draws
         self._started(launch, [steps] * len(plan))
         return launch
 
-    def _launch_forward(self, batch: Batch, began: float, continuable: bool) -> ForwardLaunch:
+    def _launch_forward(self, batch: Batch, continuable: bool) -> ForwardLaunch:
         plan = batch.plan
         spans = [_span(item, prop) for item, prop in zip(plan, batch.proposals, strict=True)]
         prompt_rows = _prompt_rows(plan, spans)
@@ -147,7 +147,7 @@ class Executor:
             kept = batch.without(failed)
             logits = [x for i, x in enumerate(logits) if i not in failed]
         committing = [i for i, item in enumerate(kept.plan) if item.completes_tail]
-        launch = ForwardLaunch(kept, began, logits, continuable and bool(committing))
+        launch = ForwardLaunch(kept, logits, continuable and bool(committing))
         launch.result.prompt_rows = rows
         launch.result.failed = [(plan[i].seq, error, "scoring") for i, error in failed.items()]
         if launch.continuable:  # its committing rows drawn on the device, now

@@ -23,13 +23,13 @@ from stride.scheduler.decoder_set import DecoderSet
 class Launch:
     """A batch started on the device and not yet finished."""
 
-    def __init__(self, batch: Batch, began: float, passes: int, continuable: bool = False) -> None:
+    def __init__(self, batch: Batch, passes: int, continuable: bool = False) -> None:
         self.batch = batch
         self.passes = passes
         self.continuable = continuable  # may stay in flight (see the module docstring)
-        # When the step that made it began (`time.perf_counter`): its scheduling, proposals and
-        # launch (on a CPU, the whole forward) are part of what it costs.
-        self.began = began
+        # When the step that made it began (`time.perf_counter`, set by `Executor.run`): its
+        # scheduling, proposals and launch (on a CPU, the whole forward) are part of its cost.
+        self.began = 0.0
         self.result = StepResult(batch, passes=passes)
         # The last token each committing row samples, on the device (a continuable launch), and
         # whose each of them is (in `sampled`'s order): what the next launch's fed rows read.
@@ -54,10 +54,8 @@ class ForwardLaunch(Launch):
     """One forward pass; `logits[i]` holds plan item i's rows, `tokens` (a continuable launch)
     the samples of its committing rows, drawn on the device."""
 
-    def __init__(
-        self, batch: Batch, began: float, logits: list[torch.Tensor], continuable: bool
-    ) -> None:
-        super().__init__(batch, began, 1, continuable)
+    def __init__(self, batch: Batch, logits: list[torch.Tensor], continuable: bool) -> None:
+        super().__init__(batch, 1, continuable)
         self.logits = logits
         self.tokens: SampledTokens | None = None  # drawn on the device (a continuable launch)
         self.decode_only = all(item.completes_tail and item.num_tail == 1 for item in batch.plan)
@@ -80,10 +78,8 @@ class ForwardLaunch(Launch):
 class BurstLaunch(Launch):
     """`tokens.steps` plain decode steps: each sequence commits one token per step."""
 
-    def __init__(
-        self, batch: Batch, began: float, tokens: SampledTokens, continuable: bool
-    ) -> None:
-        super().__init__(batch, began, tokens.steps, continuable)
+    def __init__(self, batch: Batch, tokens: SampledTokens, continuable: bool) -> None:
+        super().__init__(batch, tokens.steps, continuable)
         self.tokens = tokens
         self.decode_only = True
 
@@ -100,6 +96,6 @@ class BurstLaunch(Launch):
 class LoopLaunch(Launch):
     """A decoder's own passes on the device (`Decoder.burst`); the plan is all its sequences."""
 
-    def __init__(self, batch: Batch, began: float, burst: Burst) -> None:
-        super().__init__(batch, began, 1)
+    def __init__(self, batch: Batch, burst: Burst) -> None:
+        super().__init__(batch, 1)
         self.burst = burst

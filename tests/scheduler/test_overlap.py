@@ -400,8 +400,8 @@ def test_rows_under_a_grammar_never_stay_in_flight_and_change_no_output(
     launches = []  # (kept in flight, some committing row under a grammar, its sampled rows')
     launch = executor_module.Executor._launch
 
-    def recording(self, batch, began):
-        made = launch(self, batch, began)
+    def recording(self, batch):
+        made = launch(self, batch)
         if made is not None:
             constrained = any(item.completes_tail and item.seq.grammar is not None
                               for item in made.batch.plan)  # fmt: skip
