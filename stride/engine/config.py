@@ -30,4 +30,7 @@ class EngineConfig:
     # Ranks the model is split over (one device each; `parallel`): this process is rank 0, and
     # starts a worker process for each other rank. The KV-cache budget is per rank.
     tensor_parallel_size: int = 1
+    # How ranks sum decode-sized products on GPUs (`collectives`): auto, over peer memory where
+    # the GPUs map each other's; nccl, always NCCL.
+    all_reduce: str = "auto"
     random_weights: bool = False  # the checkpoint's shapes with random values (benchmarks)

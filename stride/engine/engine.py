@@ -74,7 +74,8 @@ class Engine:
         if self.workers is None:
             self.runner = ModelRunner(self.model, self.cache, self.device)
         else:
-            self.runner = MirroredRunner(self.workers, self.model, self.cache, self.device)
+            self.runner = MirroredRunner(self.workers, self.model, self.cache, self.device,
+                                         all_reduce=config.all_reduce)  # fmt: skip
 
     def whole_vocab(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The whole embedding and LM head of a model split over ranks (what an EAGLE head

@@ -22,8 +22,9 @@ Two layer shapes, by the number of rows:
     (A tensor-core variant of the fused GEMV for a few rows costs more in-loop norm work than
     the launches it saves: docs/BENCHMARKS.md, "Design choices".)
 Under tensor parallelism (`parallel`) each rank runs the same kernels over its share of the heads
-and columns, with an all-reduce after the O and the down products (the fused GEMV then writes
-its partial product apart, and the sum joins the residual).
+and columns, with an all-reduce after the O and the down products: for decode-sized rows the
+product goes straight into a buffer every rank maps, and one kernel sums the ranks' products
+into the residual stream (and norms it for the next cuBLAS product; `collectives`); else NCCL.
 Rotary angles come from a table built once for every position, not from a dozen kernels per
 step. Apart from the fused GEMV's norm (see `gemv`), each kernel rounds where the module forward
 rounds (bf16 after every op).
@@ -38,6 +39,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from stride.engine.attention import AttentionMetadata, attend
+from stride.engine.collectives import PeerSum
 from stride.engine.eagle import EagleHead
 from stride.engine.kernels.decode_attention import DecodeMetadata
 from stride.engine.kernels.layer import (
@@ -74,7 +76,8 @@ def _concat_params(params: list[torch.nn.Parameter]) -> torch.Tensor:
 class FusedForward:
     """Same signature and result as `CausalLM.forward`; CUDA and Triton only."""
 
-    def __init__(self, model: CausalLM) -> None:
+    def __init__(self, model: CausalLM, all_reduce: str = "auto") -> None:
+        """`all_reduce`: "auto" or "nccl" (`collectives`; under tensor parallelism only)."""
         self.model = model
         self.qkv: list[tuple[torch.Tensor, torch.Tensor | None]] = []
         self.gate_up: list[torch.Tensor] = []
@@ -93,6 +96,10 @@ class FusedForward:
         # Split over ranks (`parallel`): the O and down products are partial sums, all-reduced
         # before they join the residual stream.
         self.parallel = isinstance(model.model.layers[0].mlp.down_proj, RowParallelLinear)
+        self.peer: PeerSum | None = None
+        if self.parallel:
+            weight = model.lm_head.weight
+            self.peer = PeerSum.setup(weight.device, weight.dtype, weight.shape[1], all_reduce)
 
     def __call__(
         self,
@@ -129,16 +136,11 @@ class FusedForward:
             qkv = F.linear(h, *self.qkv[i])
             q = rope_and_cache(qkv, *rope, k_cache, v_cache, meta.slot_mapping, a)
             o = attend(q, k_cache, v_cache, meta)
-            o = F.linear(o.view(o.shape[0], -1), a.o_proj.weight)
-            if self.parallel:
-                dist.all_reduce(o)
-            h = rms_norm(o, layer.post_attention_layernorm, residual)
+            o = o.view(o.shape[0], -1)
+            h = self._add_norm(o, a.o_proj.weight, residual, layer.post_attention_layernorm, 0)
             up = silu_and_mul(F.linear(h, self.gate_up[i]))
-            d = F.linear(up, layer.mlp.down_proj.weight)
-            if self.parallel:
-                dist.all_reduce(d)
             after = layers[i + 1].input_layernorm if i + 1 < len(layers) else model.model.norm
-            h = rms_norm(d, after, residual)
+            h = self._add_norm(up, layer.mlp.down_proj.weight, residual, after, 1)
             if i in aux:
                 captured[i] = residual.clone()
         captured[len(model.model.layers)] = h
@@ -154,18 +156,43 @@ class FusedForward:
         q = qkv_rope_cache(residual, weight, bias, layer.input_layernorm, rope, k_cache, v_cache,
                            meta.slot_mapping, a)  # fmt: skip
         o = attend(q, k_cache, v_cache, meta)
-        self._add_product(o.view(o.shape[0], -1), a.o_proj.weight, residual)
+        self._add_product(o.view(o.shape[0], -1), a.o_proj.weight, residual, 0)
         act = gemv(residual, self.gate_up[i], norm=layer.post_attention_layernorm, silu_mul=True)
-        self._add_product(act, layer.mlp.down_proj.weight, residual)
+        self._add_product(act, layer.mlp.down_proj.weight, residual, 1)
 
-    def _add_product(self, x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor) -> None:
-        """residual += x @ weight^T (in the GEMV's epilogue; summed over ranks if split)."""
+    def _add_product(
+        self, x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, half: int
+    ) -> None:
+        """residual += x @ weight^T (in the GEMV's epilogue; summed over ranks if split: in
+        the peer sum's `half`, 0 after attention and 1 after the MLP, so consecutive sums
+        alternate)."""
         if not self.parallel:
             gemv(x, weight, add_to=residual)
-            return
-        part = gemv(x, weight)
-        dist.all_reduce(part)
-        residual.add_(part)
+        elif self.peer is not None and self.peer.fits(len(x)):
+            gemv(x, weight, out=self.peer.stage(len(x), half))
+            self.peer.add(residual, half)
+        else:
+            part = gemv(x, weight)
+            dist.all_reduce(part)
+            residual.add_(part)
+
+    def _add_norm(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        residual: torch.Tensor,
+        norm: torch.nn.Module,
+        half: int,
+    ) -> torch.Tensor:
+        """norm(residual += x @ weight^T), the product summed over ranks if split (see
+        `_add_product`)."""
+        if self.peer is not None and self.peer.fits(len(x)):
+            torch.mm(x, weight.t(), out=self.peer.stage(len(x), half))
+            return self.peer.add(residual, half, norm)
+        product = F.linear(x, weight)
+        if self.parallel:
+            dist.all_reduce(product)
+        return rms_norm(product, norm, residual)
 
 
 def few_rows(model: CausalLM) -> int:

@@ -87,14 +87,16 @@ class ModelRunner:
         fused_kernels: bool = True,
         max_graph_batch: int = 256,
         max_graph_context: int = 8192,
+        all_reduce: str = "auto",
     ) -> None:
+        """`all_reduce`: how a rank of a split model sums decode-sized products (`collectives`)."""
         self.model = model
         self.cache = cache
         self.device = device
         use_planless_sdpa(device)
         self.forward_fn = model
         if fused_kernels and fused.supported(model, device):
-            self.forward_fn = fused.FusedForward(model)
+            self.forward_fn = fused.FusedForward(model, all_reduce)
         self.aux_layers: tuple[int, ...] = ()  # see `capture_features`
         self.adapter: MaskAdapter | None = None  # see `attach_adapter`
         # The whole model's K/V per token (from its config, not this rank's cache): ranks of a

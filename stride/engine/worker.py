@@ -51,7 +51,7 @@ class Rank:
         model = loaded.model
         dtype = next(model.parameters()).dtype
         cache = make_cache(config, model, dtype, self.device, "", parallel=True)
-        self.runner = ModelRunner(model, cache, self.device)
+        self.runner = ModelRunner(model, cache, self.device, all_reduce=config.all_reduce)
 
     def forward(self, spans: list[tuple], num_layers: int | None, fed: int | None) -> None:
         tokens = None if fed is None else self._receive(fed)

@@ -256,6 +256,9 @@ def build_parser() -> argparse.ArgumentParser:
           "--kv-cache-memory is given", 0.85, float)  # fmt: skip
     _flag(e, "tensor-parallel-size", "devices one model is split over (a worker process per "
           "device past the first; NCCL on GPUs, gloo on CPU)", 1, int)  # fmt: skip
+    _flag(e, "all-reduce", "tensor parallelism's sum of decode-sized products on GPUs: auto (one "
+          "kernel over peer memory where the GPUs map each other's, NCCL above) or nccl", "auto",
+          choice("auto", "nccl"))  # fmt: skip
     _flag(e, "max-num-seqs", "most sequences in one step", 256, int)
     _flag(e, "max-num-batched-tokens", "most tokens in one step (prefills are chunked)", 2048, int)
     _flag(e, "max-waiting", "waiting-queue size; beyond it requests get 429", 1024, int)
@@ -336,6 +339,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
             peak_bandwidth=args.peak_bandwidth,
             peak_flops=args.peak_flops,
             tensor_parallel_size=args.tensor_parallel_size,
+            all_reduce=args.all_reduce,
             random_weights=args.load_format == "dummy",
         ),
         scheduler=SchedulerConfig(

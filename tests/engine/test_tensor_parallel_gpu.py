@@ -17,10 +17,16 @@ pytestmark = pytest.mark.skipif(
 VARIANTS = ("ar", "ngram", "early_exit", "jacobi", "lookahead", "eagle")
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_two_gpus_match_one(tiny_dirs, eagle_target, eagle_head, arch):
+@pytest.mark.parametrize(("arch", "tp", "all_reduce"), [
+    ("llama", 2, "auto"), ("llama", 2, "nccl"), ("qwen2", 2, "auto"), ("llama", 4, "auto"),
+])  # fmt: skip
+def test_split_gpus_match_one(tiny_dirs, eagle_target, eagle_head, arch, tp, all_reduce):
+    """Decode-sized all-reduces over peer memory (auto) or NCCL: the same tokens as one GPU."""
+    if torch.cuda.device_count() < tp:
+        pytest.skip(f"needs {tp} GPUs")
     model = eagle_target if arch == "llama" else tiny_dirs[arch]
     head = {"draft_head": str(eagle_head)} if arch == "llama" else {}
     variants = VARIANTS if head else VARIANTS[:-1]
     one = generate(model, 1, variants, n=24, device="cuda", **head)
-    assert generate(model, 2, variants, n=24, device="cuda", **head) == one
+    split = generate(model, tp, variants, n=24, device="cuda", all_reduce=all_reduce, **head)
+    assert split == one

@@ -30,7 +30,9 @@ VARIANTS = {
 }
 
 
-def make_core(model: Path | None, tp: int, device: str = "cpu", **decoders) -> EngineCore:
+def make_core(
+    model: Path | None, tp: int, device: str = "cpu", all_reduce: str = "auto", **decoders
+) -> EngineCore:
     engine = Engine(
         EngineConfig(
             model=None if model is None else str(model),
@@ -38,6 +40,7 @@ def make_core(model: Path | None, tp: int, device: str = "cpu", **decoders) -> E
             dtype="float32",
             kv_cache_memory=16 << 20,
             tensor_parallel_size=tp,
+            all_reduce=all_reduce,
         )
     )
     try:
@@ -60,17 +63,28 @@ ONE_DEVICE: dict[tuple, dict[str, list[int]]] = {}  # TP=1 runs, the reference o
 
 
 def generate(
-    model, tp: int, variants, prompts=PROMPTS, n: int = 16, device: str = "cpu", **decoders
+    model,
+    tp: int,
+    variants,
+    prompts=PROMPTS,
+    n: int = 16,
+    device: str = "cpu",
+    all_reduce: str = "auto",
+    **decoders,
 ):
-    """Every prompt with every variant, greedy, on an engine split over `tp` ranks."""
+    """Every prompt with every variant, greedy, on an engine split over `tp` ranks (on GPUs,
+    decode-sized all-reduces over peer memory with `all_reduce` "auto", else NCCL)."""
     key = (str(model), tuple(variants), str(prompts), n, device, tuple(sorted(decoders.items())))
     if tp == 1 and key in ONE_DEVICE:
         return ONE_DEVICE[key]
-    core = make_core(model, tp, device, **decoders)
+    core = make_core(model, tp, device, all_reduce, **decoders)
     try:
         tokens, _ = run(core, requests(variants, prompts, n))
         if tp > 1:
             assert len(core.engine.workers.pids) == tp - 1
+            if device == "cuda":  # (GPUs of one host map each other's memory)
+                peer = core.engine.runner.forward_fn.peer
+                assert (peer is not None) == (all_reduce == "auto")
         else:
             ONE_DEVICE[key] = tokens
         return tokens

@@ -33,12 +33,14 @@ def gemv(
     norm: torch.nn.Module | None = None,
     silu_mul: bool = False,
     add_to: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
     tile: dict[str, int] | None = None,
 ) -> torch.Tensor:
     """x [M, K] @ weight[N, K]^T for a few rows, with what surrounds it fused in.
 
     `norm`: RMSNorm x first. `silu_mul`: weight is gate and up stacked; return SiLU(gate) * up.
     `add_to`: add the product into this tensor in place (the residual stream) and return it.
+    `out`: write the product here (contiguous [M, N]: a tensor-parallel rank's staging buffer).
     Where K is wider than one tile (an 8B model), the norm is folded in as gain on the input
     and 1/rms on the output, so in bf16 the result differs from the module forward's (which
     rounds the normalised input) by rounding.
@@ -46,7 +48,10 @@ def gemv(
     """
     m, k = x.shape
     n = weight.shape[0] // 2 if silu_mul else weight.shape[0]
-    out = add_to if add_to is not None else torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if add_to is not None:
+        out = add_to
+    elif out is None:
+        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     tile = tile or _gemv_tile(n, k, silu_mul)
     _launch_gemv(x, weight, bias, norm, out, n, triton.cdiv(n, tile["BN"]), tile, silu_mul,
             add=add_to is not None)  # fmt: skip
