@@ -13,7 +13,7 @@ For the real shapes of the default model (SmolLM2-135M) and an 8B Llama:
 Each number is the mean of 20 back-to-back launches captured in one graph, replayed 10 times;
 GEMVs cycle through copies of their weights 4x the L2 size, so that each reads HBM.
 
-    python bench/bench_kernels.py [--json kernels.json] [--trees-only]
+    python bench/bench_kernels.py [--json kernels.json] [--trees-only | --gemvs-only]
 """
 
 from __future__ import annotations
@@ -41,6 +41,11 @@ GEMVS = {
                      ("gate_up", 1536, 576, True), ("down", 576, 1536, False)],
     "llama-8b": [("qkv", 6144, 4096, False), ("o", 4096, 4096, False),
                  ("gate_up", 14336, 4096, True), ("down", 4096, 14336, False)],
+    # a rank's share under tensor parallelism (`stride.engine.parallel`)
+    "llama-8b-tp2": [("qkv", 3072, 4096, False), ("o", 4096, 2048, False),
+                     ("gate_up", 7168, 4096, True), ("down", 4096, 7168, False)],
+    "llama-8b-tp4": [("qkv", 1536, 4096, False), ("o", 4096, 1024, False),
+                     ("gate_up", 3584, 4096, True), ("down", 4096, 3584, False)],
 }  # fmt: skip
 HEADS = {"smollm2-135m": (9, 3, 64), "llama-8b": (32, 8, 128)}
 TILES = [(2, 1024, 4, 3), (4, 256, 4, 4), (4, 512, 4, 3), (4, 1024, 8, 2), (8, 128, 4, 4),
@@ -174,10 +179,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--trees-only", action="store_true", help="just the draft-tree rows")
+    parser.add_argument("--gemvs-only", action="store_true", help="just the GEMVs")
     args = parser.parse_args()
     results: dict = {"device": torch.cuda.get_device_name()}
     heads, kv_heads, dim = HEADS["smollm2-135m"]
-    for tree, batch, context in itertools.product((64, 128), (1, 8), (256, 1024, 4096)):
+    trees = itertools.product((64, 128), (1, 8), (256, 1024, 4096))
+    for tree, batch, context in [] if args.gemvs_only else trees:
         r = bench_attention(heads, kv_heads, dim, context, batch, tree)
         results[f"smollm2-135m/attention/tree{tree}_batch{batch}_context{context}"] = r
         print(f"smollm2-135m attention, trees of {tree} rows, batch {batch}, context {context}: "
@@ -195,7 +202,7 @@ def main() -> None:
                   f"({r['shipped_TB_s']} TB/s), best {r['best_us']} ({r['best_tile']}), cuBLAS "
                   f"+ separate kernels {separate}", flush=True)  # fmt: skip
     for model, (heads, kv_heads, dim) in HEADS.items():
-        if args.trees_only:
+        if args.trees_only or args.gemvs_only:
             break
         for batch, context in ((1, 256), (1, 1024), (1, 4096), (16, 256), (64, 256), (64, 1024)):
             r = bench_attention(heads, kv_heads, dim, context, batch)

@@ -52,7 +52,7 @@ def gemv(
         out = add_to
     elif out is None:
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    tile = tile or _gemv_tile(n, k, silu_mul)
+    tile = tile or _gemv_tile(n, k, silu_mul, norm is not None)
     _launch_gemv(x, weight, bias, norm, out, n, triton.cdiv(n, tile["BN"]), tile, silu_mul,
             add=add_to is not None)  # fmt: skip
     return out
@@ -74,7 +74,7 @@ def qkv_rope_cache(
     holds both halves that rotating needs; the rounding is `rope_and_cache`'s."""
     n, k = weight.shape
     q = torch.empty(len(x), attn.num_heads, attn.head_dim, dtype=x.dtype, device=x.device)
-    tile = _gemv_tile(n, k, False)
+    tile = _gemv_tile(n, k, False, True)
     tile["BN"] = max(1, tile["BN"] // 2)  # pairs of columns
     cos, sin, positions = rope
     _launch_gemv(x, weight, bias, norm, q, n, triton.cdiv(n // 2, tile["BN"]), tile,
@@ -125,25 +125,27 @@ def _launch_gemv(
     )
 
 
-def _gemv_tile(n: int, k: int, silu_mul: bool) -> dict[str, int]:
-    """Tile shape of the fused GEMV: the fastest of bench/bench_kernels.py's sweep for each
-    product of SmolLM2-135M and Llama-8B, as one rule (docs/BENCHMARKS.md, "Design choices").
+def _gemv_tile(n: int, k: int, silu_mul: bool, norm: bool) -> dict[str, int]:
+    """Tile shape and launch of the fused GEMV: the fastest of bench/bench_kernels.py's sweep
+    for each product of SmolLM2-135M and Llama-8B, whole and as a rank's share under tensor
+    parallelism of 2 and 4, as one rule (docs/BENCHMARKS.md, "Design choices").
 
-    Narrow column blocks keep every SM streaming; x is read in one tile when it fits (then the
-    norm is exact, see `_gemv_row_kernel`); the fp32 accumulators (BN x BK, twice with SiLU) must
-    stay in registers.
+    A normed x of up to 1024 columns is read in one tile (then the norm is exact, see
+    `_gemv_row_kernel`). Otherwise the number of output columns sets it: every SM must stream,
+    so narrower products take narrower column blocks; the fp32 accumulators (BN x BK, twice
+    with SiLU) must stay in registers.
     """
-    if k <= 1024:
-        bn, bk = 2, 1024
+    if norm and k <= 1024:
+        bn, bk, warps, stages = 2, 1024, 4, 3
     elif silu_mul:
-        bn, bk = 32, 128
-    elif n > k:  # wide (QKV)
-        bn, bk = 8, 256
-    elif k > n:  # deep (down)
-        bn, bk = 2, 1024
+        bn, bk, warps, stages = 4, 512, 4, 3
+    elif n <= 1024:
+        bn, bk, warps, stages = 2, 1024, 4, 3
+    elif n < 3072:
+        bn, bk, warps, stages = 4, 1024, 8, 2
     else:
-        bn, bk = 4, 512
-    return dict(BN=bn, BK=bk, num_warps=4, num_stages=3)
+        bn, bk, warps, stages = 8, 512, 8, 3
+    return dict(BN=bn, BK=bk, num_warps=warps, num_stages=stages)
 
 
 def rms_norm(x: torch.Tensor, norm: torch.nn.Module, residual: torch.Tensor | None) -> torch.Tensor:
