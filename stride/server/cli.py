@@ -99,8 +99,7 @@ def port_number(text: str) -> int:
 
 def positive_float(text: str) -> float:
     """A number above 0, e.g. `3.35e12`."""
-    value = float(text)
-    if not value > 0 or value == float("inf"):
+    if not 0 < (value := float(text)) < float("inf"):
         raise argparse.ArgumentTypeError(f"want a number above 0, got {text!r}")
     return value
 
@@ -254,11 +253,9 @@ def build_parser() -> argparse.ArgumentParser:
           shown="1GiB on CPU; on CUDA --gpu-memory-utilization of free GPU memory")  # fmt: skip
     _flag(e, "gpu-memory-utilization", "share of free GPU memory for the KV cache when no "
           "--kv-cache-memory is given", 0.85, float)  # fmt: skip
-    _flag(e, "tensor-parallel-size", "devices one model is split over (a worker process per "
-          "device past the first; NCCL on GPUs, gloo on CPU)", 1, int)  # fmt: skip
-    _flag(e, "all-reduce", "tensor parallelism's sum of decode-sized products on GPUs: auto (one "
-          "kernel over peer memory where the GPUs map each other's, NCCL above) or nccl", "auto",
-          choice("auto", "nccl"))  # fmt: skip
+    _flag(e, "tensor-parallel-size", "devices one model is split over, a process each", 1, int)
+    _flag(e, "all-reduce", "tensor parallelism's sum of decode-sized rows on GPUs: auto (over "
+          "peer memory, NCCL above 64 KiB) or nccl", "auto", choice("auto", "nccl"))  # fmt: skip
     _flag(e, "max-num-seqs", "most sequences in one step", 256, int)
     _flag(e, "max-num-batched-tokens", "most tokens in one step (prefills are chunked)", 2048, int)
     _flag(e, "max-waiting", "waiting-queue size; beyond it requests get 429", 1024, int)
@@ -271,8 +268,7 @@ def build_parser() -> argparse.ArgumentParser:
           shown="on for CUDA, off for CPU", action=argparse.BooleanOptionalAction)  # fmt: skip
     _flag(e, "max-engine-restarts", "engine restarts allowed within --engine-restart-window; "
           "one more and the server exits non-zero", 5, int)  # fmt: skip
-    _flag(e, "engine-restart-window", "seconds over which engine restarts are counted", 300.0,
-          float)  # fmt: skip
+    _flag(e, "engine-restart-window", "seconds engine restarts are counted over", 300.0, float)
     _flag(e, "watchdog-timeout", "seconds without an engine step, with requests in flight, "
           "before /health says 503 (stuck)", 30.0, float)  # fmt: skip
     _flag(e, "peak-bandwidth", "the device's memory bandwidth in bytes/s (read plus written), "
