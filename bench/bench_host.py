@@ -11,6 +11,7 @@ the host overhead alone.
         speculative:early_exit
     python bench/bench_host.py --concurrency 64 --model default --schema bounded
     python bench/bench_host.py --concurrency 256 --temperature 1 --top-k 50 --top-p 0.95
+    python bench/bench_host.py --concurrency 256 --logprobs 5
 
 `--schema` constrains every request to one of bench_constrained's JSON schemas; the token
 masks' cost depends on the vocabulary, so it wants the default model (its 49,152 tokens).
@@ -131,6 +132,7 @@ def run(args: argparse.Namespace, decoder: str) -> dict[str, Any]:
         top_p=args.top_p,
         ignore_eos=True,
         constraint=constraint,
+        logprobs=args.logprobs,
     )
     g = torch.Generator().manual_seed(0)
     for i in range(args.concurrency):
@@ -220,6 +222,7 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--logprobs", type=int, help="each token's logprob and N alternatives")
     parser.add_argument("--profile", action="store_true", help="cProfile the decode steps")
     args = parser.parse_args()
     torch.set_num_threads(1)
