@@ -7,10 +7,9 @@ to the kernels around it: the next kernel cannot start early behind it, and the 
 residual stream in a kernel of its own. Here the product is written straight into a staging
 buffer that every rank of the host maps (CUDA IPC handles, exchanged once at start-up and opened
 in this rank's own context, through the driver API), and one kernel sums every rank's buffer
-into the residual. Messages over `MAX_BYTES` (prefills, large
-batches) and every message under `--all-reduce nccl` go through NCCL, whose ring uses the links'
-bandwidth better. NVLink multicast is never used: ranks read each other's memory with ordinary
-loads.
+into the residual. Messages over `MAX_BYTES` (prefills, large batches) and every message under
+`--all-reduce nccl` go through NCCL, whose ring uses the links' bandwidth better. NVLink
+multicast is never used: ranks read each other's memory with ordinary loads.
 
 `PeerSum.setup` is collective (every rank calls it at the same point of start-up); it returns
 None, and NCCL takes every all-reduce, on the CPU, with one rank, or where some pair of GPUs
@@ -30,7 +29,8 @@ from stride.engine.kernels import peer_sum
 
 log = logging.getLogger(__name__)
 
-MAX_BYTES = 64 << 10  # larger messages go through NCCL (docs/BENCHMARKS.md, 2026-11-28 07:08)
+# Larger messages go through NCCL (docs/BENCHMARKS.md, "the peer sum and the GEMV tiles")
+MAX_BYTES = 64 << 10
 MODES = ("auto", "nccl")
 
 
