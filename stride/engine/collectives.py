@@ -34,11 +34,16 @@ MAX_BYTES = 64 << 10
 MODES = ("auto", "nccl")
 
 
+class PeerUnavailable(RuntimeError):
+    """Some rank could not share or map the buffers (every rank then keeps NCCL)."""
+
+
 class PeerSum:
     """Two halves of a staging buffer and of a flag array, mapped by every rank; `stage` gives
     the view a product writes its partial rows into, `add` sums them into the residual."""
 
     def __init__(self, device: torch.device, dtype: torch.dtype, cols: int) -> None:
+        """Collective; raises PeerUnavailable on every rank if any rank could not map."""
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.cols = cols
         self.max_rows = max(1, MAX_BYTES // (cols * dtype.itemsize))
@@ -49,14 +54,18 @@ class PeerSum:
         # One allocation, so one IPC handle per rank: the flags, then the staging rows.
         whole = torch.zeros(flag_bytes + 2 * self.half_numel * dtype.itemsize, dtype=torch.uint8,
                             device=device)  # fmt: skip
-        self._stage = whole[flag_bytes:].view(dtype)
         addresses, opened = _map_peers(whole, device)
+        torch.cuda.synchronize(device)
+        mapped = torch.tensor([int(len(addresses) == self.world)], device=device)
+        dist.all_reduce(mapped, op=dist.ReduceOp.MIN)  # (and every rank's flags are zero now)
+        if not mapped.item():
+            _unmap(opened, device)
+            raise PeerUnavailable("some rank could not map the others' buffers")
+        self._stage = whole[flag_bytes:].view(dtype)
         self.stage_ptrs = torch.tensor([a + flag_bytes for a in addresses], device=device)
         self.flag_ptrs = torch.tensor(addresses, device=device)
         self._whole = whole  # (our own rows: freed with this object, after the peers' unmapping)
         weakref.finalize(self, _unmap, opened, device)
-        torch.cuda.synchronize(device)
-        dist.barrier()  # (every rank's flags are zero before anyone signals)
 
     @classmethod
     def setup(
@@ -79,7 +88,11 @@ class PeerSum:
         if not agreed.item():
             log.info("all-reduce: NCCL only (some GPUs cannot map each other's memory)")
             return None
-        peer = cls(torch.device("cuda", index), dtype, cols)
+        try:
+            peer = cls(torch.device("cuda", index), dtype, cols)
+        except PeerUnavailable as e:
+            log.warning("all-reduce: NCCL only (%s)", e)
+            return None
         log.info("all-reduce: one kernel over peer memory up to %d rows, NCCL above", peer.max_rows)
         return peer
 
@@ -120,24 +133,37 @@ def _map_peers(local: torch.Tensor, device: torch.device) -> tuple[list[int], li
     """The address of every rank's `local` in this process (its own as it is), and the bases of
     the other ranks' allocations opened here: each rank shares an IPC handle of the allocation
     `local` lies in (and where in it `local` starts), and opens the others' in this device's
-    context, peer access enabled as it goes."""
+    context, peer access enabled as it goes. Where some rank cannot share or this one cannot
+    open, fewer addresses than ranks (every rank still takes part in the exchange)."""
     with torch.cuda.device(device):
-        base, size = ctypes.c_uint64(), ctypes.c_size_t()
-        _cu("cuMemGetAddressRange_v2", ctypes.byref(base), ctypes.byref(size),
-            ctypes.c_uint64(local.data_ptr()))  # fmt: skip
-        handle = _IpcHandle()
-        _cu("cuIpcGetMemHandle", ctypes.byref(handle), base)
+        mine = None
+        try:
+            base, size = ctypes.c_uint64(), ctypes.c_size_t()
+            _cu("cuMemGetAddressRange_v2", ctypes.byref(base), ctypes.byref(size),
+                ctypes.c_uint64(local.data_ptr()))  # fmt: skip
+            handle = _IpcHandle()
+            _cu("cuIpcGetMemHandle", ctypes.byref(handle), base)
+            mine = (bytes(handle), local.data_ptr() - base.value)
+        except (OSError, RuntimeError):
+            log.debug("sharing this rank's buffer failed", exc_info=True)
         shared: list = [None] * dist.get_world_size()
-        dist.all_gather_object(shared, (bytes(handle), local.data_ptr() - base.value))
-        addresses, opened = [], []
+        dist.all_gather_object(shared, mine)
+        addresses: list[int] = []
+        opened: list[int] = []
+        if any(entry is None for entry in shared):
+            return addresses, opened
         for rank, (raw, offset) in enumerate(shared):
             if rank == dist.get_rank():
                 addresses.append(local.data_ptr())
                 continue
             theirs = ctypes.c_uint64()
             lazy_peer_access = ctypes.c_uint(1)  # CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS
-            handle = _IpcHandle.from_buffer_copy(raw)
-            _cu("cuIpcOpenMemHandle_v2", ctypes.byref(theirs), handle, lazy_peer_access)
+            try:
+                handle = _IpcHandle.from_buffer_copy(raw)
+                _cu("cuIpcOpenMemHandle_v2", ctypes.byref(theirs), handle, lazy_peer_access)
+            except RuntimeError:
+                log.debug("mapping rank %d's buffer failed", rank, exc_info=True)
+                return [], opened
             opened.append(theirs.value)
             addresses.append(theirs.value + offset)
     return addresses, opened
