@@ -5,7 +5,8 @@ For the real shapes of the default model (SmolLM2-135M) and an 8B Llama:
     in) with the tile shape the engine picks, against a sweep of tile shapes and against cuBLAS
     plus the separate norm and SiLU kernels it replaces; bandwidth = weight bytes / time;
   - paged decode attention with the engine's launch shape against a sweep of (splits, tokens per
-    tile, warps), at batch 1 / 16 / 64 and contexts 256 / 1024 / 4096;
+    tile, warps), at batch 1 / 16 / 64 and contexts 256 / 1024 / 4096, for the 8B's heads whole
+    and as a rank's share at TP=2 and 4 too;
   - the same kernel over the verify rows of EAGLE draft trees (64 or 128 rows per sequence
     after its context, each under its tree mask) at batch 1 and 8, with the same rows as plain
     causal rows beside (what the mask itself costs) and through the tree kernel (each tree's
@@ -14,6 +15,7 @@ Each number is the mean of 20 back-to-back launches captured in one graph, repla
 GEMVs cycle through copies of their weights 4x the L2 size, so that each reads HBM.
 
     python bench/bench_kernels.py [--json kernels.json] [--trees-only | --gemvs-only]
+    python bench/bench_kernels.py --attention-only  # the decode attention sweeps alone
 """
 
 from __future__ import annotations
@@ -47,7 +49,8 @@ GEMVS = {
     "llama-8b-tp4": [("qkv", 1536, 4096, False), ("o", 4096, 1024, False),
                      ("gate_up", 3584, 4096, True), ("down", 4096, 3584, False)],
 }  # fmt: skip
-HEADS = {"smollm2-135m": (9, 3, 64), "llama-8b": (32, 8, 128)}
+HEADS = {"smollm2-135m": (9, 3, 64), "llama-8b": (32, 8, 128),
+         "llama-8b-tp2": (16, 4, 128), "llama-8b-tp4": (8, 2, 128)}  # fmt: skip
 TILES = [(2, 1024, 4, 3), (4, 256, 4, 4), (4, 512, 4, 3), (4, 1024, 8, 2), (8, 128, 4, 4),
          (8, 256, 4, 3), (8, 512, 8, 3), (16, 128, 4, 3), (16, 256, 4, 3),
          (32, 128, 4, 3)]  # fmt: skip
@@ -180,11 +183,12 @@ def main() -> None:
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--trees-only", action="store_true", help="just the draft-tree rows")
     parser.add_argument("--gemvs-only", action="store_true", help="just the GEMVs")
+    parser.add_argument("--attention-only", action="store_true", help="just decode attention")
     args = parser.parse_args()
     results: dict = {"device": torch.cuda.get_device_name()}
     heads, kv_heads, dim = HEADS["smollm2-135m"]
     trees = itertools.product((64, 128), (1, 8), (256, 1024, 4096))
-    for tree, batch, context in [] if args.gemvs_only else trees:
+    for tree, batch, context in [] if args.gemvs_only or args.attention_only else trees:
         r = bench_attention(heads, kv_heads, dim, context, batch, tree)
         results[f"smollm2-135m/attention/tree{tree}_batch{batch}_context{context}"] = r
         print(f"smollm2-135m attention, trees of {tree} rows, batch {batch}, context {context}: "
@@ -192,7 +196,7 @@ def main() -> None:
               f"{r['best_us']} ({r['best_launch']}), tree kernel {r['tree_kernel_us']} us",
               flush=True)  # fmt: skip
     for model, products in GEMVS.items():
-        if args.trees_only:
+        if args.trees_only or args.attention_only:
             break
         for name, n, k, silu in products:
             r = bench_gemv(name, n, k, silu)
