@@ -266,16 +266,11 @@ def serve(shape: str, tp: int, mode: str, path: Path) -> None:
         record(f"{key}/start_s", round(time.perf_counter() - start, 1))
         vocab = SHAPES[shape]["vocab_size"]
         model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
-        ask = lambda ids: httpx.post(f"{url}/v1/completions", timeout=600, json={  # noqa: E731
-            "model": model, "prompt": ids, "max_tokens": ARGS.new, "temperature": 0.0,
-            "ignore_eos": True})  # fmt: skip
-        ask(gpu.prompts(1, vocab, seed=3)[0]).raise_for_status()  # warm-up
+        ask(url, model, gpu.prompts(1, vocab, seed=3)[0])  # warm-up
         before = roofline(url)
         t0, tokens = time.perf_counter(), 0
         for ids in gpu.prompts(ARGS.serve_requests, vocab, seed=5):
-            r = ask(ids)
-            r.raise_for_status()
-            tokens += r.json()["usage"]["completion_tokens"]
+            tokens += ask(url, model, ids)
         elapsed = time.perf_counter() - t0
         record(f"{key}/tok_s_one_at_a_time", round(tokens / elapsed, 1))
         after = roofline(url)
@@ -293,6 +288,15 @@ def serve(shape: str, tp: int, mode: str, path: Path) -> None:
     finally:
         server.terminate()
         server.wait(120)
+
+
+def ask(url: str, model: str, ids: list[int]) -> int:
+    """One greedy completion of `--new` tokens for prompt `ids`; the tokens it made."""
+    body = {"model": model, "prompt": ids, "max_tokens": ARGS.new, "temperature": 0.0,
+            "ignore_eos": True}  # fmt: skip
+    r = httpx.post(f"{url}/v1/completions", json=body, timeout=600)
+    r.raise_for_status()
+    return r.json()["usage"]["completion_tokens"]
 
 
 def roofline(url: str) -> dict[str, float]:
