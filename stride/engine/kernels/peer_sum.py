@@ -35,7 +35,7 @@ except ImportError:
     triton = None
 
 ADD_BLOCK = 1024  # columns per program without the norm (more programs: more reads in flight)
-# Flag polls after which a program stops waiting (about a minute): a dead peer must not hang this
+# Flag polls after which a program stops waiting (tens of seconds): a dead peer must not hang this
 # GPU; the engine's watcher fails the engine when a worker exits (`workers`).
 SPINS = 1 << 26
 
