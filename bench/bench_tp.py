@@ -179,6 +179,11 @@ def charge(kernels: list[tuple[float, float, str]]) -> dict[str, float]:
     return dict(sorted(spent.items(), key=lambda kv: -kv[1]))
 
 
+def label(shape: str, tp: int, mode: str, what: str = "") -> str:
+    """The keys' prefix of a run: llama-8b/tp2, llama-8b/tp2_nccl, llama-8b/serve_tp2."""
+    return f"{shape}/{what}tp{tp}" + ("" if mode == "auto" or tp == 1 else f"_{mode}")
+
+
 def bench(shape: str, tp: int, mode: str, path: Path, base: dict) -> None:
     dtype = "bfloat16" if ARGS.device == "cuda" else "float32"
     config = EngineConfig(
@@ -187,7 +192,7 @@ def bench(shape: str, tp: int, mode: str, path: Path, base: dict) -> None:
     )  # fmt: skip
     start = time.perf_counter()
     engine = Engine(config)
-    key = f"{shape}/tp{tp}" + ("" if mode == "auto" or tp == 1 else f"_{mode}")  # tp2, tp2_nccl
+    key = label(shape, tp, mode)
     record(f"{key}/start_s", round(time.perf_counter() - start, 1))
     core = EngineCore(engine)
     vocab = SHAPES[shape]["vocab_size"]
@@ -262,7 +267,7 @@ def serve(shape: str, tp: int, mode: str, path: Path) -> None:
                     break
             except httpx.HTTPError:
                 time.sleep(1.0)
-        key = f"{shape}/serve_tp{tp}" + ("" if mode == "auto" else f"_{mode}")
+        key = label(shape, tp, mode, "serve_")
         record(f"{key}/start_s", round(time.perf_counter() - start, 1))
         vocab = SHAPES[shape]["vocab_size"]
         model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
@@ -281,8 +286,7 @@ def serve(shape: str, tp: int, mode: str, path: Path) -> None:
         record(f"{key}/step_share_of_wall", round(seconds / elapsed, 3))
         record(f"{key}/peak_bandwidth_gb_s", round(after["peak_bandwidth"] / 1e9, 1))
         record(f"{key}/roofline_measured_bw", round(share, 3))
-        bench_key = f"{shape}/tp{tp}" + ("" if mode == "auto" else f"_{mode}")
-        bench_share = RESULTS.get(f"{bench_key}/batch1_roofline_measured_bw")
+        bench_share = RESULTS.get(f"{label(shape, tp, mode)}/batch1_roofline_measured_bw")
         if bench_share:
             record(f"{key}/roofline_over_bench", round(share / bench_share, 3))
     finally:
