@@ -3,7 +3,8 @@
 For 2 (and 4, where there are 4 GPUs) ranks, one process each, and rows of 4,096 and 8,192
 columns (the 8B and 70B shapes' hidden size) in bf16:
   - checks first: every rank's residual after the peer sum (with and without the RMSNorm) equals
-    NCCL's all-reduce plus the add to bf16 rounding, and holds the same bits on every rank;
+    the ranks' rows summed in fp32 plus the add to bf16 rounding, and holds the same bits on
+    every rank;
   - then µs per call, 100 calls back to back captured in one CUDA graph: the peer sum against
     NCCL's all-reduce followed by the residual add it replaces, at 1, 4 and 8 rows.
 
@@ -32,29 +33,32 @@ DTYPE = torch.bfloat16
 
 
 def check(peer: PeerSum, norm: RMSNorm, rows: int, cols: int, world: int) -> None:
-    """The peer sum's residual (and norm) against NCCL's sum plus the add, on every rank."""
+    """The peer sum's residual (and norm) on every rank against every rank's rows summed in
+    fp32 in rank order plus the add; a fresh product each round (an inbox read back stale would
+    repeat the last), with negative zeros in it (the inbox's sentinel)."""
     dev = norm.weight.device
-    part = torch.randn(rows, cols, device=dev, dtype=DTYPE)
     start = torch.randn(
         rows, cols, device=dev, dtype=DTYPE, generator=torch.Generator(device=dev).manual_seed(7)
     )
-    total = part.clone()
-    dist.all_reduce(total)
-    want = (start + total).to(DTYPE)
-    for with_norm in (False, True):
-        for half in (0, 1):
-            peer.stage(rows, half).copy_(part)
-            residual = start.clone()
-            normed = peer.add(residual, half, norm if with_norm else None)
-            torch.cuda.synchronize()
-            assert (residual.float() - want.float()).abs().max().item() < 0.1, (rows, with_norm)
-            if with_norm:
-                x = residual.float()
-                rms = (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.eps)).to(DTYPE)
-                assert (normed.float() - norm.weight.float() * rms.float()).abs().max() < 0.1
-        every = [torch.empty_like(residual) for _ in range(world)]
-        dist.all_gather(every, residual)
-        assert all(torch.equal(every[0], r) for r in every), "ranks hold different sums"
+    for turn, (with_norm, half) in enumerate([(False, 0), (False, 1), (True, 0), (True, 1)]):
+        part = torch.randn(rows, cols, device=dev, dtype=DTYPE) * (turn + 1)
+        part[:, ::7] = -0.0
+        every = [torch.empty_like(part) for _ in range(world)]
+        dist.all_gather(every, part)
+        total = torch.zeros(rows, cols, device=dev)
+        for theirs in every:
+            total += theirs.float()
+        want = total.to(DTYPE) + start
+        peer.stage(rows, half).copy_(part)
+        residual = start.clone()
+        normed = peer.add(residual, half, norm if with_norm else None)
+        torch.cuda.synchronize()
+        torch.testing.assert_close(residual, want, rtol=2**-7, atol=1e-3)
+        if with_norm:
+            torch.testing.assert_close(normed, norm(residual), rtol=2**-6, atol=1e-2)
+        sums = [torch.empty_like(residual) for _ in range(world)]
+        dist.all_gather(sums, residual)
+        assert all(torch.equal(sums[0], r) for r in sums), "ranks hold different sums"
 
 
 def graph_us(calls, dev: torch.device) -> float:
@@ -104,7 +108,7 @@ def rank_main(rank: int, world: int, port: int, cols: int, out: str) -> None:
     norm = RMSNorm(cols, 1e-5).to(dev, DTYPE)
     norm.weight.data.normal_()
     report = {}
-    for rows in ROWS:
+    for rows in filter(peer.fits, ROWS):
         check(peer, norm, rows, cols, world)
         report.update(timed(peer, rows, cols, dev))
     if rank == 0:

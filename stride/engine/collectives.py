@@ -4,12 +4,13 @@ maps, with the residual add and the next RMSNorm in it (`kernels.peer_sum`).
 A decode step all-reduces a few KB twice per layer (after the attention's output projection
 and after the MLP's down projection). At that size NCCL's cost is its latency and what it does
 to the kernels around it: the next kernel cannot start early behind it, and the sum joins the
-residual stream in a kernel of its own. Here the product is written straight into a staging
-buffer that every rank of the host maps (CUDA IPC handles, exchanged once at start-up and opened
-in this rank's own context, through the driver API), and one kernel sums every rank's buffer
-into the residual. Messages over `MAX_BYTES` (prefills, large batches) and every message under
-`--all-reduce nccl` go through NCCL, whose ring uses the links' bandwidth better. NVLink
-multicast is never used: ranks read each other's memory with ordinary loads.
+residual stream in a kernel of its own. Here one kernel pushes the product's rows into every
+other rank's inbox, a buffer every rank of the host maps (CUDA IPC handles, exchanged once at
+start-up and opened in this rank's own context, through the driver API), waits for theirs in
+its own and sums them into the residual. Messages over `MAX_BYTES` (prefills, large batches)
+and every message under `--all-reduce nccl` go through NCCL, whose ring uses the links'
+bandwidth better. NVLink multicast is never used: ranks write each other's memory with
+ordinary stores.
 
 `PeerSum.setup` is collective (every rank calls it at the same point of start-up); it returns
 None, and NCCL takes every all-reduce, on the CPU, with one rank, or where some pair of GPUs
@@ -39,8 +40,9 @@ class PeerUnavailable(RuntimeError):
 
 
 class PeerSum:
-    """Two halves of a staging buffer and of a flag array, mapped by every rank; `stage` gives
-    the view a product writes its partial rows into, `add` sums them into the residual."""
+    """This rank's staging rows and its inbox (two halves each), every rank's inbox mapped here;
+    `stage` gives the view a product writes its partial rows into, `add` sums every rank's
+    into the residual."""
 
     def __init__(self, device: torch.device, dtype: torch.dtype, cols: int) -> None:
         """Collective; raises PeerUnavailable on every rank if any rank could not map."""
@@ -48,23 +50,19 @@ class PeerSum:
         self.cols = cols
         self.max_rows = max(1, MAX_BYTES // (cols * dtype.itemsize))
         self.half_numel = self.max_rows * cols
-        # (each program of a sum has a flag per rank; the sum with the norm has fewer programs)
-        self.half_flags = self.max_rows * peer_sum.blocks(cols)[1] * self.world
-        flag_bytes = -(-2 * self.half_flags * 4 // 256) * 256
-        # One allocation, so one IPC handle per rank: the flags, then the staging rows.
-        whole = torch.zeros(flag_bytes + 2 * self.half_numel * dtype.itemsize, dtype=torch.uint8,
-                            device=device)  # fmt: skip
-        addresses, opened = _map_peers(whole, device)
+        self._stage = torch.empty(2 * self.half_numel, dtype=dtype, device=device)
+        # [half][sender][rows]: where each rank's rows arrive; empty (the sentinel) to begin with
+        bits, empty = peer_sum.sentinel(dtype)
+        inbox = torch.full((2 * self.world * self.half_numel,), empty, dtype=bits, device=device)
+        addresses, opened = _map_peers(inbox, device)
         torch.cuda.synchronize(device)
         mapped = torch.tensor([int(len(addresses) == self.world)], device=device)
-        dist.all_reduce(mapped, op=dist.ReduceOp.MIN)  # (and every rank's flags are zero now)
+        dist.all_reduce(mapped, op=dist.ReduceOp.MIN)  # (and every rank's inbox is empty now)
         if not mapped.item():
             _unmap(opened, device)
             raise PeerUnavailable("some rank could not map the others' buffers")
-        self._stage = whole[flag_bytes:].view(dtype)
-        self.stage_ptrs = torch.tensor([a + flag_bytes for a in addresses], device=device)
-        self.flag_ptrs = torch.tensor(addresses, device=device)
-        self._whole = whole  # (our own rows: freed with this object, after the peers' unmapping)
+        self.inbox_ptrs = torch.tensor(addresses, device=device)
+        self._inbox = inbox  # (ours: freed with this object, after the peers' unmapping)
         weakref.finalize(self, _unmap, opened, device)
 
     @classmethod
@@ -108,8 +106,9 @@ class PeerSum:
         self, residual: torch.Tensor, half: int, norm: torch.nn.Module | None = None
     ) -> torch.Tensor | None:
         """residual += every rank's staged rows of `half`; with `norm`, return norm(residual)."""
-        return peer_sum.peer_sum(self.stage_ptrs, self.flag_ptrs, self.rank, residual,
-                                 half * self.half_numel, half * self.half_flags, norm)  # fmt: skip
+        return peer_sum.peer_sum(self.stage(len(residual), half), self.inbox_ptrs, self.rank,
+                                 residual, half * self.world * self.half_numel, self.half_numel,
+                                 norm)  # fmt: skip
 
 
 class _IpcHandle(ctypes.Structure):

@@ -1,23 +1,27 @@
 """The one-shot all-reduce of tensor parallelism's decode steps, with the residual add (and the
 next RMSNorm) in the same kernel (`collectives.PeerSum` owns its buffers).
 
-Every rank has written its partial product into its own staging buffer, which every other rank
-maps (CUDA IPC). Each program of the kernel meets the same program of every other rank at a
-flag barrier, then reads its columns of every rank's staging buffer, sums them in rank order (so
-every rank holds the same bits, as the replicated residual stream needs), adds the sum into the
-residual stream and, with NORM, writes the RMSNorm of the new residual for the next product.
+Every rank has written its partial product into its own staging buffer. Each program of the
+kernel pushes its columns of those rows into every other rank's inbox (a buffer every rank
+maps, CUDA IPC), then waits in its own inbox until every other rank's columns have arrived,
+sums every rank's rows in rank order (so every rank holds the same bits, as the replicated
+residual stream needs), adds the sum into the residual stream and, with NORM, writes the
+RMSNorm of the new residual for the next product.
 
-The flags reset themselves: a sender sets a peer's flag to 1, and the waiter takes it back from 1
-to 0, so the kernel replays in a CUDA graph with nothing reset from the host. The kernel has no
-barrier at its end; consecutive sums take turns between two halves of the buffers, so a rank
-that races ahead to stage the next one writes the half nobody reads (it cannot pass that next
-barrier before every peer has started it, i.e. finished this one). For the same reason a sender
-neither waits for its flag to arrive nor checks that the last one was taken: it sets a flag again
-two sums later, after every peer has finished the sum in between. A program gives up waiting
-after `SPINS` polls, so that a dead peer cannot hang the GPU.
+There are no flags: the data is its own signal. An inbox holds negative zero (the sentinel)
+wherever nothing has arrived; a sender turns its own negative zeros into positive ones, which
+sum to the same value, so that a value that has arrived never looks like the sentinel. A
+reader polls until no sentinel is left, then puts the sentinel back where it read, so the
+kernel replays in a CUDA graph with nothing reset from the host. Its only waits are for data
+to arrive over the links (one way), not for a flag and then a read (there and back).
+
+Consecutive sums take turns between two halves of the inboxes: a rank that races ahead to push
+the next sum writes the half nobody reads, and it cannot push into this half again before
+every peer has finished this sum (it needs their rows of the sum in between first). A program
+gives up waiting after `SPINS` polls, so that a dead peer cannot hang the GPU.
 
 Launched with programmatic dependent launch (`pdl`), it lets the next kernel start at once: that
-kernel's weight loads overlap the barrier and the sum, which is most of what an all-reduce of a
+kernel's weight loads overlap the wait and the sum, which is most of what an all-reduce of a
 few KB costs.
 """
 
@@ -35,49 +39,52 @@ except ImportError:
     triton = None
 
 ADD_BLOCK = 1024  # columns per program without the norm (more programs: more reads in flight)
-# Flag polls after which a program stops waiting (tens of seconds): a dead peer must not hang this
-# GPU; the engine's watcher fails the engine when a worker exits (`workers`).
+# Inbox polls after which a program stops waiting (tens of seconds): a dead peer must not hang
+# this GPU; the engine's watcher fails the engine when a worker exits (`workers`).
 SPINS = 1 << 26
 
 
-def blocks(cols: int) -> tuple[int, int]:
-    """(block, programs per row) of a sum without the norm over rows of `cols` columns."""
-    block = min(ADD_BLOCK, triton.next_power_of_2(cols))
-    return block, triton.cdiv(cols, block)
+def sentinel(dtype: torch.dtype) -> tuple[torch.dtype, int]:
+    """(the integers of `dtype`'s width, negative zero's bits as one): what an empty inbox holds."""
+    bits = torch.finfo(dtype).bits
+    return {16: torch.int16, 32: torch.int32}[bits], -(1 << (bits - 1))
 
 
 def peer_sum(
-    stage_ptrs: torch.Tensor,
-    flag_ptrs: torch.Tensor,
+    stage: torch.Tensor,
+    inbox_ptrs: torch.Tensor,
     rank: int,
     residual: torch.Tensor,
-    stage_at: int,
-    flag_at: int,
+    inbox_at: int,
+    slot: int,
     norm: torch.nn.Module | None = None,
 ) -> torch.Tensor | None:
-    """residual += the sum over ranks of their staged rows (`stage_ptrs`: each rank's staging
-    buffer, `stage_at` elements in; `flag_ptrs`: each rank's flags, `flag_at` in); with `norm`,
-    return norm(residual) too."""
+    """residual += the sum over ranks of their staged rows (`stage`: this rank's rows;
+    `inbox_ptrs`: every rank's inbox, where rank r's rows arrive `inbox_at + r * slot` elements
+    in); with `norm`, return norm(residual) too."""
     rows, cols = residual.shape
     if norm is not None:
         block, programs = triton.next_power_of_2(cols), 1
         out = torch.empty_like(residual)
     else:
-        (block, programs), out = blocks(cols), residual
+        block = min(ADD_BLOCK, triton.next_power_of_2(cols))
+        programs, out = triton.cdiv(cols, block), residual
+    bits, empty = sentinel(residual.dtype)
     _peer_sum_kernel[(rows, programs)](
-        stage_ptrs,
-        flag_ptrs,
+        stage.view(bits),
+        inbox_ptrs,
         residual,
         norm.weight if norm is not None else residual,
         out,
         cols,
         norm.eps if norm is not None else 0.0,
-        stage_at,
-        flag_at,
+        inbox_at,
+        slot,
         RANK=rank,
-        WORLD=len(stage_ptrs),
+        WORLD=len(inbox_ptrs),
         BLOCK=block,
         NORM=norm is not None,
+        EMPTY=empty,
         SPINS=SPINS,
         num_warps=4 if block <= 2048 else 8,
         **pdl.launch_options(residual.device),
@@ -89,50 +96,55 @@ if triton is not None:
 
     @triton.jit
     def _peer_sum_kernel(
-        stage_ptrs,
-        flag_ptrs,
+        stage_ptr,
+        inbox_ptrs,
         res_ptr,
         norm_ptr,
         out_ptr,
         cols,
         eps,
-        stage_at,
-        flag_at,
+        inbox_at,
+        slot,
         RANK: tl.constexpr,
         WORLD: tl.constexpr,
         BLOCK: tl.constexpr,
         NORM: tl.constexpr,
+        EMPTY: tl.constexpr,
         PDL: tl.constexpr,
         SPINS: tl.constexpr,
     ):
         """Columns [BLOCK * program_id(1), + BLOCK) of row program_id(0)."""
-        row = tl.program_id(0)
-        program = row * tl.num_programs(1) + tl.program_id(1)
-        if PDL:  # the staged rows are the kernel before's output
-            gdc_wait()
-            gdc_launch_dependents()
-        slot = flag_at + program * WORLD
-        for p in tl.static_range(WORLD):  # tell every rank that our rows are staged (a store
-            # that nobody waits for: the result unused, one thread sends it and goes on)
-            theirs = tl.load(flag_ptrs + p).to(tl.pointer_type(tl.int32)) + slot + RANK
-            tl.atomic_xchg(theirs, 1, sem="release", scope="sys")
-        tries = tl.full([], 0, tl.int32)
-        mine = tl.load(flag_ptrs + RANK).to(tl.pointer_type(tl.int32)) + slot
-        for p in tl.static_range(WORLD):  # and wait until every rank has told us
-            told = mine + p
-            while (tl.atomic_cas(told, 1, 0, sem="acquire", scope="sys") != 1) & (tries < SPINS):
-                tries += 1
-        tl.debug_barrier()
         dtype = res_ptr.dtype.element_ty
+        bits_ty = stage_ptr.dtype.element_ty  # (the rows' bits, as integers of their width)
+        row = tl.program_id(0)
         c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         ok = c < cols
         at = row.to(tl.int64) * cols + c
+        if PDL:  # the staged rows are the kernel before's output
+            gdc_wait()
+            gdc_launch_dependents()
+        empty = tl.full([BLOCK], EMPTY, bits_ty)
+        ours = tl.load(stage_ptr + at, mask=ok, other=0)
+        ours = tl.where(ours == empty, tl.zeros_like(ours), ours)  # -0.0 as +0.0
+        for p in tl.static_range(WORLD):  # deliver our rows to every other rank's inbox
+            if p != RANK:
+                theirs = tl.load(inbox_ptrs + p).to(tl.pointer_type(bits_ty))
+                tl.store(theirs + inbox_at + RANK * slot + at, ours, mask=ok)
+        inbox = tl.load(inbox_ptrs + RANK).to(tl.pointer_type(bits_ty)) + inbox_at + at
+        tries = tl.full([], 0, tl.int32)
         total = tl.zeros([BLOCK], dtype=tl.float32)
         for p in tl.static_range(WORLD):  # in rank order: the same bits on every rank
-            stage = tl.load(stage_ptrs + p).to(tl.pointer_type(dtype))
-            total += tl.load(stage + stage_at + at, mask=ok, other=0.0, cache_modifier=".cg").to(
-                tl.float32
-            )
+            if p == RANK:
+                arrived = ours
+            else:
+                arrived = tl.load(inbox + p * slot, mask=ok, other=0, volatile=True)
+                missing = tl.max((arrived == empty).to(tl.int32), axis=0)
+                while (missing > 0) & (tries < SPINS):
+                    arrived = tl.load(inbox + p * slot, mask=ok, other=0, volatile=True)
+                    missing = tl.max((arrived == empty).to(tl.int32), axis=0)
+                    tries += 1
+                tl.store(inbox + p * slot, empty, mask=ok)  # ready for the sum after next
+            total += arrived.to(dtype, bitcast=True).to(tl.float32)
         x = (total.to(dtype) + tl.load(res_ptr + at, mask=ok, other=0.0)).to(dtype)
         tl.store(res_ptr + at, x, mask=ok)
         if NORM:  # as `layer._rms_norm_kernel` rounds
