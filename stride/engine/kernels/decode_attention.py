@@ -73,13 +73,16 @@ def decode_attention(
     kv = k_cache.shape[1]
     group = h // kv
     lengths = meta.context_lens.contiguous()  # a column of the graphs' packed input array
-    # Splits: enough programs for every SM at a small batch. The count depends on the batch only
-    # through b * kv (16 up to an eighth of the SMs, 1 from two per SM on), so a sequence's bf16
-    # result is the same in most batches: alone and as 5 speculative rows, or in any batch past
-    # 90 rows. Tiles of 16 tokens on 2 warps: the fastest of bench/bench_kernels.py's sweep
-    # at short contexts and mid-size batches (docs/BENCHMARKS.md, "Design choices").
-    splits = max(1, min(16, 2 * _num_sms(q.device) // (b * kv)))
-    splits, block_n, warps = launch or (splits, 16, 2)
+    # Splits: 16 up to PROGRAMS programs, fewer past that. A program walks its split one tile
+    # after another, so more of them keep more loads in flight even when every SM has some; a
+    # short context leaves some splits empty (a split has a tile at least), and they cost little.
+    # So a sequence's bf16 result is the same in any batch up to PROGRAMS / 16 (sequence, KV
+    # head) pairs. Tiles of 16 tokens, on 4 warps while there are at most 16 pairs (few programs,
+    # more loads each) and 2 past that: the fastest of bench/bench_kernels.py's sweep at
+    # contexts up to 1,024 and batches 1 to 64 (docs/BENCHMARKS.md, "Design choices").
+    pairs = b * kv
+    default = (max(1, min(16, PROGRAMS // pairs)), 16, 4 if pairs <= 16 else 2)
+    splits, block_n, warps = launch or default
     out = torch.empty_like(q)
     partial = torch.empty(b, h, splits, d + 2, dtype=torch.float32, device=q.device)
     tree = meta.tree_mask is not None
@@ -130,6 +133,10 @@ def decode_attention(
         )
     return out
 
+
+# Decode attention programs past which a launch takes fewer splits (of (sequence, KV head) pairs
+# × splits): 16 splits up to 512 pairs, 64 sequences of the 8B shape.
+PROGRAMS = 8192
 
 # Query rows of a tree program: (tree row, query head of the group) pairs, flattened row-major.
 _TREE_BLOCK_M = 64
