@@ -64,6 +64,8 @@ CONFIGS = {
     "tree 128": {
         "num_speculative_tokens": 8, "tree_nodes": 128, "tree_topk": 10, "adaptive": False
     },
+    "chain K=1": {"num_speculative_tokens": 1, "adaptive": False},
+    "chain K=2": {"num_speculative_tokens": 2, "adaptive": False},
     "chain K=3": {"num_speculative_tokens": 3, "adaptive": False},
     "default": {},  # what {"draft": "eagle"} gets: adaptive, the loop policy's choice on a GPU
 }

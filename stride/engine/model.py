@@ -13,6 +13,8 @@ whose import costs an engine or API process several seconds at start (`python -X
 
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -28,21 +30,44 @@ class VocabHead(nn.Linear):
     """The LM head: hidden states to logits over the vocabulary, a weight far larger than a CPU's
     caches.
 
-    On a CPU, MKL's GEMM takes 2 to 64 rows against such a weight at 2-3x the time of one row
-    (it packs the weight and streams it again); the same product as weight @ x^T streams it once,
-    so a verification pass of a few drafts, or a small batch, pays for its logits about what one
-    row pays (docs/BENCHMARKS.md, "A vocabulary head's product for a few rows, CPU").
+    On a CPU, MKL's GEMM may take a few rows against such a weight at 2-3x the time of one row
+    (it packs the weight and streams it again), and the same product as weight @ x^T then streams
+    it once; on other CPUs it is the other way round (docs/BENCHMARKS.md, "A vocabulary head's
+    product for a few rows, CPU"). So the first product of each row count times both and keeps
+    the faster, and a verification pass of a few drafts pays for its logits about what one row
+    pays on either.
     """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return head_product(x, self.weight)
 
 
+# (rows, vocabulary, hidden) -> whether weight @ x^T beat x @ weight^T on this CPU
+_TRANSPOSED: dict[tuple[int, ...], bool] = {}
+
+
 def head_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x @ weight^T for a vocabulary head's weight (see `VocabHead`)."""
-    if x.device.type == "cpu" and x.dim() == 2 and 1 < len(x) <= 64:
-        return torch.mm(weight, x.t()).t().contiguous()
-    return F.linear(x, weight)
+    """x @ weight^T for a vocabulary head's weight, in the faster form (see `VocabHead`)."""
+    if x.device.type != "cpu" or x.dim() != 2 or not 1 < len(x) <= 64:
+        return F.linear(x, weight)
+    key = (len(x), *weight.shape)
+    if key not in _TRANSPOSED:
+        _TRANSPOSED[key] = _seconds(_transposed, x, weight) < _seconds(F.linear, x, weight)
+    return _transposed(x, weight) if _TRANSPOSED[key] else F.linear(x, weight)
+
+
+def _transposed(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return torch.mm(weight, x.t()).t().contiguous()
+
+
+def _seconds(product, x: torch.Tensor, weight: torch.Tensor) -> float:
+    """The best of two runs of product(x, weight)."""
+    best = float("inf")
+    for _ in range(2):
+        start = time.perf_counter()
+        product(x, weight)
+        best = min(best, time.perf_counter() - start)
+    return best
 
 
 class RMSNorm(nn.Module):
