@@ -110,6 +110,8 @@ def probabilities(logits: torch.Tensor, rows: list[Row]) -> torch.Tensor:
     """Temperature, top-k, top-p and min-p, as one distribution per row (greedy rows: one-hot):
     the distribution `sample` draws from (the same truncation)."""
     s = settings([r.seq for r in rows], [r.position for r in rows], logits.device)
+    if s.all_greedy:
+        return torch.zeros_like(logits).scatter_(1, logits.argmax(-1, keepdim=True), 1.0)
     vals, ids = _candidates(logits / s.temperature, s)
     probs = torch.softmax(vals, dim=-1)
     if ids is not None:
@@ -122,7 +124,10 @@ def probabilities(logits: torch.Tensor, rows: list[Row]) -> torch.Tensor:
 
 def draw(probs: torch.Tensor, rows: list[Row], stream: int = counter.TARGET) -> list[int]:
     """One token per row from the distributions `probs`, with the rows' counter-based noise in
-    `stream` (greedy rows hold a one-hot distribution: their argmax)."""
+    `stream` (greedy rows hold a one-hot distribution: their argmax, drawn without noise where
+    every row is greedy)."""
+    if all(r.seq.params.greedy for r in rows):
+        return probs.argmax(-1).tolist()
     keys = counter.keys([r.seq.seed for r in rows], np.array([r.position for r in rows]), stream)
     keys_t = torch.from_numpy(keys)[:, None].to(probs.device, non_blocking=True)
     noise = counter.gumbel(keys_t, None, probs.shape[-1])
