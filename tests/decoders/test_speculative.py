@@ -343,6 +343,17 @@ def test_adaptive_policy_speculates_only_when_it_pays():
     assert gpu[0] >= gpu[1] >= gpu[2] and gpu[0] > 0 and gpu[2] == 0
 
 
+def test_adaptive_policy_prices_a_pass_by_what_its_row_count_measured():
+    """A CPU whose products cost one row's up to 3 rows and twice that from 4 (MKL): measured,
+    that step is what the policy prices, not the saturation's straight line."""
+    cpu = StepCosts(saturation=16, draft=0.02)
+    assert choose_k(0.6, 1, 6, cpu) == 3  # the straight line: 4 rows look cheap
+    measured = {t: (1.0 if t <= 3 else 2.2) / (1 + t / 16) for t in range(2, 8)}
+    assert choose_k(0.6, 1, 6, replace(cpu, spec_at=measured)) == 2
+    # a row count nobody measured is priced from `spec` (here the straight line)
+    assert choose_k(0.6, 1, 6, replace(cpu, spec_at={2: measured[2]})) == 3
+
+
 def test_a_step_drafts_only_if_its_drafts_pay_for_it_at_this_batch_size(tiny_dir):
     """Injected step costs per batch size: what drafting costs, not when, decides K."""
     engine = Engine(EngineConfig(model=str(tiny_dir), device="cpu", kv_cache_memory=8 << 20))

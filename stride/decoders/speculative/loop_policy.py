@@ -11,9 +11,11 @@ E(K) = 1 + a_0 + a_0·a_1 + … + a_0·…·a_(K-1) tokens per target pass. A st
 T(K) = spec·(1 + B(1+K)/S) + K·draft·(1 + B/S) and a plain one T0 = plain·(1 + B/S): a forward
 grows with the tokens it scores once past S "saturation" tokens (where the device turns from
 memory- to compute-bound: 16 on CPU, 256 on GPU), and each draft position is one batched
-drafter forward. B is the number of speculative sequences in the step. Goodput relative to
-plain decoding is G(K) = E(K)·T0/T(K); the best K is the one with the largest G, and K = 0
-(plain decoding, no drafter work) unless the best G beats 1 by 5 %.
+drafter forward; where a draft-scoring forward of exactly B(1+K) tokens has been timed, its own
+measured `spec` stands in for the straight line (`StepCosts.spec_at`: a CPU's GEMM may cost one
+row's up to 3 rows and twice that from 4). B is the number of speculative sequences in the
+step. Goodput relative to plain decoding is G(K) = E(K)·T0/T(K); the best K is the one with the
+largest G, and K = 0 (plain decoding, no drafter work) unless the best G beats 1 by 5 %.
 
 The device loop. Where the loop serves EAGLE (a GPU with graphs), an adaptive EAGLE request
 drafts only there: a step that drafts on the host pays a round trip per pass and loses to plain
@@ -42,7 +44,7 @@ cycle: both drift with the traffic.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from stride.decoders.speculative.device_tree import TreeShape
@@ -71,11 +73,18 @@ class StepCosts:
     plain: float = 1.0  # a verification forward in which nothing was drafted
     spec: float = 1.0  # a verification forward that scores drafts
     draft: float = 0.0  # one batched drafter forward (one draft position)
+    # `spec` as measured for a forward of exactly so many tokens, where one was: a CPU's GEMM
+    # may cost the same for 1 to 3 rows and twice that from 4, which no saturation describes
+    spec_at: dict[int, float] = field(default_factory=dict)
+
+    def scoring(self, tokens: int) -> float:
+        """A draft-scoring forward of `tokens` tokens, per unit of `plain`'s factor."""
+        return self.spec_at.get(tokens, self.spec) * (1 + tokens / self.saturation)
 
     def gain(self, alpha: Rates, batch: int, k: int) -> float:
         """Goodput with k drafts relative to plain decoding."""
         unit = 1 + batch / self.saturation
-        step = self.spec * (1 + batch * (1 + k) / self.saturation) + k * self.draft * unit
+        step = self.scoring(batch * (1 + k)) + k * self.draft * unit
         return expected_tokens(alpha, k) * self.plain * unit / step
 
     def step_gain(self, batch: int, drafts: list[tuple[Rates, int]]) -> float:
@@ -87,7 +96,7 @@ class StepCosts:
         unit = 1 + batch / self.saturation
         tokens = batch + sum(k for _, k in drafts)
         positions = max((k for _, k in drafts), default=0)
-        step = self.spec * (1 + tokens / self.saturation) + positions * self.draft * unit
+        step = self.scoring(tokens) + positions * self.draft * unit
         extra = sum(expected_tokens(alpha, k) - 1 for alpha, k in drafts)
         return (batch + extra) / batch * self.plain * unit / step
 
@@ -113,6 +122,7 @@ class Timings:
 
     plain_s: float | None = None  # a plain step, seconds per token-count factor
     spec: float | None = None  # StepCosts.spec measured, relative to plain_s
+    spec_at: dict[int, float] = field(default_factory=dict)  # the same by tokens per pass
     plain_since_spec: int = 0  # plain steps timed since a drafting step was last timed
     plain_steps: int = 0  # plain steps timed in all
 

@@ -25,7 +25,8 @@ at a batch size can be slow once); until a drafting step has been timed, and aga
 costs come from sizes: scoring drafts costs what plain decoding does, drafting what the
 drafter's size says (0 for n-gram, L/layers for early exit, the parameter ratio for a draft
 model). Step costs are measured per batch-size bucket (`loop_policy.bucket`), since a draft-scoring
-step of 64 rows and one of 1 row relate differently to their plain steps.
+step of 64 rows and one of 1 row relate differently to their plain steps, and a draft-scoring
+step also by its tokens per pass (`Timings.spec_at`), which then prices that size.
 
 Acceptance. The a_i are measured per position, not one a for all (`Runs`, in each sequence's
 `SeqState`): per sequence, decayed counts of the drafts scored at position i (their predecessors
@@ -203,7 +204,7 @@ class AdaptivePolicy:
         if not self.measure_costs or self.stale(timings):  # sizes: drafting gets (re)measured
             return StepCosts(self.saturation, draft=drafter.cost)
         draft = self.seen.draft_ratio.get(id(drafter), drafter.cost)
-        return StepCosts(self.saturation, spec=timings.spec, draft=draft)
+        return StepCosts(self.saturation, spec=timings.spec, draft=draft, spec_at=timings.spec_at)
 
     def alpha(self, state: SeqState, k_max: int) -> tuple[float, ...]:
         """The sequence's acceptance per draft position, on top of the drafter's."""
@@ -366,6 +367,7 @@ class AdaptivePolicy:
             timings.plain_since_spec += passes
         elif timings.plain_s:
             timings.spec = ema(timings.spec, seconds / timings.plain_s)
+            timings.spec_at[tokens] = ema(timings.spec_at.get(tokens), seconds / timings.plain_s)
             timings.plain_since_spec = 0
         self.choices.clear()
 
