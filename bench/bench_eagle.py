@@ -144,34 +144,38 @@ def policy_view(core: EngineCore) -> dict:
 def speed(
     core, encoded, conc: int, tokens: int, requests: int, configs: list[str], busy: bool = False
 ) -> dict:
-    """Output tok/s of each configuration against AR (run before and after) at `conc`; with
-    `busy`, also the share of a further run's wall time in which the GPU runs a kernel."""
+    """Output tok/s of each configuration against AR at `conc`, AR timed before and after each
+    configuration and each compared with the mean of the two beside it (a machine whose speed
+    drifts within a run moves both alike); with `busy`, also the share of a further run's wall
+    time in which the GPU runs a kernel."""
     runs = max(1, requests // conc)
     groups = [[encoded[(r * conc + i) % len(encoded)] for i in range(conc)] for r in range(runs)]
-    ar1, ref, _ = timed(core, groups, tokens, "ar", {})
-    rows, shares = {}, {}
+    first, ref, _ = timed(core, groups, tokens, "ar", {})
+    ars, rows, shares = [first], {}, {}
     for name in configs:  # each run once untimed: its graphs captured, its policy settled
         timed(core, groups, tokens, "speculative", CONFIGS[name])
         rows[name] = timed(core, groups, tokens, "speculative", CONFIGS[name])
         if busy:
             shares[name] = busy_share(lambda n=name: timed(core, groups, tokens, "speculative",
                                                            CONFIGS[n]))  # fmt: skip
-    ar2, _, _ = timed(core, groups, tokens, "ar", {})
-    base = (ar1 + ar2) / 2
+        ars.append(timed(core, groups, tokens, "ar", {})[0])
+    base = sum(ars) / len(ars)
     entry: dict = {"concurrency": conc, "ar_tok_s": round(base, 1), "configs": {}}
     if busy:
         entry["ar_gpu_busy"] = busy_share(lambda: timed(core, groups, tokens, "ar", {}))
         print(f"c={conc} ar: gpu_busy {entry['ar_gpu_busy']}", flush=True)
-    for name, (rate, outs, stats) in rows.items():
+    for i, (name, (rate, outs, stats)) in enumerate(rows.items()):
+        beside = (ars[i] + ars[i + 1]) / 2
         entry["configs"][name] = {
             "tok_s": round(rate, 1),
-            "speedup": round(rate / base, 3),
+            "ar_tok_s": round(beside, 1),
+            "speedup": round(rate / beside, 3),
             "accepted_length": round(accepted_length(stats), 3),
             "same_as_ar": all(o == r for o, r in zip(outs, ref, strict=True)),
         }
         if busy:
             entry["configs"][name]["gpu_busy"] = shares[name]
-        print(f"c={conc} {name}: {entry['configs'][name]} (ar {base:.1f} tok/s)", flush=True)
+        print(f"c={conc} {name}: {entry['configs'][name]}", flush=True)
     if any(CONFIGS[name].get("adaptive", True) for name in configs):
         entry["policy"] = policy_view(core)  # (after every configuration: a shared policy)
         print(f"c={conc} policy: {entry['policy']}", flush=True)
