@@ -52,8 +52,9 @@ class PeerSum:
         self.half_numel = self.max_rows * cols
         self._stage = torch.empty(2 * self.half_numel, dtype=dtype, device=device)
         # [half][sender][rows]: where each rank's rows arrive; empty (the sentinel) to begin with
-        bits, empty = peer_sum.sentinel(dtype)
-        inbox = torch.full((2 * self.world * self.half_numel,), empty, dtype=bits, device=device)
+        bits, self._empty = peer_sum.sentinel(dtype)
+        inbox = torch.full((2 * self.world * self.half_numel,), self._empty, dtype=bits,
+                           device=device)  # fmt: skip
         addresses, opened = _map_peers(inbox, device)
         torch.cuda.synchronize(device)
         mapped = torch.tensor([int(len(addresses) == self.world)], device=device)
@@ -102,13 +103,23 @@ class PeerSum:
         at = half * self.half_numel
         return self._stage[at : at + rows * self.cols].view(rows, self.cols)
 
+    def push(self, half: int) -> peer_sum.Push:
+        """Where a product that stages its rows for sum `half` delivers them as well."""
+        at = (half * self.world + self.rank) * self.half_numel
+        return peer_sum.Push(self.inbox_ptrs, at, self.rank, self.world, self._empty)
+
     def add(
-        self, residual: torch.Tensor, half: int, norm: torch.nn.Module | None = None
+        self,
+        residual: torch.Tensor,
+        half: int,
+        norm: torch.nn.Module | None = None,
+        pushed: bool = False,
     ) -> torch.Tensor | None:
-        """residual += every rank's staged rows of `half`; with `norm`, return norm(residual)."""
+        """residual += every rank's staged rows of `half`; with `norm`, return norm(residual).
+        `pushed`: the product delivered them (`push`)."""
         return peer_sum.peer_sum(self.stage(len(residual), half), self.inbox_ptrs, self.rank,
                                  residual, half * self.world * self.half_numel, self.half_numel,
-                                 norm)  # fmt: skip
+                                 norm, pushed)  # fmt: skip
 
 
 class _IpcHandle(ctypes.Structure):

@@ -169,8 +169,8 @@ class FusedForward:
         if not self.parallel:
             gemv(x, weight, add_to=residual)
         elif self.peer is not None and self.peer.fits(len(x)):
-            gemv(x, weight, out=self.peer.stage(len(x), half))
-            self.peer.add(residual, half)
+            gemv(x, weight, out=self.peer.stage(len(x), half), push=self.peer.push(half))
+            self.peer.add(residual, half, pushed=True)
         else:
             part = gemv(x, weight)
             dist.all_reduce(part)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from stride.engine.kernels import pdl
+from stride.engine.kernels.peer_sum import Push
 
 try:
     import triton
@@ -35,12 +36,14 @@ def gemv(
     add_to: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     tile: dict[str, int] | None = None,
+    push: Push | None = None,
 ) -> torch.Tensor:
     """x [M, K] @ weight[N, K]^T for a few rows, with what surrounds it fused in.
 
     `norm`: RMSNorm x first. `silu_mul`: weight is gate and up stacked; return SiLU(gate) * up.
     `add_to`: add the product into this tensor in place (the residual stream) and return it.
-    `out`: write the product here (contiguous [M, N]: a tensor-parallel rank's staging buffer).
+    `out`: write the product here (contiguous [M, N]: a tensor-parallel rank's staging buffer);
+    `push`: and deliver it to the other ranks' inboxes (`peer_sum`).
     Where K is wider than one tile (an 8B model), the norm is folded in as gain on the input
     and 1/rms on the output, so in bf16 the result differs from the module forward's (which
     rounds the normalised input) by rounding.
@@ -54,7 +57,7 @@ def gemv(
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     tile = tile or _gemv_tile(n, k, silu_mul, norm is not None)
     _launch_gemv(x, weight, bias, norm, out, n, triton.cdiv(n, tile["BN"]), tile, silu_mul,
-            add=add_to is not None)  # fmt: skip
+            add=add_to is not None, push=push)  # fmt: skip
     return out
 
 
@@ -95,11 +98,13 @@ def _launch_gemv(
     add: bool = False,
     rope: tuple[torch.Tensor, ...] | None = None,
     attn: torch.nn.Module | None = None,
+    push: Push | None = None,
 ) -> None:
     """Launch `_gemv_row_kernel` (`programs` per row of x, which must be contiguous, as `out`
     is); operands a variant does not use get `weight` as a pointer."""
     m, k = x.shape
     assert x.is_contiguous() and out.is_contiguous()
+    assert push is None or not (silu_mul or add or rope), "a pushed product is a plain one"
     _gemv_row_kernel[(m, programs)](
         x,
         weight,
@@ -111,6 +116,11 @@ def _launch_gemv(
         norm.eps if norm is not None else 0.0,
         *(rope or [weight] * 6),  # cos, sin, positions, slots, k cache, v cache
         rope[2].stride(0) if rope else 0,  # positions: a column of the CUDA graphs' inputs
+        push.inbox_ptrs if push else weight,
+        push.at if push else 0,
+        PUSH_RANK=push.rank if push else 0,
+        PUSH_WORLD=push.world if push else 0,
+        EMPTY=push.empty if push else 0,
         NORM=norm is not None,
         BIAS=bias is not None,
         SILU_MUL=silu_mul,
@@ -220,6 +230,7 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 if triton is not None:
+    from stride.engine.kernels.peer_sum import as_bits, push_rows
 
     @triton.jit
     def _rms_norm_kernel(
@@ -333,6 +344,11 @@ if triton is not None:
         k_cache_ptr,
         v_cache_ptr,
         stride_pos,
+        push_ptrs,
+        push_at,
+        PUSH_RANK: tl.constexpr,
+        PUSH_WORLD: tl.constexpr,
+        EMPTY: tl.constexpr,
         NORM: tl.constexpr,
         BIAS: tl.constexpr,
         SILU_MUL: tl.constexpr,
@@ -352,7 +368,8 @@ if triton is not None:
         it is applied to x as the module applies it; else it is split in two, its gain on x as it
         is loaded and 1/rms (from the sum of squares of the same loads) on the output.
         With SILU_MUL or ROPE each column comes with a second one (its up row; the other half of
-        its rotary pair), whose product is summed beside it in `up`."""
+        its rotary pair), whose product is summed beside it in `up`. PUSH_WORLD > 0: the
+        columns are also stored into the other ranks' inboxes (`peer_sum.Push`)."""
         dtype = out_ptr.dtype.element_ty
         row = tl.program_id(0)  # (rows vary fastest: a tile's readers run close together)
         x_ptr += row * K
@@ -413,6 +430,9 @@ if triton is not None:
             if ADD:
                 y = (y + tl.load(out_ptr + cols, mask=col_ok, other=0.0)).to(dtype)
             tl.store(out_ptr + cols, y, mask=col_ok)
+            if PUSH_WORLD > 0:
+                at = push_at + row.to(tl.int64) * N + cols
+                push_rows(as_bits(y, EMPTY), push_ptrs, at, col_ok, PUSH_RANK, PUSH_WORLD)
 
     @triton.jit
     def _weight_tile(w_rows, second, k, K, col_ok, PAIRED: tl.constexpr):

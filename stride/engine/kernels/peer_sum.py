@@ -8,6 +8,10 @@ sums every rank's rows in rank order (so every rank holds the same bits, as the 
 residual stream needs), adds the sum into the residual stream and, with NORM, writes the
 RMSNorm of the new residual for the next product.
 
+A fused GEMV that stages the rows delivers them itself, from its epilogue (`Push`, `push_rows`):
+each of its programs stores its few columns to every peer as soon as they are computed, so the
+rows are on their way before this kernel starts, and it only waits and sums (`pushed`).
+
 There are no flags: the data is its own signal. An inbox holds negative zero (the sentinel)
 wherever nothing has arrived; a sender turns its own negative zeros into positive ones, which
 sum to the same value, so that a value that has arrived never looks like the sentinel. A
@@ -27,6 +31,8 @@ few KB costs.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from stride.engine.kernels import pdl
@@ -44,6 +50,17 @@ ADD_BLOCK = 1024  # columns per program without the norm (more programs: more re
 SPINS = 1 << 26
 
 
+class Push(NamedTuple):
+    """Where a product's epilogue delivers this rank's rows (`layer.gemv`): element `at` of
+    every other rank's inbox (`inbox_ptrs`), whose empty places hold `empty`."""
+
+    inbox_ptrs: torch.Tensor
+    at: int
+    rank: int
+    world: int
+    empty: int
+
+
 def sentinel(dtype: torch.dtype) -> tuple[torch.dtype, int]:
     """(the integers of `dtype`'s width, negative zero's bits as one): what an empty inbox holds."""
     bits = torch.finfo(dtype).bits
@@ -58,10 +75,12 @@ def peer_sum(
     inbox_at: int,
     slot: int,
     norm: torch.nn.Module | None = None,
+    pushed: bool = False,
 ) -> torch.Tensor | None:
     """residual += the sum over ranks of their staged rows (`stage`: this rank's rows;
     `inbox_ptrs`: every rank's inbox, where rank r's rows arrive `inbox_at + r * slot` elements
-    in); with `norm`, return norm(residual) too."""
+    in); with `norm`, return norm(residual) too. `pushed`: the product that staged them has
+    delivered them to the other ranks already (`Push`)."""
     rows, cols = residual.shape
     if norm is not None:
         block, programs = triton.next_power_of_2(cols), 1
@@ -69,9 +88,8 @@ def peer_sum(
     else:
         block = min(ADD_BLOCK, triton.next_power_of_2(cols))
         programs, out = triton.cdiv(cols, block), residual
-    bits, empty = sentinel(residual.dtype)
     _peer_sum_kernel[(rows, programs)](
-        stage.view(bits),
+        stage,
         inbox_ptrs,
         residual,
         norm.weight if norm is not None else residual,
@@ -84,7 +102,8 @@ def peer_sum(
         WORLD=len(inbox_ptrs),
         BLOCK=block,
         NORM=norm is not None,
-        EMPTY=empty,
+        EMPTY=sentinel(residual.dtype)[1],
+        PUSHED=pushed,
         SPINS=SPINS,
         num_warps=4 if block <= 2048 else 8,
         **pdl.launch_options(residual.device),
@@ -93,6 +112,23 @@ def peer_sum(
 
 
 if triton is not None:
+
+    @triton.jit
+    def as_bits(values, EMPTY: tl.constexpr):
+        """`values` as integers of their width, negative zeros as positive ones: never EMPTY."""
+        if EMPTY == -32768:
+            bits = values.to(tl.int16, bitcast=True)
+        else:
+            bits = values.to(tl.int32, bitcast=True)
+        return tl.where(bits == EMPTY, tl.zeros_like(bits), bits)
+
+    @triton.jit
+    def push_rows(bits, inbox_ptrs, at, ok, RANK: tl.constexpr, WORLD: tl.constexpr):
+        """Store `bits` (`as_bits`) at `at` in every other rank's inbox."""
+        for p in tl.static_range(WORLD):
+            if p != RANK:
+                theirs = tl.load(inbox_ptrs + p).to(tl.pointer_type(bits.dtype))
+                tl.store(theirs + at, bits, mask=ok)
 
     @triton.jit
     def _peer_sum_kernel(
@@ -110,12 +146,12 @@ if triton is not None:
         BLOCK: tl.constexpr,
         NORM: tl.constexpr,
         EMPTY: tl.constexpr,
+        PUSHED: tl.constexpr,
         PDL: tl.constexpr,
         SPINS: tl.constexpr,
     ):
         """Columns [BLOCK * program_id(1), + BLOCK) of row program_id(0)."""
         dtype = res_ptr.dtype.element_ty
-        bits_ty = stage_ptr.dtype.element_ty  # (the rows' bits, as integers of their width)
         row = tl.program_id(0)
         c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         ok = c < cols
@@ -123,14 +159,11 @@ if triton is not None:
         if PDL:  # the staged rows are the kernel before's output
             gdc_wait()
             gdc_launch_dependents()
-        empty = tl.full([BLOCK], EMPTY, bits_ty)
-        ours = tl.load(stage_ptr + at, mask=ok, other=0)
-        ours = tl.where(ours == empty, tl.zeros_like(ours), ours)  # -0.0 as +0.0
-        for p in tl.static_range(WORLD):  # deliver our rows to every other rank's inbox
-            if p != RANK:
-                theirs = tl.load(inbox_ptrs + p).to(tl.pointer_type(bits_ty))
-                tl.store(theirs + inbox_at + RANK * slot + at, ours, mask=ok)
-        inbox = tl.load(inbox_ptrs + RANK).to(tl.pointer_type(bits_ty)) + inbox_at + at
+        ours = as_bits(tl.load(stage_ptr + at, mask=ok, other=0.0), EMPTY)
+        if not PUSHED:  # deliver our rows to every other rank's inbox
+            push_rows(ours, inbox_ptrs, inbox_at + RANK * slot + at, ok, RANK, WORLD)
+        empty = tl.full([BLOCK], EMPTY, ours.dtype)
+        inbox = tl.load(inbox_ptrs + RANK).to(tl.pointer_type(ours.dtype)) + inbox_at + at
         tries = tl.full([], 0, tl.int32)
         total = tl.zeros([BLOCK], dtype=tl.float32)
         for p in tl.static_range(WORLD):  # in rank order: the same bits on every rank
