@@ -4,13 +4,14 @@ maps, with the residual add and the next RMSNorm in it (`kernels.peer_sum`).
 A decode step all-reduces a few KB twice per layer (after the attention's output projection
 and after the MLP's down projection). At that size NCCL's cost is its latency and what it does
 to the kernels around it: the next kernel cannot start early behind it, and the sum joins the
-residual stream in a kernel of its own. Here one kernel pushes the product's rows into every
-other rank's inbox, a buffer every rank of the host maps (CUDA IPC handles, exchanged once at
-start-up and opened in this rank's own context, through the driver API), waits for theirs in
-its own and sums them into the residual. Messages over `MAX_BYTES` (prefills, large batches)
-and every message under `--all-reduce nccl` go through NCCL, whose ring uses the links'
-bandwidth better. NVLink multicast is never used: ranks write each other's memory with
-ordinary stores.
+residual stream in a kernel of its own. Here the product's rows go into every other rank's
+inbox, a buffer every rank of the host maps (CUDA IPC handles, exchanged once at start-up and
+opened in this rank's own context, through the driver API): from the fused GEMV's epilogue as
+they are computed (`PeerSum.push`), or from the sum kernel after a cuBLAS product; that kernel
+waits for the peers' rows in its own inbox and sums them into the residual. Messages over
+`MAX_BYTES` (prefills, large batches) and every message under `--all-reduce nccl` go through
+NCCL, whose ring uses the links' bandwidth better. NVLink multicast is never used: ranks write
+each other's memory with ordinary stores.
 
 `PeerSum.setup` is collective (every rank calls it at the same point of start-up); it returns
 None, and NCCL takes every all-reduce, on the CPU, with one rank, or where some pair of GPUs
