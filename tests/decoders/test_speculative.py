@@ -14,8 +14,9 @@ from stride.decoders.autoregressive import Autoregressive
 from stride.decoders.base import Proposal, Scored, StepContext
 from stride.decoders.registry import DecodersConfig, build_decoders
 from stride.decoders.speculative import Speculative
-from stride.decoders.speculative.drafters import Draft, Drafter
+from stride.decoders.speculative.drafters import Draft, Drafter, NgramDrafter
 from stride.decoders.speculative.loop_policy import StepCosts, Timings, bucket, choose_k
+from stride.decoders.speculative.policy import AdaptivePolicy, StepPlans
 from stride.decoders.speculative.verify import verify
 from stride.engine.config import EngineConfig
 from stride.engine.engine import Engine
@@ -28,6 +29,13 @@ from tests.helpers.cores import PROMPTS, chi2_pvalue, exact_joint, greedy, run
 from tests.helpers.models import make_model_dir
 
 K = 4
+
+
+def timed(spec_cost: float, plain_steps: int) -> Timings:
+    """A bucket's costs as measured: a plain step of 1 s and, at every size a step may have
+    here, a draft-scoring one of `spec_cost` × that."""
+    return Timings(plain_s=1.0, spec_at=dict.fromkeys(range(1, 1024), spec_cost),
+                   plain_steps=plain_steps)  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -350,8 +358,52 @@ def test_adaptive_policy_prices_a_pass_by_what_its_row_count_measured():
     assert choose_k(0.6, 1, 6, cpu) == 3  # the straight line: 4 rows look cheap
     measured = {t: (1.0 if t <= 3 else 2.2) / (1 + t / 16) for t in range(2, 8)}
     assert choose_k(0.6, 1, 6, replace(cpu, spec_at=measured)) == 2
-    # a row count nobody measured is priced from `spec` (here the straight line)
+    # a row count nobody measured is priced from the largest one measured below it
     assert choose_k(0.6, 1, 6, replace(cpu, spec_at={2: measured[2]})) == 3
+    # ... and with only a larger one measured, at the straight line (the least it may cost):
+    # one dear 4-row pass measured first does not keep the cheaper 2- and 3-row ones from being
+    # tried (at the straight line, 3 rows: 2 drafts)
+    assert choose_k(0.6, 1, 6, replace(cpu, spec_at={4: measured[4]})) == 2
+    assert replace(cpu, spec_at={4: 2.5}).scoring(2) == cpu.scoring(2)
+    assert replace(cpu, spec_at={2: 0.5}).scoring(3) == 0.5 * (1 + 3 / 16)
+
+
+def test_a_drafting_steps_measured_cost_leaves_its_drafts_to_the_drafters_price():
+    """A drafting step's wall time holds its drafters' forwards; `draft` prices those, so the
+    scoring pass's measured cost must not hold them a second time."""
+    policy, drafter = AdaptivePolicy(saturation=16), NgramDrafter()
+    ctx = StepContext(eos_ids=set(), device=torch.device("cpu"))
+    ctx.timing = 1 + 1 / 16  # a plain step of one row: 1 s per token-count factor
+    for _ in range(policy.PLAIN_WARMUP):
+        policy.measured(1, 1, False, ctx)
+    policy.proposed(1, StepPlans(reserved=True, planned=True), quiet=False, pays=True)
+    policy.drafter_timed(drafter, 0.25, positions=1, rows=1)
+    ctx.timing = 0.25 + (1 + 2 / 16)  # the drafter's forward, then a 2-row pass as dear as 1
+    policy.measured(1, 2, True, ctx)
+    assert policy.seen.timings[bucket(1)].spec_at[2] == pytest.approx(1.0)
+    assert policy.costs(drafter, 1).draft == pytest.approx(0.25 / (1 + 1 / 16))
+
+
+def test_a_size_not_measured_is_priced_at_the_least_it_may_cost():
+    """The policy prices an unmeasured pass size from the largest measured below it, and with
+    only larger ones measured at the straight line: on a CPU whose 4-row pass costs 3 plain
+    ones, that one measurement must not price the 2-row pass out of ever being tried."""
+    policy, drafter = AdaptivePolicy(saturation=16), NgramDrafter()
+    ctx = StepContext(eos_ids=set(), device=torch.device("cpu"))
+
+    def step(tokens: int, cost: float) -> None:
+        ctx.timing = cost * (1 + tokens / 16)
+        policy.proposed(1, StepPlans(reserved=tokens > 1), quiet=False, pays=tokens > 1 or None)
+        policy.measured(1, tokens, tokens > 1, ctx)
+
+    for _ in range(policy.PLAIN_WARMUP):
+        step(1, 1.0)
+    step(4, 3.0)
+    assert policy.costs(drafter, 1).scoring(2) == pytest.approx(1 + 2 / 16)
+    step(2, 1.0)
+    costs = policy.costs(drafter, 1)
+    assert costs.scoring(3) == pytest.approx(1 + 3 / 16)  # from the 2-row pass
+    assert costs.scoring(5) == pytest.approx(3.0 * (1 + 5 / 16))  # from the 4-row pass
 
 
 def test_a_step_drafts_only_if_its_drafts_pay_for_it_at_this_batch_size(tiny_dir):
@@ -371,8 +423,7 @@ def test_a_step_drafts_only_if_its_drafts_pay_for_it_at_this_batch_size(tiny_dir
     ):
         """Draft tokens per sequence of one step at `batch` whose drafting step measured
         `spec_cost` × a plain one; `hits` sequences find an n-gram to draft."""
-        timings = Timings(plain_s=1.0, spec=spec_cost, plain_steps=dec.policy.PLAIN_WARMUP)
-        dec.policy.seen.timings[bucket(batch)] = timings
+        dec.policy.seen.timings[bucket(batch)] = timed(spec_cost, dec.policy.PLAIN_WARMUP)
         dec.policy.choices.clear()
         dec.policy.seen.batch = batch
         dec.policy.seen.hold = dec.policy.seen.hold if keep_hold else None
@@ -447,7 +498,7 @@ def test_a_quiet_step_proposes_nothing_and_commits_like_ar(tiny_dir):
     for seq in seqs:
         dec.state(seq).runs.reached = dec.state(seq).runs.passed = [10.0] * K  # would draft
     warm = dec.policy.PLAIN_WARMUP
-    dec.policy.seen.timings[bucket(8)] = Timings(plain_s=1.0, spec=1.0, plain_steps=warm)
+    dec.policy.seen.timings[bucket(8)] = timed(1.0, warm)
     # An earlier step found drafts would not pay:
     dec.policy.seen.hold = (bucket(8), dec.policy.seen.steps + 100)
     dec.policy.seen.batch = 8
@@ -503,7 +554,7 @@ def test_plain_proposals_promise_quiet_steps_up_to_the_next_plan(tiny_dir):
     seq = request()
     assert plain_steps(seq) == 1  # plain decoding is being timed: one step at a time
     warm = dec.policy.PLAIN_WARMUP
-    dec.policy.seen.timings[bucket(1)] = Timings(plain_s=1.0, spec=1.0, plain_steps=warm)
+    dec.policy.seen.timings[bucket(1)] = timed(1.0, warm)
     dec.policy.seen.hold = (bucket(1), dec.policy.seen.steps + 10)
     assert plain_steps(seq) == 10 and plain_steps(seq, request()) == 1
     run_plain(seq, 4)

@@ -11,9 +11,10 @@ E(K) = 1 + a_0 + a_0·a_1 + … + a_0·…·a_(K-1) tokens per target pass. A st
 T(K) = spec·(1 + B(1+K)/S) + K·draft·(1 + B/S) and a plain one T0 = plain·(1 + B/S): a forward
 grows with the tokens it scores once past S "saturation" tokens (where the device turns from
 memory- to compute-bound: 16 on CPU, 256 on GPU), and each draft position is one batched
-drafter forward; where a draft-scoring forward of exactly B(1+K) tokens has been timed, its own
-measured `spec` stands in for the straight line (`StepCosts.spec_at`: a CPU's GEMM may cost one
-row's up to 3 rows and twice that from 4). B is the number of speculative sequences in the
+drafter forward; where a draft-scoring forward of B(1+K) tokens has been timed, its measured
+`spec` stands in for the straight line (`StepCosts.spec_at`: a CPU's GEMM may cost one row's up
+to 3 rows and twice that from 4), and a size not timed yet is priced at the least it may cost
+(`StepCosts.scoring`), so that it gets tried. B is the number of speculative sequences in the
 step. Goodput relative to plain decoding is G(K) = E(K)·T0/T(K); the best K is the one with the
 largest G, and K = 0 (plain decoding, no drafter work) unless the best G beats 1 by 5 %.
 
@@ -71,15 +72,23 @@ class StepCosts:
 
     saturation: float  # tokens at which a forward turns from memory- to compute-bound
     plain: float = 1.0  # a verification forward in which nothing was drafted
-    spec: float = 1.0  # a verification forward that scores drafts
+    spec: float = 1.0  # a verification forward that scores drafts, where none was measured
     draft: float = 0.0  # one batched drafter forward (one draft position)
-    # `spec` as measured for a forward of exactly so many tokens, where one was: a CPU's GEMM
-    # may cost the same for 1 to 3 rows and twice that from 4, which no saturation describes
+    # `spec` as measured for a forward of so many tokens: a CPU's GEMM may cost the same for 1
+    # to 3 rows and twice that from 4, which no saturation describes
     spec_at: dict[int, float] = field(default_factory=dict)
 
     def scoring(self, tokens: int) -> float:
-        """A draft-scoring forward of `tokens` tokens, per unit of `plain`'s factor."""
-        return self.spec_at.get(tokens, self.spec) * (1 + tokens / self.saturation)
+        """A draft-scoring forward of `tokens` tokens, per unit of `plain`'s factor: as measured
+        for that many; else on the straight line from the largest count measured below it (more
+        tokens never cost less); else, with only larger counts measured, at `spec`. That is the
+        least it may cost, so an unmeasured size gets tried and measured: priced from a larger
+        one, a CPU's cheap 2-row pass would never be tried once a 4-row one was measured."""
+        ratio = self.spec_at.get(tokens)
+        if ratio is None:
+            below = [t for t in self.spec_at if t < tokens]
+            ratio = self.spec_at[max(below)] if below else self.spec
+        return ratio * (1 + tokens / self.saturation)
 
     def gain(self, alpha: Rates, batch: int, k: int) -> float:
         """Goodput with k drafts relative to plain decoding."""
@@ -121,8 +130,7 @@ class Timings:
     """Measured step costs at one batch-size bucket."""
 
     plain_s: float | None = None  # a plain step, seconds per token-count factor
-    spec: float | None = None  # StepCosts.spec measured, relative to plain_s
-    spec_at: dict[int, float] = field(default_factory=dict)  # the same by tokens per pass
+    spec_at: dict[int, float] = field(default_factory=dict)  # StepCosts.spec_at measured
     plain_since_spec: int = 0  # plain steps timed since a drafting step was last timed
     plain_steps: int = 0  # plain steps timed in all
 

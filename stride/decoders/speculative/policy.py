@@ -16,17 +16,20 @@ found is the step's, not the policy's: the decoder gathers it (`StepPlans`) and 
 `proposed` with the step.
 
 What it measures. `spec` and `draft` are measured relative to `plain` (moving averages of wall
-times): decode-only verification steps with drafts (through their per-row commit) against
-those without (they differ a lot on a GPU, where plain decode steps replay CUDA graphs and
-draft-scoring steps run eagerly), and each drafter's forward per draft position. K stays 0
+times): decode-only verification steps with drafts (through their per-row commit, without their
+drafters' forwards) against those without (they differ a lot on a GPU, where plain decode steps
+replay CUDA graphs and draft-scoring steps run eagerly), and each drafter's forward per draft
+position. K stays 0
 until plain decoding has been timed (`PLAIN_WARMUP` steps, the fastest counts: the first steps
 at a batch size can be slow once); until a drafting step has been timed, and again after
 `REMEASURE_EVERY` plain steps without one (so that a stale measurement cannot pin K at 0), the
 costs come from sizes: scoring drafts costs what plain decoding does, drafting what the
 drafter's size says (0 for n-gram, L/layers for early exit, the parameter ratio for a draft
 model). Step costs are measured per batch-size bucket (`loop_policy.bucket`), since a draft-scoring
-step of 64 rows and one of 1 row relate differently to their plain steps, and a draft-scoring
-step also by its tokens per pass (`Timings.spec_at`), which then prices that size.
+step of 64 rows and one of 1 row relate differently to their plain steps, and within a bucket by
+the step's tokens per pass (`Timings.spec_at`): a size not measured yet is priced at the least
+it may cost (`StepCosts.scoring`), so one expensive size measured cannot keep a cheaper one from
+ever being tried.
 
 Acceptance. The a_i are measured per position, not one a for all (`Runs`, in each sequence's
 `SeqState`): per sequence, decayed counts of the drafts scored at position i (their predecessors
@@ -131,6 +134,7 @@ class Observed:
     hold_steps: int  # the next hold's length (doubles while checks fail)
     steps: int = 0  # verification steps so far (a burst's passes count one each)
     batch: int = 1  # speculative sequences in the last proposed step
+    drafting: float = 0.0  # seconds its drafters took (inside its measured time: `measured`)
     timings: dict[int, Timings] = field(default_factory=dict)  # bucket(batch) → step costs
     draft_ratio: dict[int, float] = field(default_factory=dict)  # id(drafter) → StepCosts.draft
     prior: dict[str, list[float]] = field(default_factory=dict)  # drafter name → rates, all seqs
@@ -197,14 +201,14 @@ class AdaptivePolicy:
 
     def stale(self, timings: Timings) -> bool:
         """No drafting step measured at this batch size, or none lately: price from sizes."""
-        return timings.spec is None or timings.plain_since_spec >= self.REMEASURE_EVERY
+        return not timings.spec_at or timings.plain_since_spec >= self.REMEASURE_EVERY
 
     def costs(self, drafter: Drafter, batch: int) -> StepCosts:
         timings = self.timings_at(batch)
         if not self.measure_costs or self.stale(timings):  # sizes: drafting gets (re)measured
             return StepCosts(self.saturation, draft=drafter.cost)
         draft = self.seen.draft_ratio.get(id(drafter), drafter.cost)
-        return StepCosts(self.saturation, spec=timings.spec, draft=draft, spec_at=timings.spec_at)
+        return StepCosts(self.saturation, draft=draft, spec_at=timings.spec_at)
 
     def alpha(self, state: SeqState, k_max: int) -> tuple[float, ...]:
         """The sequence's acceptance per draft position, on top of the drafter's."""
@@ -322,7 +326,7 @@ class AdaptivePolicy:
         batch size; `quiet`: without asking the policy per adaptive sequence), its drafts
         priced as a whole by `plan_step` with the answer `pays`."""
         seen = self.seen
-        planned_at, seen.batch = seen.batch, max(batch, 1)
+        planned_at, seen.batch, seen.drafting = seen.batch, max(batch, 1), 0.0
         if not plans.planned and not quiet:  # the policy said K = 0 to every adaptive sequence
             until = seen.steps + self.PROBE_EVERY  # re-planned at least this often
             until = until if plans.next_probe is None else min(until, plans.next_probe)
@@ -348,14 +352,16 @@ class AdaptivePolicy:
     ) -> None:
         """A launch of `passes` passes over `batch` speculative rows, `tokens` scored per pass,
         took `ctx.timing` seconds (None: it is not to be priced, e.g. it held a prefill): fold
-        its cost per pass into the step costs of its batch size."""
+        its cost per pass into the step costs of its batch size. A drafting step's time holds
+        its drafters' forwards, which `draft` prices apart: they come off."""
         if not self.measure_costs or ctx.timing is None:
             return
         key = bucket(batch)
         timings = self.seen.timings.get(key)  # (setdefault would build a record every step)
         if timings is None:
             timings = self.seen.timings[key] = Timings()
-        seconds = ctx.timing / passes / (1 + tokens / self.saturation)
+        spent = ctx.timing - self.seen.drafting if drafted else ctx.timing
+        seconds = spent / passes / (1 + tokens / self.saturation)
         if not drafted:
             # The first steps at a batch size can be slow once (allocation, kernel selection):
             # the fastest of them is the baseline, so that drafting is not judged cheap by it.
@@ -366,7 +372,6 @@ class AdaptivePolicy:
             timings.plain_steps += passes
             timings.plain_since_spec += passes
         elif timings.plain_s:
-            timings.spec = ema(timings.spec, seconds / timings.plain_s)
             timings.spec_at[tokens] = ema(timings.spec_at.get(tokens), seconds / timings.plain_s)
             timings.plain_since_spec = 0
         self.choices.clear()
@@ -374,6 +379,7 @@ class AdaptivePolicy:
     def drafter_timed(self, drafter: Drafter, seconds: float, positions: int, rows: int) -> None:
         """A drafter's forwards took `seconds` for `positions` draft positions of `rows`, in
         the step last proposed."""
+        self.seen.drafting += seconds
         plain_s = self.timings_at(self.seen.batch).plain_s
         if plain_s:
             per_position = seconds / positions
