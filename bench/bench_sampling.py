@@ -61,7 +61,7 @@ def main() -> None:
     parser.add_argument("--variants", default=",".join(VARIANTS), help="of: " + ", ".join(VARIANTS))
     parser.add_argument("--prompt", type=int, default=64, help="prompt tokens per request")
     parser.add_argument("--new", type=int, default=128, help="new tokens per request")
-    parser.add_argument("--repeats", type=int, default=3, help="timed runs of each; the best")
+    parser.add_argument("--repeats", type=int, default=3, help="timed rounds of all; each's best")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
 
@@ -85,16 +85,19 @@ def main() -> None:
     for c in (int(c) for c in args.concurrency.split(",")):
         batch = prompts(c, args.prompt, vocab, seed=c)
         row: dict[str, float | int] = {"concurrency": c}
+        params = {n: SamplingParams(max_tokens=args.new, ignore_eos=True, **VARIANTS[n])
+                  for n in variants}  # fmt: skip
         for name in variants:
-            params = SamplingParams(max_tokens=args.new, ignore_eos=True, **VARIANTS[name])
-            decode(core, batch[:2], replace(params, max_tokens=4))  # warm-up
-            best = None
-            for _ in range(args.repeats):
-                tokens, seconds = decode(core, batch, params)
+            decode(core, batch[:2], replace(params[name], max_tokens=4))  # warm-up
+        best: dict[str, float] = {}
+        for _ in range(args.repeats):  # the variants in turn: a drifting machine moves all alike
+            for name in variants:
+                tokens, seconds = decode(core, batch, params[name])
                 if tokens != c * args.new:
                     raise RuntimeError(f"{name}: {tokens} tokens, not {c * args.new}")
-                best = seconds if best is None else min(best, seconds)
-            row[f"{name}_tok_s"] = round(c * args.new / best, 1)
+                best[name] = min(best.get(name, seconds), seconds)
+        for name in variants:
+            row[f"{name}_tok_s"] = round(c * args.new / best[name], 1)
         line = f"concurrency {c:3d}:"
         for name in variants:
             tok_s = row[f"{name}_tok_s"]
