@@ -360,12 +360,9 @@ def test_adaptive_policy_prices_a_pass_by_what_its_row_count_measured():
     assert choose_k(0.6, 1, 6, replace(cpu, spec_at=measured)) == 2
     # a row count nobody measured is priced from the largest one measured below it
     assert choose_k(0.6, 1, 6, replace(cpu, spec_at={2: measured[2]})) == 3
-    # ... and with only a larger one measured, at the straight line (the least it may cost):
-    # one dear 4-row pass measured first does not keep the cheaper 2- and 3-row ones from being
-    # tried (at the straight line, 3 rows: 2 drafts)
-    assert choose_k(0.6, 1, 6, replace(cpu, spec_at={4: measured[4]})) == 2
-    assert replace(cpu, spec_at={4: 2.5}).scoring(2) == cpu.scoring(2)
     assert replace(cpu, spec_at={2: 0.5}).scoring(3) == 0.5 * (1 + 3 / 16)
+    # ... else from the smallest measured above it
+    assert replace(cpu, spec_at={4: 2.5, 6: 3.0}).scoring(2) == 2.5 * (1 + 2 / 16)
 
 
 def test_a_drafting_steps_measured_cost_leaves_its_drafts_to_the_drafters_price():
@@ -384,10 +381,10 @@ def test_a_drafting_steps_measured_cost_leaves_its_drafts_to_the_drafters_price(
     assert policy.costs(drafter, 1).draft == pytest.approx(0.25 / (1 + 1 / 16))
 
 
-def test_a_size_not_measured_is_priced_at_the_least_it_may_cost():
-    """The policy prices an unmeasured pass size from the largest measured below it, and with
-    only larger ones measured at the straight line: on a CPU whose 4-row pass costs 3 plain
-    ones, that one measurement must not price the 2-row pass out of ever being tried."""
+def test_the_smallest_draft_scoring_pass_is_measured_first():
+    """While nothing is measured at a batch size, a sequence drafts one token at most: on a CPU
+    whose 4-row pass costs 3 plain ones, a first measurement of that pass would price the cheap
+    2-row one (priced from the nearest size measured) out of ever being tried."""
     policy, drafter = AdaptivePolicy(saturation=16), NgramDrafter()
     ctx = StepContext(eos_ids=set(), device=torch.device("cpu"))
 
@@ -398,12 +395,14 @@ def test_a_size_not_measured_is_priced_at_the_least_it_may_cost():
 
     for _ in range(policy.PLAIN_WARMUP):
         step(1, 1.0)
-    step(4, 3.0)
-    assert policy.costs(drafter, 1).scoring(2) == pytest.approx(1 + 2 / 16)
+    assert policy.choose(0.9, 1, 6, drafter) == 1
     step(2, 1.0)
+    assert policy.choose(0.9, 1, 6, drafter) > 1  # measured: the rest priced from it
+    step(4, 3.0)
     costs = policy.costs(drafter, 1)
     assert costs.scoring(3) == pytest.approx(1 + 3 / 16)  # from the 2-row pass
     assert costs.scoring(5) == pytest.approx(3.0 * (1 + 5 / 16))  # from the 4-row pass
+    assert policy.choose(0.6, 1, 6, drafter) == 2
 
 
 def test_a_step_drafts_only_if_its_drafts_pay_for_it_at_this_batch_size(tiny_dir):

@@ -10,13 +10,13 @@ The cost model. With a_i the chance that draft i passes once drafts 0..i-1 have,
 E(K) = 1 + a_0 + a_0·a_1 + … + a_0·…·a_(K-1) tokens per target pass. A step with K drafts costs
 T(K) = spec·(1 + B(1+K)/S) + K·draft·(1 + B/S) and a plain one T0 = plain·(1 + B/S): a forward
 grows with the tokens it scores once past S "saturation" tokens (where the device turns from
-memory- to compute-bound: 16 on CPU, 256 on GPU), and each draft position is one batched
-drafter forward; where a draft-scoring forward of B(1+K) tokens has been timed, its measured
-`spec` stands in for the straight line (`StepCosts.spec_at`: a CPU's GEMM may cost one row's up
-to 3 rows and twice that from 4), and a size not timed yet is priced at the least it may cost
-(`StepCosts.scoring`), so that it gets tried. B is the number of speculative sequences in the
-step. Goodput relative to plain decoding is G(K) = E(K)·T0/T(K); the best K is the one with the
-largest G, and K = 0 (plain decoding, no drafter work) unless the best G beats 1 by 5 %.
+memory- to compute-bound: 16 on CPU, 256 on GPU), and each draft position is one batched drafter
+forward; where a draft-scoring forward of B(1+K) tokens has been timed, its measured `spec` stands
+in for the straight line (`StepCosts.spec_at`: a CPU's GEMM may cost one row's up to 3 rows and
+twice that from 4), and a size not timed yet is priced from the nearest one timed
+(`StepCosts.scoring`). B is the number of speculative sequences in the step. Goodput relative to
+plain decoding is G(K) = E(K)·T0/T(K); the best K is the one with the largest G, and K = 0 (plain
+decoding, no drafter work) unless the best G beats 1 by 5 %.
 
 The device loop. Where the loop serves EAGLE (a GPU with graphs), an adaptive EAGLE request
 drafts only there: a step that drafts on the host pays a round trip per pass and loses to plain
@@ -80,15 +80,13 @@ class StepCosts:
 
     def scoring(self, tokens: int) -> float:
         """A draft-scoring forward of `tokens` tokens, per unit of `plain`'s factor: as measured
-        for that many; else on the straight line from the largest count measured below it (more
-        tokens never cost less); else, with only larger counts measured, at `spec`. That is the
-        least it may cost, so an unmeasured size gets tried and measured: priced from a larger
-        one, a CPU's cheap 2-row pass would never be tried once a 4-row one was measured."""
+        for that many; else on the straight line from the nearest count measured, below it if
+        one was (more tokens never cost less); `spec` where nothing was."""
         ratio = self.spec_at.get(tokens)
-        if ratio is None:
+        if ratio is None and self.spec_at:
             below = [t for t in self.spec_at if t < tokens]
-            ratio = self.spec_at[max(below)] if below else self.spec
-        return ratio * (1 + tokens / self.saturation)
+            ratio = self.spec_at[max(below) if below else min(self.spec_at)]
+        return (self.spec if ratio is None else ratio) * (1 + tokens / self.saturation)
 
     def gain(self, alpha: Rates, batch: int, k: int) -> float:
         """Goodput with k drafts relative to plain decoding."""

@@ -19,17 +19,18 @@ What it measures. `spec` and `draft` are measured relative to `plain` (moving av
 times): decode-only verification steps with drafts (through their per-row commit, without their
 drafters' forwards) against those without (they differ a lot on a GPU, where plain decode steps
 replay CUDA graphs and draft-scoring steps run eagerly), and each drafter's forward per draft
-position. K stays 0
-until plain decoding has been timed (`PLAIN_WARMUP` steps, the fastest counts: the first steps
-at a batch size can be slow once); until a drafting step has been timed, and again after
-`REMEASURE_EVERY` plain steps without one (so that a stale measurement cannot pin K at 0), the
-costs come from sizes: scoring drafts costs what plain decoding does, drafting what the
-drafter's size says (0 for n-gram, L/layers for early exit, the parameter ratio for a draft
-model). Step costs are measured per batch-size bucket (`loop_policy.bucket`), since a draft-scoring
-step of 64 rows and one of 1 row relate differently to their plain steps, and within a bucket by
-the step's tokens per pass (`Timings.spec_at`): a size not measured yet is priced at the least
-it may cost (`StepCosts.scoring`), so one expensive size measured cannot keep a cheaper one from
-ever being tried.
+position. K stays 0 until plain decoding has been timed (`PLAIN_WARMUP` steps, the fastest counts:
+the first steps at a batch size can be slow once); until a drafting step has been timed, and again
+after `REMEASURE_EVERY` plain steps without one (so that a stale measurement cannot pin K at 0),
+the costs come from sizes: scoring drafts costs what plain decoding does, drafting what the
+drafter's size says (0 for n-gram, L/layers for early exit, the parameter ratio for a draft model);
+and then a sequence drafts one token at most, so that the smallest draft-scoring pass is the one
+measured first, and larger ones are priced from it. Step costs are measured per batch-size bucket
+(`loop_policy.bucket`), since a draft-scoring step of 64 rows and one of 1 row relate differently
+to their plain steps, and within a bucket by the step's tokens per pass (`Timings.spec_at`; a size
+not measured yet is priced from the nearest one measured, `StepCosts.scoring`). Measured from the
+smallest pass up, a dear 4-row pass on a CPU cannot price the cheap 2-row one out of ever being
+tried.
 
 Acceptance. The a_i are measured per position, not one a for all (`Runs`, in each sequence's
 `SeqState`): per sequence, decayed counts of the drafts scored at position i (their predecessors
@@ -220,6 +221,8 @@ class AdaptivePolicy:
         """choose_k, remembered until costs are observed again: in a large batch most sequences
         share alpha (the drafter's prior, at K = 0), so a step evaluates the policy a few times,
         not once per sequence."""
+        if self.measure_costs and self.stale(self.timings_at(batch)):
+            k_max = min(k_max, 1)  # the smallest draft-scoring pass is the one measured first
         key = (alpha, batch, k_max, id(drafter))
         k = self.choices.get(key)
         if k is None:
