@@ -418,14 +418,17 @@ def test_a_request_that_leaves_while_waiting_counts_as_aborted(tiny_dir):
 def test_a_request_that_fails_mid_stream_fails_alone(server, model):
     """The engine pins the failure on its request: an error event, and everyone else goes on."""
     body = {"prompt": "x", "max_tokens": 20, "stream": True, "decoder": "broken"}
-    body["ignore_eos"] = True
+    # greedy, and logprobs so that a token whose text is held back (part of a UTF-8
+    # character) still makes an event: the tokens before the failure are what is checked
+    body.update(ignore_eos=True, temperature=0, logprobs=1)
     with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=30) as r:
         assert r.status_code == 200
         events = [line[6:] for line in r.iter_lines() if line]
     assert events[-1] == "[DONE]"
     error = json.loads(events[-2])["error"]
     assert error["code"] == "internal_error" and "injected failure" in error["message"]
-    assert any(json.loads(e).get("choices") for e in events[:-2])  # tokens came first
+    tokens = [t for e in events[:-2] for t in json.loads(e)["choices"][0]["logprobs"]["tokens"]]
+    assert len(tokens) >= 2  # the tokens of the steps before the failure came first
     assert httpx.get(f"{server.url}/health").json()["status"] == "ok"
     ok = server.post("/v1/completions", {"prompt": "x", "max_tokens": 3, "model": model})
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3
