@@ -39,7 +39,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from stride.decoders import sampling
-from stride.decoders.sampling import TokenLogprob
+from stride.decoders.drawn_logprobs import Logprobs
 from stride.engine.engine import Engine
 from stride.engine.sequence import SamplingParams, Sequence
 
@@ -153,13 +153,13 @@ class Scored:
 
     logits: list[torch.Tensor] | None = None
     tokens: list[list[int]] | None = None
-    logprobs: list[list[TokenLogprob | None]] | None = None  # of `tokens`, where drawn so
+    logprobs: list[Logprobs] | None = None  # of `tokens`, where drawn so
 
 
 @dataclass
 class Commit:
     tokens: list[int]
-    logprobs: list[TokenLogprob | None]
+    logprobs: Logprobs
     kv_keep: int = 0  # how many tokens scored after the tail keep their KV
     # Which scored tokens (indices after the tail) those are, in order; None: the first kv_keep.
     kv_from: list[int] | None = None

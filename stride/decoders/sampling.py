@@ -211,13 +211,13 @@ def device_sample(logits: torch.Tensor, s: DrawSettings, step: int = 0) -> torch
     two fused kernels (`draw_kernels`) where the batch's truncation allows it, else `ops_sample`."""
     if s.all_greedy:
         return logits.argmax(-1)
-    route = _kernel_route(logits, s)
+    route = kernel_route(logits, s)
     if route is None:
         return ops_sample(logits, s, step)
     return draw_kernels.draw(logits, s.floats, s.keys[step], *route)
 
 
-def _kernel_route(logits: torch.Tensor, s: DrawSettings) -> tuple[bool, bool, bool] | None:
+def kernel_route(logits: torch.Tensor, s: DrawSettings) -> tuple[bool, bool, bool] | None:
     """`draw_kernels.draw`'s (top, top_p, min_p) for these rows, or None where it cannot draw
     them: off the GPU, a top-k past its candidates, top-p or min-p on rows without a top-k."""
     if not draw_kernels.available(logits):
@@ -283,7 +283,7 @@ def on_device(seq: Sequence) -> bool:
     """May this sequence's next tokens be drawn on the device (`device_sample`), several passes
     in a row with no host in between? Nothing may need the host between two tokens: no logit
     bias, penalties, pending min_tokens or grammar (logprobs are taken on the device too:
-    `DrawnLogprobs`)."""
+    `drawn_logprobs`)."""
     p = seq.params
     return (
         p.unbiased
@@ -334,67 +334,3 @@ def scored(logits: torch.Tensor, tokens: list[int], k: int) -> list[TokenLogprob
         for t, c, rank, ti, tv in zip(*columns, strict=True):
             out.append(TokenLogprob(t, c, ti, tv, rank))
     return out
-
-
-class DrawnLogprobs:
-    """The logprobs of the tokens a launch drew on the device, for the rows that ask for them:
-    each step's are taken with its draw (`draw`), from the same logits, and copied to the host
-    once, behind the launch (like its tokens)."""
-
-    def __init__(self, seqs: list[Sequence]) -> None:
-        self.wanted = [s.params.logprobs for s in seqs]  # None: the row asks for none
-        self.k = max((k for k in self.wanted if k is not None), default=0)
-        self._steps: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
-        self._host: list[torch.Tensor] | None = None
-        self._copied: torch.cuda.Event | None = None
-
-    @staticmethod
-    def of(seqs: list[Sequence]) -> DrawnLogprobs | None:
-        return DrawnLogprobs(seqs) if any(s.params.logprobs is not None for s in seqs) else None
-
-    def draw(self, logits: torch.Tensor, s: DrawSettings, step: int) -> torch.Tensor:
-        """`device_sample`, and this step's logprobs taken: on the GPU in the same two kernels
-        where they can draw these rows."""
-        route = _kernel_route(logits, s)
-        if route is None or self.k > draw_kernels.LOGPROBS_MAX:
-            tokens = device_sample(logits, s, step)
-            self.take(logits, tokens)
-            return tokens
-        tokens, taken = draw_kernels.draw_scored(logits, s.floats, s.keys[step], *route, self.k)
-        self._steps.append(taken)
-        return tokens
-
-    def take(self, logits: torch.Tensor, tokens: torch.Tensor) -> None:
-        """Step's logprobs (raw logits, as `logprobs` takes them): the drawn token's and the k
-        most likely, for every row (rows that asked for fewer keep theirs)."""
-        lp = torch.log_softmax(logits.float(), dim=-1)
-        vals, ids = lp.topk(self.k, dim=-1) if self.k else (lp[:, :0], lp[:, :0].long())
-        self._steps.append((lp.gather(1, tokens[:, None])[:, 0], vals, ids))
-
-    def copied(self) -> DrawnLogprobs:
-        """Queue the copy to the host (after the launch's last step); returns itself."""
-        parts = [torch.stack(part) for part in zip(*self._steps, strict=True)]
-        if parts[0].is_cuda:
-            parts = [p.to("cpu", non_blocking=True) for p in parts]
-            self._copied = torch.cuda.Event()
-            self._copied.record()
-        self._host = parts
-        return self
-
-    def per_sequence(self, tokens: list[list[int]]) -> list[list[TokenLogprob | None]]:
-        """Each row's logprobs step by step, for its drawn `tokens` (waits for the copy)."""
-        assert self._host is not None
-        if self._copied is not None:
-            self._copied.synchronize()
-        chosen, vals, ids = (p.tolist() for p in self._host)
-        out: list[list[TokenLogprob | None]] = []
-        for b, (k, made) in enumerate(zip(self.wanted, tokens, strict=True)):
-            if k is None:
-                out.append([None] * len(made))
-            elif k == self.k:  # (a row's own lists, uncopied)
-                out.append([TokenLogprob(t, chosen[s][b], ids[s][b], vals[s][b])
-                            for s, t in enumerate(made)])  # fmt: skip
-            else:
-                out.append([TokenLogprob(t, chosen[s][b], ids[s][b][:k], vals[s][b][:k])
-                            for s, t in enumerate(made)])  # fmt: skip
-        return out

@@ -10,7 +10,7 @@ launch that has finished. A batch runs one of three ways:
   next, so the host's per-step work (sync, commit, schedule, pack) is paid once for several
   tokens. Every row must be a plain step sampled on the device (`sampling.on_device`: greedy
   or sampled, with the rows' settings as tensors, `sampling.DrawSettings`; logprobs taken
-  beside, `sampling.DrawnLogprobs`)
+  beside, `drawn_logprobs`)
   whose decoder promised that many plain steps (`Proposal.plain_steps`), and nobody may wait.
   Several steps only for batches up to `MAX_BURST_BATCH`, where host work is a large share of a
   step: a request arriving meanwhile waits up to `steps - 1` steps longer, and a sequence that
@@ -37,6 +37,7 @@ import torch
 from stride.decoders import draw_kernels, sampling
 from stride.decoders.base import Proposal
 from stride.decoders.draw_graphs import DrawGraphs
+from stride.decoders.drawn_logprobs import DrawnLogprobs
 from stride.engine.engine import Engine
 from stride.engine.kv_cache import OutOfBlocks
 from stride.engine.roofline import StepLoad
@@ -113,7 +114,7 @@ class Executor:
         offsets = [len(s.token_ids) - 1 + s.pending - s.num_cached for s in seqs]  # fed_offset
         tokens = self._first_tokens(plan)
         draws = self._draw_settings(seqs, steps)
-        logprobs = sampling.DrawnLogprobs.of(seqs)
+        logprobs = DrawnLogprobs.of(seqs)
         graphed = self.engine.runner.decodes_in_graphs(seqs)  # (then its draws are graphed too)
         draw = self._draw_graphs if graphed else sampling.device_sample
 
@@ -153,7 +154,7 @@ class Executor:
         if launch.continuable:  # its committing rows drawn on the device, now
             seqs = launch.sampling = [kept.plan[i].seq for i in committing]
             draws = launch.draws = self._draw_settings(seqs, 1)
-            logprobs = sampling.DrawnLogprobs.of(seqs)
+            logprobs = DrawnLogprobs.of(seqs)
             stacked = torch.cat([logits[i] for i in committing])
             if logprobs is None:
                 drawn = sampling.device_sample(stacked, draws)

@@ -14,6 +14,7 @@ import torch
 
 from stride.decoders import sampling
 from stride.decoders.base import Burst, Scored
+from stride.decoders.drawn_logprobs import DrawnLogprobs
 from stride.engine.runner import SampledTokens
 from stride.engine.sequence import Sequence
 from stride.scheduler.batch import Batch, StepResult
@@ -36,7 +37,7 @@ class Launch:
         self.sampled: torch.Tensor | None = None
         self.sampling: list[Sequence] = []
         self.draws: sampling.DrawSettings | None = None  # their settings (the next may reuse)
-        self.logprobs: sampling.DrawnLogprobs | None = None  # of their draws, where asked for
+        self.logprobs: DrawnLogprobs | None = None  # of their draws, where asked for
 
     @cached_property
     def rows(self) -> dict[str, int]:

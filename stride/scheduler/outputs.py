@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
+from stride.decoders.drawn_logprobs import Logprobs
 from stride.decoders.sampling import TokenLogprob
 from stride.engine.roofline import StepLoad
 from stride.engine.sequence import SamplingParams
@@ -45,7 +46,7 @@ class RequestOutput:
     request_id: str
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
-    logprobs: list[TokenLogprob | None] = field(default_factory=list)
+    logprobs: Logprobs = field(default_factory=list)
     finish_reason: str | None = None  # "stop", "length", "abort", "deadline" or None
     stop_reason: str | int | None = None  # the stop string or token that ended it
     error: EngineError | None = None

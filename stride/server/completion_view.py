@@ -4,6 +4,8 @@ pick of the samples with the best mean logprob. A streamed chunk has the whole r
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from stride.decoders.sampling import TokenLogprob
 from stride.scheduler.outputs import RequestOutput
 from stride.server import request_schemas as rq
@@ -38,7 +40,7 @@ class CompletionView(View):
     def _prompt_of(self, index: int) -> int:
         return index // self.samples
 
-    def _logprobs(self, index: int, ids: list[int], lps: list) -> rs.CompletionLogprobs:
+    def _logprobs(self, index: int, ids: list[int], lps: Sequence) -> rs.CompletionLogprobs:
         out = self.pieces.completion_logprobs(ids, lps, self.offsets[index])
         if out.text_offset:
             self.offsets[index] = out.text_offset[-1] + len(out.tokens[-1])

@@ -8,7 +8,7 @@ when it is not one of the top n (a sampled token, an echoed prompt token): so do
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from stride.decoders.sampling import TokenLogprob
 from stride.server import response_schemas as rs
@@ -32,7 +32,7 @@ class Pieces:
         return text
 
     def completion_logprobs(
-        self, ids: list[int], lps: list[TokenLogprob | None], offset: int
+        self, ids: list[int], lps: Sequence[TokenLogprob | None], offset: int
     ) -> rs.CompletionLogprobs:
         out = rs.CompletionLogprobs()
         for token, lp in zip(ids, lps, strict=True):
@@ -50,7 +50,7 @@ class Pieces:
                 out.top_logprobs.append(top)
         return out
 
-    def chat_logprobs(self, lps: list[TokenLogprob | None]) -> rs.ChatLogprobs:
+    def chat_logprobs(self, lps: Sequence[TokenLogprob | None]) -> rs.ChatLogprobs:
         content = []
         for lp in lps:
             if lp is None:
