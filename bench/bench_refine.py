@@ -20,6 +20,7 @@ import argparse
 import json
 import sys
 import time
+from itertools import product
 from pathlib import Path
 
 import torch
@@ -170,9 +171,9 @@ def main() -> None:
     levels = [int(c) for c in args.concurrency.split(",")]
     decoders = args.decoders.split(",")
     refine = Refine.from_config(engine, DecodersConfig(mask_adapter=args.mask_adapter))
-    warm = argparse.Namespace(**{**vars(args), "prompts": 1})
-    for decoder in decoders:  # warm-up (the eager path too)
-        bench(engine, refine, "text", decoder, 1, warm)
+    warm = argparse.Namespace(**{**vars(args), "prompts": 1})  # one wave
+    for kind, conc, decoder in product(args.kinds.split(","), levels, decoders):
+        bench(engine, refine, kind, decoder, conc, warm)  # each shape it will time, untimed
     results = []
     header = "kind  conc  decoder          tok/s   tokens/pass  speed-up  same-as-AR"
     print(header)

@@ -13,8 +13,9 @@ A replay may also take masks (`run(..., masks=...)`): each row then sees its con
 loop. And a replay whose rows are one sequence's span (`one_span`: a prompt's uncached tail
 after a prefix cache hit, a speculative or Jacobi proposal at batch 1) runs them as one tree
 (`DecodeMetadata.tree_rows`): the kernel reads the span's context once for all its rows, where
-row by row each would read it whole. Those graphs are captured the first time a bucket needs
-one, so that a server whose requests never use them pays nothing for them.
+row by row each would read it whole. Every layout's graphs are captured at start-up with the
+plain ones: one captured when a step first needed it stalled that step (kernels compiled, a
+warm-up, the capture), and the request that first used lookahead or a one-span tree paid it.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ log = logging.getLogger(__name__)
 TOKEN, POSITION, SLOT, LENGTH, START, TABLE = range(6)
 MASK_WIDTH = 64  # the slots a masked replay's rows have masks over (runner.MAX_GRAPH_QUERY)
 Layout = Literal["rows", "masked", "one_span"]  # how a replay's rows attend (module docstring)
+LAYOUTS: tuple[Layout, ...] = ("rows", "masked", "one_span")
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -81,7 +83,7 @@ class DecodeGraphs:
         self._aux_layers = aux
         width = model.config.hidden_size * len(aux)
         self.aux = torch.empty(max_batch, width, dtype=model.lm_head.weight.dtype, device=device)
-        # (bucket, with aux, layout) -> graph; all but "rows" as first needed (`_graph`)
+        # (bucket, with aux, layout) -> graph
         self._graphs: dict[tuple[int, bool, Layout], torch.cuda.CUDAGraph] = {}
         self._pool = None
         self._capture()
@@ -117,40 +119,29 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def _capture(self) -> None:
+        """Every graph a replay may ask for; padding rows (block 0, a mask of their own slot)
+        make the warm-up steps harmless. A one-span replay has 2 to MASK_WIDTH rows."""
         variants = (False, True) if self._aux_layers else (False,)
-        for b in self.buckets:  # compile kernels, create library handles, outside any capture
-            for with_aux in variants:
-                self._step(b, with_aux)
+        shapes = [
+            (b, with_aux, layout)
+            for b in reversed(self.buckets)  # largest first, so smaller ones reuse its memory
+            for with_aux in variants
+            for layout in LAYOUTS
+            if layout != "one_span" or 1 < b <= MASK_WIDTH
+        ]
+        for shape in shapes:  # compile kernels, create library handles, outside any capture
+            self._step(*shape)
         torch.cuda.synchronize()
-        for b in reversed(self.buckets):  # largest first, so smaller ones reuse its memory
-            for with_aux in variants:
-                self._graphs[b, with_aux, "rows"] = self._captured(b, with_aux, "rows")
+        for shape in shapes:
+            self._graphs[shape] = self._captured(*shape)
         torch.cuda.synchronize()
-        log.info("captured decode CUDA graphs for batch sizes %s", self.buckets)
+        log.info("captured %d decode CUDA graphs for batch sizes %s", len(shapes), self.buckets)
 
     def _captured(self, batch: int, with_aux: bool, layout: Layout) -> torch.cuda.CUDAGraph:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
             self._step(batch, with_aux, layout)
         self._pool = graph.pool()
-        return graph
-
-    @torch.inference_mode()
-    def _graph(self, bucket: int, with_aux: bool, layout: Layout) -> torch.cuda.CUDAGraph:
-        """A bucket's graph; a masked or one-span one is captured here the first time, after a
-        warm-up step (kernels compiled outside the capture) on padding rows, which write block
-        0 only."""
-        graph = self._graphs.get((bucket, with_aux, layout))
-        if graph is None:
-            self._inputs[:bucket].zero_()
-            self._inputs[:bucket, LENGTH] = 1
-            self._masks[:bucket] = False
-            self._masks[:bucket, 0] = True
-            self._step(bucket, with_aux, layout)
-            torch.cuda.synchronize()
-            graph = self._captured(bucket, with_aux, layout)
-            self._graphs[bucket, with_aux, layout] = graph
-            log.info("captured a decode CUDA graph for batch size %d, %s", bucket, layout)
         return graph
 
     def run(
@@ -179,7 +170,7 @@ class DecodeGraphs:
         n = len(tokens)
         bucket = self._bucket(n)
         layout: Layout = "rows" if masks is None else "one_span" if one_span else "masked"
-        graph = self._graph(bucket, aux, layout)
+        graph = self._graphs[bucket, aux, layout]
         self._copied.synchronize()  # the previous step's copy has left the pinned buffers
         self._pack(self._host_np, tokens, positions, lengths, tables, bucket)
         if masks is not None:
