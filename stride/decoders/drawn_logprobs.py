@@ -1,11 +1,11 @@
 """The logprobs of tokens drawn on the device, kept as one launch's arrays until someone reads them.
 
 A launch at 256 streams draws 256 tokens a step; building a `TokenLogprob` for each (and its two
-lists of alternatives) on the step loop's thread costs about what the draw's kernels cost the
-device, and the records are only read in the API process, where they are serialized anyway. So a
-launch's logprobs stay three host arrays (`LogprobBlock`), and a sequence's share of them is one
-`RowLogprobs`: a read-only list of `TokenLogprob`s made when an item is read. A block crosses the
-pipe to the API process once per message, however many rows point at it (pickle's memo).
+lists of alternatives) on the step loop's thread made that thread, not the device, set the pace
+of the step, and the records are only read in the API process, where they are serialized anyway.
+So a launch's logprobs stay three host arrays (`LogprobBlock`), and a sequence's share of them is
+one `RowLogprobs`: a read-only list of `TokenLogprob`s made when an item is read. A block crosses
+the pipe to the API process once per message, however many rows point at it (pickle's memo).
 """
 
 from __future__ import annotations
