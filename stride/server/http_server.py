@@ -17,7 +17,7 @@ import signal
 import socket
 import time
 from types import FrameType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import uvicorn
 
@@ -32,6 +32,11 @@ LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 GRACE_S = 2  # uvicorn's wait for connections once it stops; then it cancels their requests
 CUT_OFF_S = 1.0  # after the drain deadline: how long the last answers may take to go out
 BACKLOG = 2048  # uvicorn's default
+# How long an idle connection stays open: longer than clients keep one in their pools (httpx and
+# so the openai SDK: 5 s, uvicorn's own default), so that a client never sends a request on a
+# connection the server is closing at that moment ("Server disconnected without sending a
+# response"); longer than a load balancer's idle timeout (60 s on most), for the same reason.
+KEEP_ALIVE_S = 65
 
 
 class PortUnavailable(Exception):
@@ -156,6 +161,11 @@ def setup_logging(args: argparse.Namespace) -> None:
     logging.getLogger("uvicorn.error").addFilter(_NotYetServing())
 
 
+def uvicorn_config(app: FastAPI, **kw: Any) -> uvicorn.Config:
+    """uvicorn's settings for `app`, with Stride's keep-alive (`KEEP_ALIVE_S`)."""
+    return uvicorn.Config(app, timeout_keep_alive=KEEP_ALIVE_S, **kw)
+
+
 def run_server(
     args: argparse.Namespace,
     server_config: ServerConfig,
@@ -167,7 +177,7 @@ def run_server(
     from stride.server.app import create_app
 
     app = create_app(server_config)
-    config = uvicorn.Config(
+    config = uvicorn_config(
         app,
         host=args.host,
         port=args.port,

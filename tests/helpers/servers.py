@@ -26,6 +26,7 @@ import uvicorn
 
 from stride.engine.config import EngineConfig
 from stride.server.app import ServerConfig, create_app
+from stride.server.http_server import uvicorn_config
 
 
 def descendants(pid: int) -> set[int]:
@@ -84,7 +85,7 @@ class LiveServer:
         self.sock.bind(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        uv = uvicorn.Config(self.app, log_level="warning", timeout_graceful_shutdown=1)
+        uv = uvicorn_config(self.app, log_level="warning", timeout_graceful_shutdown=1)
         self.server = uvicorn.Server(uv)
         self.thread = threading.Thread(
             target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True

@@ -108,6 +108,27 @@ def test_a_body_over_the_limit_is_413_before_it_is_read(server):
     assert b'"code":"request_too_large"' in body and str(LIMIT).encode() in body
 
 
+def test_a_connection_idle_as_long_as_clients_keep_one_is_still_answered(server):
+    """Clients keep an idle connection in their pools for 5 s (httpx, so the openai SDK); a
+    request they send on it then is answered, not cut by the server closing it at that moment
+    ("Server disconnected without sending a response")."""
+
+    def health(sock: socket.socket) -> bytes:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        answer = b""
+        while not answer.endswith(b"}"):
+            chunk = sock.recv(65536)
+            if not chunk:
+                return answer
+            answer += chunk
+        return answer
+
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+        assert health(sock).startswith(b"HTTP/1.1 200")
+        time.sleep(6)
+        assert health(sock).startswith(b"HTTP/1.1 200")
+
+
 def test_a_streamed_body_over_the_limit_is_413(server):
     def chunks():  # no Content-Length: read until it passes the limit
         yield b'{"prompt": "'
