@@ -162,7 +162,6 @@ def main() -> None:
             model=args.model,
             device=args.device,
             dtype=args.dtype,
-            kv_cache_memory=512 << 20,
             enable_prefix_caching=False,  # each decoder pays for its own prefills
         )
     )
