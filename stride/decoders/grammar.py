@@ -3,8 +3,9 @@
 A request's `Constraint` (a JSON schema, a regex, a list of choices, a Lark or GBNF grammar) is
 compiled by llguidance against the model's tokenizer (bench/bench_grammar.py compares it with
 xgrammar and outlines-core; the README says why it was chosen). Compiled grammars are cached
-(`Grammars`, least recently used out); each sequence gets its own `Matcher`, a copy of the
-cached one (10 µs), which follows the sequence's committed output tokens.
+(`Grammars`, least recently used out), up to one compilation per thread of the mask pool; each
+sequence gets its own `Matcher`, a copy of one of them (10 µs), which follows the sequence's
+committed output tokens.
 
 How every decoder keeps to it:
 - Sampling: `sampling.adjust`, which every draw and every verification goes through (`ar`'s
@@ -27,8 +28,10 @@ How every decoder keeps to it:
 from __future__ import annotations
 
 import json
+import os
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 import llguidance
@@ -48,6 +51,8 @@ from stride.engine.sequence import Constraint
 # small model can emit newlines forever where the grammar would have let it close the object.
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 KINDS = ("json_schema", "regex", "choice", "grammar")
+THREADS = min(32, max(1, (os.cpu_count() or 1) * 4 // 5))  # the mask pool's (llguidance's default)
+LANES = THREADS  # compilations of a constraint whose copies' masks run in parallel (`_Roots`)
 
 
 class GrammarError(ValueError):
@@ -137,7 +142,7 @@ class Grammars:
         self, tokenizer: Any, vocab_size: int, eos_ids: set[int], capacity: int = 256
     ) -> None:
         self.capacity = capacity
-        self._compiled: OrderedDict[Constraint, llguidance.LLMatcher] = OrderedDict()
+        self._compiled: OrderedDict[Constraint, _Roots] = OrderedDict()
         self._ll_tokenizer: llguidance.LLTokenizer | None = None
         self._digits: Digits | None = None
         self._error: Exception | None = None
@@ -170,19 +175,43 @@ class Grammars:
         return self._ll_tokenizer
 
     def matcher(self, constraint: Constraint) -> Matcher:
-        """A fresh matcher for `constraint`, or GrammarError."""
-        compiled = self._compiled.get(constraint)
-        if compiled is None:
-            compiled = llguidance.LLMatcher(self.tokenizer(), grammar_text(constraint), log_level=0)
-            if compiled.is_error():
-                raise GrammarError(_first_line(compiled.get_error()))
-            self._compiled[constraint] = compiled
+        """A fresh matcher for `constraint`, or GrammarError: a copy of one of its compiled
+        roots, taken in turn (see `_Roots`)."""
+        roots = self._compiled.get(constraint)
+        if roots is None:
+            roots = self._compiled[constraint] = _Roots(self._compile(constraint))
             if len(self._compiled) > self.capacity:
                 self._compiled.popitem(last=False)
         else:
             self._compiled.move_to_end(constraint)
-        is_json = constraint.kind == "json_schema"
-        return Matcher(compiled.deep_copy(), self._digits if is_json else None)
+        ll = roots.copy(lambda: self._compile(constraint))
+        return Matcher(ll, self._digits if constraint.kind == "json_schema" else None)
+
+    def _compile(self, constraint: Constraint) -> llguidance.LLMatcher:
+        compiled = llguidance.LLMatcher(self.tokenizer(), grammar_text(constraint), log_level=0)
+        if compiled.is_error():
+            raise GrammarError(_first_line(compiled.get_error()))
+        return compiled
+
+
+class _Roots:
+    """A constraint compiled up to `LANES` times, its matchers copied from each in turn.
+
+    Copies of one compiled matcher share its lexer's cache behind one lock, so their masks are
+    computed one at a time however many threads ask; copies of separate compilations run in
+    parallel on the executor's threads. A constraint used by many sequences at once thus gets
+    one compilation per lane (a few ms each, paid by the requests that first need it)."""
+
+    def __init__(self, first: llguidance.LLMatcher) -> None:
+        self.compiled = [first]
+        self.handed = 0
+
+    def copy(self, compile: Callable[[], llguidance.LLMatcher]) -> llguidance.LLMatcher:
+        lane = self.handed % LANES
+        self.handed += 1
+        if lane == len(self.compiled):
+            self.compiled.append(compile())
+        return self.compiled[lane].deep_copy()
 
 
 _executor: llguidance.LLExecutor | None = None
@@ -191,7 +220,7 @@ _executor: llguidance.LLExecutor | None = None
 def _pool() -> llguidance.LLExecutor:
     global _executor
     if _executor is None:
-        _executor = llguidance.LLExecutor()
+        _executor = llguidance.LLExecutor(THREADS)
     return _executor
 
 
@@ -269,6 +298,7 @@ def bitmask(jobs: list[tuple[Matcher, list[int]]], vocab_size: int) -> np.ndarra
 
 
 _SHIFTS: dict[torch.device, torch.Tensor] = {}
+_STAGING: dict[torch.device, tuple[torch.Tensor, torch.cuda.Event]] = {}
 
 
 def mask_logits(logits: torch.Tensor, rows: list[int], jobs: list[tuple[Matcher, list[int]]]):
@@ -278,7 +308,7 @@ def mask_logits(logits: torch.Tensor, rows: list[int], jobs: list[tuple[Matcher,
     bits = torch.from_numpy(bitmask(jobs, vocab))
     device = logits.device
     if device.type == "cuda":  # one asynchronous copy, queued behind the forward pass
-        bits = bits.pin_memory().to(device, non_blocking=True)
+        bits = _to_device(bits, device)
     shifts = _SHIFTS.get(device)
     if shifts is None:
         shifts = _SHIFTS[device] = torch.arange(32, dtype=torch.int32, device=device)
@@ -288,6 +318,23 @@ def mask_logits(logits: torch.Tensor, rows: list[int], jobs: list[tuple[Matcher,
     else:
         index = torch.tensor(rows, device=device)
         logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
+
+
+def _to_device(bits: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`bits` on `device` through a pinned buffer kept per device (pinning a fresh tensor every
+    step costs more than the copy), reused once its last copy has left."""
+    staging, copied = _STAGING.get(device, (None, None))
+    if staging is None or staging.numel() < bits.numel():
+        staging, copied = torch.empty(bits.numel() * 2, dtype=bits.dtype).pin_memory(), None
+    if copied is not None:
+        copied.synchronize()
+    host = staging[: bits.numel()].view(bits.shape)
+    host.copy_(bits)
+    out = host.to(device, non_blocking=True)
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    _STAGING[device] = (staging, event)
+    return out
 
 
 def valid_prefix(grammar: Matcher | None, tokens: list[int]) -> int:

@@ -206,9 +206,7 @@ class _Spy:
 
 
 @pytest.mark.parametrize("name", ["ngram", "early_exit", "jacobi", "lookahead"])
-def test_drafts_the_grammar_forbids_are_cut_and_the_state_rolls_back(
-    tiny_dir, monkeypatch, name
-):
+def test_drafts_the_grammar_forbids_are_cut_and_the_state_rolls_back(tiny_dir, monkeypatch, name):
     """Every proposal scored for a constrained sequence is one the grammar allows (checked
     against a fresh matcher fed the committed output then), some were cut to get there, and
     after every step the sequence's matcher is where that fresh one is."""
@@ -276,6 +274,31 @@ def test_fused_decode_steps_leave_constrained_sequences_to_the_sampler(tiny_dir)
     for r in requests:
         alone.update(run(make(tiny_dir), [replace(r)]))
     assert together == alone
+
+
+def test_matchers_of_one_constraint_come_from_its_lanes_in_turn(tiny_dir, monkeypatch):
+    """Many sequences of one constraint share `LANES` compilations, copied in turn (their masks
+    then run in parallel): each copy masks what a fresh matcher masks and moves on its own, and
+    constrained requests decode as with one compilation."""
+    monkeypatch.setattr(grammar, "LANES", 3)
+    core = make(tiny_dir)
+    grammars, vocab = core.intake.grammars, core.engine.hf_config.vocab_size
+    matchers = [grammars.matcher(JSON) for _ in range(7)]
+    assert len(grammars._compiled[JSON].compiled) == 3
+    assert len({id(m.ll) for m in matchers}) == 7
+    written = core.engine.tokenizer.encode('{"name": "ab')
+    for token in written:
+        matchers[4].advance(token)
+    masks = grammar.bitmask([(m, []) for m in matchers], vocab)
+    fresh = grammar.bitmask([(make(tiny_dir).intake.grammars.matcher(JSON), [])], vocab)[0]
+    assert all((row == fresh).all() for i, row in enumerate(masks) if i != 4)
+    assert (
+        masks[4] == grammar.bitmask([(matcher_after(core, JSON, '{"name": "ab'), [])], vocab)[0]
+    ).all()
+    requests = [GenerateRequest(f"c{i}", PROMPTS[i % 3], params()) for i in range(5)]
+    lanes = run(core, [replace(r) for r in requests])
+    monkeypatch.setattr(grammar, "LANES", 1)
+    assert run(make(tiny_dir), [replace(r) for r in requests]) == lanes
 
 
 # ---- sampled: the masked target distribution ---------------------------------------------------

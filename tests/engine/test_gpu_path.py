@@ -3,6 +3,8 @@ against the eager path token for token. Skipped where there is no Triton / no GP
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -10,7 +12,7 @@ from stride.engine import fused
 from stride.engine.config import EngineConfig
 from stride.engine.engine import Engine
 from stride.engine.kernels import decode_attention as attention
-from stride.engine.sequence import SamplingParams, Sequence
+from stride.engine.sequence import Constraint, SamplingParams, Sequence
 from stride.engine.spans import Span, prepare
 from stride.scheduler.core import EngineCore
 from stride.scheduler.outputs import GenerateRequest
@@ -89,6 +91,36 @@ def test_gpu_fp32_greedy_equals_cpu(tiny_dir):
             model=str(tiny_dir), device=device, dtype="float32", kv_cache_memory=64 << 20
         )
         outs[device] = _greedy(EngineCore(Engine(config)), prompts, 32)
+    assert outs["cuda"] == outs["cpu"]
+
+
+@needs_triton
+@needs_cuda
+def test_gpu_fp32_constrained_equals_cpu(tiny_dir):
+    """Grammar masks copied to the device (through the staging buffer, grown as the batch
+    grows, reused step after step) give the CPU's tokens, beside free requests."""
+    a, b = {"type": "string", "maxLength": 5}, {"type": "array", "items": {"type": "integer"}}
+    schema = {"type": "object", "properties": {"a": a, "b": b}, "required": ["a", "b"]}
+    constraint = Constraint("json_schema", json.dumps(schema))
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 384, (n,), generator=g).tolist() for n in (7, 64, 2, 31, 12, 5)]
+    outs = {}
+    for device in ("cpu", "cuda"):
+        config = EngineConfig(
+            model=str(tiny_dir), device=device, dtype="float32", kv_cache_memory=64 << 20
+        )
+        core = EngineCore(Engine(config))
+        out: dict[str, list[int]] = {}
+        for wave in (prompts[:1], prompts):  # one row, then six: the buffer grows
+            for i, ids in enumerate(wave):
+                free = i % 3 == 2
+                params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=free,
+                                        constraint=None if free else constraint)  # fmt: skip
+                core.add(GenerateRequest(f"{len(wave)}-{i}", ids, params))
+            while core.has_work:
+                for o in core.step():
+                    out.setdefault(o.request_id, []).extend(o.token_ids)
+        outs[device] = out
     assert outs["cuda"] == outs["cpu"]
 
 
