@@ -132,15 +132,22 @@ def run_drafts(
     """
     tokens: list[list[int]] = [[] for _ in seqs]
     qs: list[list[torch.Tensor]] = [[] for _ in seqs]
+    # Every drafting row plain greedy (and so at every position): each draw is the argmax, its
+    # q one-hot, which a Draft without q stands for; no distribution is made.
+    greedy = all(sampling.plain_greedy(sampling.Row(s)) for s, k in zip(seqs, ks, strict=True) if k)
     for pos in range(max(ks, default=0)):
         live = [i for i, k in enumerate(ks) if k > pos]
         feed = [first_feeds[i] if pos == 0 else [tokens[i][-1]] for i in live]
         logits = forward(pos, live, feed)
-        rows = [sampling.Row(seqs[i], pending=list(tokens[i])) for i in live]
-        drawn, q = _draw(logits, rows, eos_ids, vocab)
+        if greedy:
+            drawn = logits[:, :vocab].argmax(-1).tolist()  # (a drafter's vocabulary may be wider)
+        else:
+            rows = [sampling.Row(seqs[i], pending=list(tokens[i])) for i in live]
+            drawn, q = _draw(logits, rows, eos_ids, vocab)
+            for j, i in enumerate(live):
+                qs[i].append(q[j])
         for j, i in enumerate(live):
             tokens[i].append(drawn[j])
-            qs[i].append(q[j])
     return [Draft(t, torch.stack(q) if q else None) for t, q in zip(tokens, qs, strict=True)]
 
 
