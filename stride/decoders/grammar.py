@@ -3,9 +3,9 @@
 A request's `Constraint` (a JSON schema, a regex, a list of choices, a Lark or GBNF grammar) is
 compiled by llguidance against the model's tokenizer (bench/bench_grammar.py compares it with
 xgrammar and outlines-core; the README says why it was chosen). Compiled grammars are cached
-(`Grammars`, least recently used out), up to one compilation per thread of the mask pool; each
-sequence gets its own `Matcher`, a copy of one of them (10 µs), which follows the sequence's
-committed output tokens.
+(`Grammars`, least recently used out), up to one compilation per thread of the mask pool while
+that many sequences use a constraint at once; each sequence gets its own `Matcher`, a copy of
+one of them (10 µs), which follows the sequence's committed output tokens.
 
 How every decoder keeps to it:
 - Sampling: `sampling.adjust`, which every draw and every verification goes through (`ar`'s
@@ -30,6 +30,7 @@ from __future__ import annotations
 import json
 import os
 import threading
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
@@ -52,7 +53,7 @@ from stride.engine.sequence import Constraint
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 KINDS = ("json_schema", "regex", "choice", "grammar")
 THREADS = min(32, max(1, (os.cpu_count() or 1) * 4 // 5))  # the mask pool's (llguidance's default)
-LANES = THREADS  # compilations of a constraint whose copies' masks run in parallel (`_Roots`)
+LANES = THREADS  # compilations of a constraint in use by many sequences at once (`_Roots`)
 
 
 class GrammarError(ValueError):
@@ -98,7 +99,7 @@ class Matcher:
     """One sequence's position in its grammar: after its committed output tokens (and, for a
     JSON grammar, where its text stands, so that numbers stay bounded: `numbers`)."""
 
-    __slots__ = ("ll", "digits", "scan")
+    __slots__ = ("ll", "digits", "scan", "__weakref__")
 
     def __init__(self, ll: llguidance.LLMatcher, digits: Digits | None = None) -> None:
         self.ll = ll
@@ -184,8 +185,10 @@ class Grammars:
                 self._compiled.popitem(last=False)
         else:
             self._compiled.move_to_end(constraint)
-        ll = roots.copy(lambda: self._compile(constraint))
-        return Matcher(ll, self._digits if constraint.kind == "json_schema" else None)
+        ll, lane = roots.copy(lambda: self._compile(constraint))
+        matcher = Matcher(ll, self._digits if constraint.kind == "json_schema" else None)
+        weakref.finalize(matcher, roots.released, lane)
+        return matcher
 
     def _compile(self, constraint: Constraint) -> llguidance.LLMatcher:
         compiled = llguidance.LLMatcher(self.tokenizer(), grammar_text(constraint), log_level=0)
@@ -195,23 +198,31 @@ class Grammars:
 
 
 class _Roots:
-    """A constraint compiled up to `LANES` times, its matchers copied from each in turn.
+    """A constraint's compilations, at most `LANES`, and how many live matchers each has.
 
     Copies of one compiled matcher share its lexer's cache behind one lock, so their masks are
-    computed one at a time however many threads ask; copies of separate compilations run in
-    parallel on the executor's threads. A constraint used by many sequences at once thus gets
-    one compilation per lane (a few ms each, paid by the requests that first need it)."""
+    filled one at a time however many threads ask; copies of separate compilations fill in
+    parallel on the pool's threads. A matcher is copied from the compilation with the fewest
+    live ones, and the constraint is compiled again (a few ms) only while every compilation has
+    a live matcher: a constraint used by one sequence at a time is compiled once."""
 
     def __init__(self, first: llguidance.LLMatcher) -> None:
         self.compiled = [first]
-        self.handed = 0
+        self.live = [0]
 
-    def copy(self, compile: Callable[[], llguidance.LLMatcher]) -> llguidance.LLMatcher:
-        lane = self.handed % LANES
-        self.handed += 1
-        if lane == len(self.compiled):
+    def copy(self, compile: Callable[[], llguidance.LLMatcher]) -> tuple[llguidance.LLMatcher, int]:
+        """A copy of the least used compilation (a new one if all are used), and its lane."""
+        lane = min(range(len(self.live)), key=self.live.__getitem__)
+        if self.live[lane] and len(self.compiled) < LANES:
             self.compiled.append(compile())
-        return self.compiled[lane].deep_copy()
+            self.live.append(0)
+            lane = len(self.compiled) - 1
+        self.live[lane] += 1
+        return self.compiled[lane].deep_copy(), lane
+
+    def released(self, lane: int) -> None:
+        """A matcher of `lane` is gone (its sequence ended)."""
+        self.live[lane] -= 1
 
 
 _executor: llguidance.LLExecutor | None = None

@@ -276,25 +276,31 @@ def test_fused_decode_steps_leave_constrained_sequences_to_the_sampler(tiny_dir)
     assert together == alone
 
 
-def test_matchers_of_one_constraint_come_from_its_lanes_in_turn(tiny_dir, monkeypatch):
-    """Many sequences of one constraint share `LANES` compilations, copied in turn (their masks
-    then run in parallel): each copy masks what a fresh matcher masks and moves on its own, and
-    constrained requests decode as with one compilation."""
+def test_a_constraint_is_compiled_once_per_sequence_using_it_at_once(tiny_dir, monkeypatch):
+    """Sequences of one constraint share up to `LANES` compilations (their masks then fill in
+    parallel): a new one while every compilation has a live matcher, none while one is free;
+    each copy masks what a fresh matcher masks and moves on its own, and constrained requests
+    decode as with one compilation."""
     monkeypatch.setattr(grammar, "LANES", 3)
     core = make(tiny_dir)
     grammars, vocab = core.intake.grammars, core.engine.hf_config.vocab_size
+    for _ in range(4):  # one at a time: one compilation
+        grammars.matcher(JSON)
+    roots = grammars._compiled[JSON]
+    assert len(roots.compiled) == 1 and roots.live == [0]
     matchers = [grammars.matcher(JSON) for _ in range(7)]
-    assert len(grammars._compiled[JSON].compiled) == 3
-    assert len({id(m.ll) for m in matchers}) == 7
-    written = core.engine.tokenizer.encode('{"name": "ab')
-    for token in written:
-        matchers[4].advance(token)
+    assert len(roots.compiled) == 3 and sorted(roots.live) == [2, 2, 3]
+    del matchers[:3]
+    assert sum(roots.live) == 4
+    matchers.append(grammars.matcher(JSON))  # to the least used lane, no new compilation
+    assert len(roots.compiled) == 3 and max(roots.live) - min(roots.live) <= 1
+    for token in core.engine.tokenizer.encode('{"name": "ab'):
+        matchers[2].advance(token)
     masks = grammar.bitmask([(m, []) for m in matchers], vocab)
     fresh = grammar.bitmask([(make(tiny_dir).intake.grammars.matcher(JSON), [])], vocab)[0]
-    assert all((row == fresh).all() for i, row in enumerate(masks) if i != 4)
-    assert (
-        masks[4] == grammar.bitmask([(matcher_after(core, JSON, '{"name": "ab'), [])], vocab)[0]
-    ).all()
+    assert all((row == fresh).all() for i, row in enumerate(masks) if i != 2)
+    after = matcher_after(make(tiny_dir), JSON, '{"name": "ab')
+    assert (masks[2] == grammar.bitmask([(after, [])], vocab)[0]).all()
     requests = [GenerateRequest(f"c{i}", PROMPTS[i % 3], params()) for i in range(5)]
     lanes = run(core, [replace(r) for r in requests])
     monkeypatch.setattr(grammar, "LANES", 1)
