@@ -1,8 +1,9 @@
 """Decoders through `stride serve`, as a client sees them: output tok/s against `ar`.
 
-One server on the default model (or `--model`); chat requests that name their decoder, greedy,
-on held-out prompts (loadtest's built-in ones plus `bench/data/heldout_prompts.jsonl`, none from
-the training prompt generator). At each concurrency c, every decoder answers the same
+One server on the default model (or `--model`); chat requests that name their decoder, greedy
+(or sampled at `--temperature`, each request seeded by its index), on held-out prompts
+(loadtest's built-in ones plus `bench/data/heldout_prompts.jsonl`, none from the training
+prompt generator). At each concurrency c, every decoder answers the same
 `max(--prompts, c)` requests with c in flight at once; with `--repeats N` the decoders take N
 rounds in turn and each one's best round is reported (single runs on a GPU move by ±10 %).
 Reported per decoder: output tok/s (wall time of the round, prefills included), × `ar` at the
@@ -11,6 +12,8 @@ same concurrency, and tokens committed per forward pass (`usage.decoder`, summed
     python bench/bench_serve_decoders.py --device cpu --prompts 4 --tokens 16 --concurrency 1,2
     python bench/bench_serve_decoders.py --device cuda --prompts 64 --tokens 128 \
         --concurrency 1,8,64 --decoders ar,jacobi,lookahead --repeats 3 --json serve.json
+    python bench/bench_serve_decoders.py --device cuda --concurrency 1 --temperature 0.7 \
+        --decoders 'ar,eagle,ngram={"type": "speculative", "draft": "ngram"}'
 """
 
 from __future__ import annotations
@@ -51,6 +54,17 @@ def heldout_messages() -> list[list[dict]]:
     return out
 
 
+def decoder_names(text: str) -> list[str]:
+    """`--decoders`, split at the commas outside JSON specs."""
+    names, depth, start = [], 0, 0
+    for i, ch in enumerate(text):
+        depth += (ch in "{[") - (ch in "}]")
+        if ch == "," and not depth:
+            names.append(text[start:i])
+            start = i + 1
+    return [*names, text[start:]]
+
+
 def decoder_spec(name: str) -> str | dict:
     """A name from DECODERS, or `label={json}` for any other decoder spec."""
     if "=" in name:
@@ -63,12 +77,13 @@ async def one_round(url: str, model: str, decoder: str | dict, messages: list, c
     gate = asyncio.Semaphore(c)
     limits = httpx.Limits(max_connections=c + 4, max_keepalive_connections=c + 4)
 
-    async def ask(client: httpx.AsyncClient, m: list) -> tuple[int, int]:
+    async def ask(client: httpx.AsyncClient, i: int, m: list) -> tuple[int, int]:
         body = {
             "model": model,
             "messages": m,
             "max_tokens": args.tokens,
-            "temperature": 0.0,
+            "temperature": args.temperature,
+            "seed": i,
             "decoder": decoder,
             "ignore_eos": args.ignore_eos,
         }
@@ -81,7 +96,7 @@ async def one_round(url: str, model: str, decoder: str | dict, messages: list, c
 
     async with httpx.AsyncClient(timeout=600, limits=limits) as client:
         start = time.perf_counter()
-        done = await asyncio.gather(*(ask(client, m) for m in messages))
+        done = await asyncio.gather(*(ask(client, i, m) for i, m in enumerate(messages)))
         seconds = time.perf_counter() - start
     return seconds, sum(t for t, _ in done), sum(p for _, p in done)
 
@@ -123,6 +138,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=128, help="max new tokens per request")
     ap.add_argument("--concurrency", default="1,8")
     ap.add_argument("--decoders", default="ar,jacobi,lookahead", help="names, or label={json}")
+    ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     ap.add_argument("--ignore-eos", action="store_true")
     ap.add_argument("--repeats", type=int, default=1, help="rounds of all; each one's best")
     ap.add_argument("--port", type=int, default=8131)
@@ -131,7 +147,7 @@ def main() -> None:
     args = ap.parse_args()
 
     pool = heldout_messages()
-    names = args.decoders.split(",")
+    names = decoder_names(args.decoders)
     labels = [n.split("=", 1)[0] for n in names]
     server, url = start_server(args)
     results = []
