@@ -6,6 +6,7 @@ under it decode exactly what `ar` does, drafting only in the loop (run eagerly o
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -22,6 +23,7 @@ from stride.decoders.speculative.loop_policy import (
     bucket,
     menu,
 )
+from stride.engine.sequence import SamplingParams
 from stride.scheduler.outputs import GenerateRequest
 from tests.helpers.cores import PROMPTS, alone_then_together, greedy, run
 from tests.helpers.eagle import eagle_core, free, record_bursts
@@ -136,6 +138,41 @@ def test_adaptive_eagle_requests_draft_only_in_the_loop_and_decode_exactly(
     assert shapes <= {TreeShape.chain(3), DEFAULT_TREE} and shapes
     assert spec.loop.rates  # the loop measured its bursts
     assert free(core)
+
+
+def test_requests_the_loop_cannot_run_decode_plainly_in_full_bursts(eagle_target, eagle_head):
+    """Sampled, logprobs or constrained rows of adaptive EAGLE requests never run in the device
+    loop (it accepts by the argmax, on the device): their plain steps come as the executor's
+    bursts, as `ar`'s do, not one step at a time waiting for a loop try that cannot start; the
+    tokens are `ar`'s, seed for seed."""
+    options = {"draft": "eagle", "num_speculative_tokens": 3}
+    sampled = SamplingParams(max_tokens=24, temperature=0.8, seed=7, ignore_eos=True)
+    logprobs = replace(greedy(24), logprobs=2)
+    for params in (sampled, logprobs):
+        core = eagle_core(eagle_target, eagle_head, fused_decode_steps=4)
+        spec = core.decoders["speculative"]
+        spec.device_loop = True
+        ran = record_bursts(core)
+        ref, _ = run(core, [GenerateRequest(str(i), p, params) for i, p in enumerate(PROMPTS[:2])])
+        steps = count_steps(core)
+        reqs = [GenerateRequest(str(i), p, params, "speculative", options)
+                for i, p in enumerate(PROMPTS[:2])]  # fmt: skip
+        out, _ = run(core, reqs)
+        assert out == ref and not ran
+        assert len(steps) <= 24 // 4 + 3  # (the prefill, then bursts of 4 passes)
+        assert free(core)
+
+
+def count_steps(core) -> list[int]:
+    """Every step of `core` from now on (one entry each)."""
+    steps, real = [], core.step
+
+    def counted():
+        steps.append(1)
+        return real()
+
+    core.step = counted
+    return steps
 
 
 def test_a_bursts_price_leaves_out_the_heads_catch_up_after_plain_steps(eagle_target, eagle_head):

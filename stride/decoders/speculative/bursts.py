@@ -61,6 +61,13 @@ def loop_shape(seq: Sequence, state: SeqState, eagle: EagleDrafter) -> TreeShape
     return TreeShape.of(max(options["tree_nodes"], k), k, options["tree_topk"])
 
 
+def runnable(seq: Sequence) -> bool:
+    """Can the device loop run `seq` now? Only a plain greedy row drawn on the device: the loop
+    accepts by the argmax, on the device, and hands nothing else back (no logprobs)."""
+    p = seq.params
+    return p.greedy and p.logprobs is None and sampling.on_device(seq)
+
+
 def _loop_choice(spec: Speculative, seqs: list[Sequence]) -> Choice | None:
     """The loop policy's shape for a batch of adaptive EAGLE requests with the same options."""
     options = seqs[0].decoder_options
@@ -77,9 +84,7 @@ def start_burst(spec: Speculative, seqs: list[Sequence], passes: int) -> Burst |
     eagle = spec.eagle
     if eagle is None or eagle.cycles is None or passes < 2:
         return None
-    if not all(
-        s.params.greedy and s.params.logprobs is None and sampling.on_device(s) for s in seqs
-    ):
+    if not all(map(runnable, seqs)):
         return None
     states = [spec.state(s) for s in seqs]
     if all(spec.in_loop(s) for s in seqs):

@@ -6,7 +6,8 @@ Request options (`{"type": "speculative", ...}`):
     num_speculative_tokens: the most drafts per step, K (default: the server's setting)
     adaptive: let the policy pick K per step (default true); false always drafts K. On a GPU an
         adaptive eagle request drafts only in the device loop, which picks per batch among a
-        chain of K, a tree and plain decoding (`loop_policy`)
+        chain of K, a tree and plain decoding (`loop_policy`); a batch with rows the loop
+        cannot run (sampled, logprobs, a grammar: `bursts.runnable`) decodes plainly
     exit_layer: early_exit only, how many target layers draft (default: half of them)
     ngram_max: ngram only, the longest suffix looked up (default 3)
     tree_nodes, tree_topk: eagle only, draft a tree (greedy requests) instead of a chain (0: a
@@ -49,7 +50,7 @@ from stride.decoders.base import (
     parse_options,
 )
 from stride.decoders.catalog import EAGLE, EARLY_EXIT, NGRAM, SPECULATIVE
-from stride.decoders.speculative.bursts import start_burst
+from stride.decoders.speculative.bursts import runnable, start_burst
 from stride.decoders.speculative.cycles import BUCKETS
 from stride.decoders.speculative.drafters import (
     Draft,
@@ -275,6 +276,8 @@ class Speculative(Decoder):
         if not adaptive:
             return Proposal(plain_steps=UNLIMITED)
         if all(self.in_loop(s) for s in seqs):
+            if not all(map(runnable, seqs)):  # no loop for this batch: nothing drafts for it
+                return Proposal(plain_steps=UNLIMITED)
             shapes = menu(seqs[0].decoder_options)
             return Proposal(
                 plain_steps=self.loop.plain_steps(len(seqs), shapes, self.policy.seen.steps)
