@@ -170,9 +170,10 @@ class Commit:
 @dataclass
 class StepContext:
     """What a decoder may need from the engine beyond its sequences' logits. `timing`: the wall
-    time of the launch being committed (from its start, or from the result before it where
-    launches overlap), for the policies that price steps by measurement; None where the launch
-    is no measure of its decode steps (it held prefill rows)."""
+    time of the launch being committed, from the end of the launch before it (the host's work
+    in between, the step's own proposals and launch, then the device: what the launch costs
+    whether or not it overlapped), for the policies that price steps by measurement; None where
+    the launch is no measure of its decode steps (it held prefill rows)."""
 
     eos_ids: set[int]
     device: torch.device
@@ -282,8 +283,8 @@ class Burst:
     def commits(self, since: float) -> list[Commit]:
         """One commit per sequence of the burst, in order (waits for the device). `since`: when
         the launch before it finished (`time.perf_counter()`), where the host's work for this
-        burst began; a burst that prices itself counts from there, as the executor counts
-        launches that overlap (the host's work between bursts is the burst's cost too)."""
+        burst began; a burst that prices itself counts from there, as the executor counts every
+        launch (the host's work between bursts is the burst's cost too)."""
         raise NotImplementedError
 
 

@@ -2,7 +2,7 @@
 
     plan = scheduler.schedule(decoders)          # who runs, with how many tokens each
     batch = decoders.propose(plan)               # what each decoder wants scored
-    results = executor.run(batch, began)         # launched; the launches it finishes
+    results = executor.run(batch)                # launched; the launches it finishes
     outputs = core.apply(results)                # each finished, applied (stops); text out
 
 `EngineCore` is single-threaded and synchronous; `client.EngineClient` runs it on its own thread
@@ -192,13 +192,12 @@ class EngineCore:
 
     def step(self) -> list[RequestOutput]:
         """Schedule, propose, run, apply (see the module docstring)."""
-        began = time.perf_counter()  # (what the step's launch costs counts from here)
         outputs = self._expire_deadlines() + self._step_groups()
         plan = self.scheduler.schedule(self.decoders)
         self._note_plan(plan)
         batch = self.decoders.propose(plan.items, alone=self._alone)
         # (finishing a loop adds to its load)
-        outputs += self.apply(self.executor.run(batch, began))
+        outputs += self.apply(self.executor.run(batch))
         self.last_batch_size, self.last_num_tokens = len(batch.plan), self.executor.load.tokens
         return outputs
 

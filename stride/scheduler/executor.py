@@ -72,17 +72,14 @@ class Executor:
 
     # ---- running a batch ----------------------------------------------------------------------
 
-    def run(self, batch: Batch, began: float) -> Iterator[StepResult]:
-        """Launch `batch` (at once), made by a step that began at `began` (`time.perf_counter`);
-        return the results of the launches it finishes, oldest first: the one in flight before,
-        if any, then this one, unless it stays in flight. Each is finished (waited for,
-        committed) as it is taken, so after the caller applied the one before: a draw on the
-        host keys its noise by its sequence's position, which counts the tokens the launch
-        before made."""
+    def run(self, batch: Batch) -> Iterator[StepResult]:
+        """Launch `batch` (at once); return the results of the launches it finishes, oldest
+        first: the one in flight before, if any, then this one, unless it stays in flight. Each
+        is finished (waited for, committed) as it is taken, so after the caller applied the one
+        before: a draw on the host keys its noise by its sequence's position, which counts the
+        tokens the launch before made."""
         self.load = StepLoad()
         launch = self._launch(batch) if batch.plan else None
-        if launch is not None:
-            launch.began = began
         finishing = []
         if self._in_flight is not None:
             finishing.append(self._in_flight)
@@ -201,7 +198,7 @@ class Executor:
             scored = launch.scored(decoders)
             now = time.perf_counter()
             if launch.decode_only:
-                decoders.ctx.timing = now - self._since(launch)
+                decoders.ctx.timing = now - self._finished_at
             else:
                 decoders.ctx.timing = None
             self._finished_at = now
@@ -228,11 +225,6 @@ class Executor:
         drafted = [seqs[i].stats.draft_tokens - before[i] for i in live]
         self.load.add_burst([seqs[i] for i in live], passes, drafted)
         result.passes = max(passes, default=1)
-
-    def _since(self, launch: Launch) -> float:
-        """Whence `launch`'s cost counts: from when its step began, or, where it overlapped the
-        launch before it, from that one's end (launches finish one after another)."""
-        return max(launch.began, self._finished_at)
 
     # ---- choosing how a batch runs ------------------------------------------------------------
 

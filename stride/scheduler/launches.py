@@ -28,9 +28,6 @@ class Launch:
         self.batch = batch
         self.passes = passes
         self.continuable = continuable  # may stay in flight (see the module docstring)
-        # When the step that made it began (`time.perf_counter`, set by `Executor.run`): its
-        # scheduling, proposals and launch (on a CPU, the whole forward) are part of its cost.
-        self.began = 0.0
         self.result = StepResult(batch, passes=passes)
         # The last token each committing row samples, on the device (a continuable launch), and
         # whose each of them is (in `sampled`'s order): what the next launch's fed rows read.
