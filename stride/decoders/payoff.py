@@ -19,7 +19,10 @@ to a small share of the time, however slow that mode is:
   - a bucket that has measured one mode and not the other borrows the other's rate from the
     nearest bucket that measured both (scaled by the ratio there), instead of trying it at once:
     a batch that shrinks as its requests finish passes through every bucket below it.
-Epochs start plain: the first refining epoch is then a try against a measured plain rate.
+Epochs start plain (the first refining epoch is then a try against a measured plain rate) unless
+the owner says otherwise. The speculative decoder uses the same epochs for its adaptive requests
+drafted on the host, drafting as the refining mode, and starts there (its policy first times
+plain steps on its own).
 A sequence in a plain epoch is promised plain steps up to the next try (`plain_steps`), not to
 the epoch's end, so that the executor keeps its launches in flight as it does for `ar`; steps
 promised before the mode changed are the measure of neither mode.
@@ -50,10 +53,13 @@ PAUSE = 20.0  # records this many times a step's time apart: the epoch is droppe
 class Payoff:
     """One method's choice between refining and plain steps, shared by its adaptive sequences."""
 
-    def __init__(self, most: int, clock: Callable[[], float] = time.perf_counter) -> None:
+    def __init__(
+        self, most: int, clock: Callable[[], float] = time.perf_counter, refining: bool = False
+    ) -> None:
+        """`refining`: the first epoch's mode."""
         self.most = most  # the most tokens a refining step commits per sequence
         self.clock = clock
-        self.refining = False
+        self.refining = refining
         self.rates: dict[int, dict[bool, float]] = {}  # bucket -> mode -> tokens/s/sequence
         self.epochs = 0  # epochs measured so far
         self._since_explore = 0

@@ -585,6 +585,39 @@ def test_a_plain_steps_measured_cost_counts_its_own_forward(tiny_dir, monkeypatc
     assert timings.plain_s * (1 + 1 / core.decoders["speculative"].policy.saturation) >= 0.05
 
 
+def test_drafting_that_loses_on_the_clock_gives_way_to_plain_epochs(tiny_dir):
+    """Whatever the policy's cost model says, adaptive requests drafted on the host draft only
+    while drafting makes more tokens per second of wall time than plain steps (`payoff`): here
+    each drafting step's commit takes 30 ms more (work the policy does not price), so after the
+    first epochs drafting is only tried now and then; the tokens are `ar`'s, and a request of a
+    fixed K still drafts."""
+    core = make(tiny_dir, fused_decode_steps=4)
+    dec = core.decoders["speculative"]
+    propose, commit, drafting = dec.propose, dec.commit, []
+
+    def proposed(seqs, ctx):
+        out = propose(seqs, ctx)
+        drafting.append(any(p.tokens for p in out))
+        return out
+
+    def committed(seqs, proposals, scored, ctx):
+        if any(p.tokens for p in proposals):
+            time.sleep(0.03)
+        return commit(seqs, proposals, scored, ctx)
+
+    dec.propose, dec.commit = proposed, committed
+    prompt = [5, 6, 7, 8, 9, 10] * 6  # prompt lookup drafts
+    ref, _ = run(make(tiny_dir), [GenerateRequest("a", prompt, greedy(400))])
+    options = spec("ngram", adaptive=True)
+    out, _ = run(core, [GenerateRequest("a", prompt, greedy(400), "speculative", options)])
+    assert out == ref
+    assert not dec.payoff.refining and dec.payoff.epochs >= 3
+    assert 0 < sum(drafting) <= len(drafting) // 8  # the first epoch, then tries only
+    fixed = GenerateRequest("f", prompt, greedy(24), "speculative", spec("ngram"))
+    out, stats = run(core, [fixed])
+    assert out["f"] == ref["a"][:24] and stats["f"]["draft_tokens"] > 0
+
+
 def test_adaptive_backs_off_when_drafts_fail(tiny_dir, reference):
     """Early exit after one of two layers is cheap but poor here: K falls to 0, with probes."""
     engine = Engine(EngineConfig(model=str(tiny_dir), device="cpu", kv_cache_memory=8 << 20))

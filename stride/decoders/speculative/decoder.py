@@ -21,6 +21,14 @@ and the K drafts inside the step's shared ragged forward; `commit` verifies (`ve
 drafts keep their target KV (`kv_keep`, or `kv_from` for a tree's path), the drafter rolls its
 own state back. Where the policy says K = 0 for everyone (a quiet step, decided once per step by
 `committed`), every hook does what `ar` does.
+
+Whether drafting pays at all is measured as refinement measures it (`payoff`): adaptive requests
+drafted on the host run in epochs, either under the policy above or plainly, as `ar` does; the
+mode that made more tokens per second of wall time runs, the other is tried ever less often.
+The policy prices a draft from its model of step costs and acceptance; the epochs check its
+choices against the clock, host work included, so that where they do not pay (a GPU's
+plain steps run as bursts kept in flight, which a drafting step cannot) the requests cost what
+`ar` costs.
 """
 
 from __future__ import annotations
@@ -50,6 +58,7 @@ from stride.decoders.base import (
     parse_options,
 )
 from stride.decoders.catalog import EAGLE, EARLY_EXIT, NGRAM, SPECULATIVE
+from stride.decoders.payoff import Payoff
 from stride.decoders.speculative.bursts import runnable, start_burst
 from stride.decoders.speculative.cycles import BUCKETS
 from stride.decoders.speculative.drafters import (
@@ -108,6 +117,9 @@ class Speculative(Decoder):
         self.default_k = num_speculative_tokens
         saturation = saturation_tokens or (256.0 if engine.device.type == "cuda" else 16.0)
         self.policy = AdaptivePolicy(saturation, measure_costs)
+        # Does drafting on the host pay (`payoff`'s refining mode)? Measured by the clock, so not
+        # where costs come from sizes; the first epoch drafts (the policy has its own warm-up).
+        self.payoff = Payoff(most=1 + MAX_K, refining=True) if measure_costs else None
         self.plans = StepPlans()  # the next step's, as its sequences reserve (`extra_tokens`)
         self.quiet = self.policy.quiet_at(self.policy.seen.batch)  # the next step (`committed`)
         self.draft_model = DraftModelDrafter(engine, draft_model) if draft_model else None
@@ -212,7 +224,7 @@ class Speculative(Decoder):
 
     def extra_tokens(self, seq: Sequence, cap: int) -> int:
         policy, state = self.policy, seq.decoder_state
-        if self.in_loop(seq):  # the loop reserves its own slots (`bursts.start_burst`)
+        if self.in_loop(seq) or self._plain_epoch(seq):  # (the loop reserves its own slots)
             self.state(seq).reserved = 0
             return 0
         if self.quiet and state is not None and seq.decoder_options["adaptive"]:
@@ -282,7 +294,29 @@ class Speculative(Decoder):
             return Proposal(
                 plain_steps=self.loop.plain_steps(len(seqs), shapes, self.policy.seen.steps)
             )
-        return Proposal(plain_steps=self.policy.quiet_steps(len(seqs)))
+        if self.payoff is None:
+            return Proposal(plain_steps=self.policy.quiet_steps(len(seqs)))
+        if not self.payoff.refining:  # a plain epoch: as `ar`, until drafting is tried again
+            return Proposal(plain_steps=self.payoff.plain_steps())
+        quiet = self.policy.quiet_steps(len(seqs))
+        return Proposal(plain_steps=min(quiet, self.payoff.plain_steps()))
+
+    def _plain_epoch(self, seq: Sequence) -> bool:
+        """Is `seq` an adaptive request drafted on the host, in an epoch without drafts?"""
+        if self.payoff is None or self.payoff.refining:
+            return False
+        return seq.decoder_options["adaptive"] and not self.in_loop(seq)
+
+    def _measure(self, seqs: list[Sequence], commits: list[Commit], ctx: StepContext) -> None:
+        """The tokens of the adaptive requests drafted on the host, for `payoff`: a launch counts
+        for the epoch it commits in."""
+        if self.payoff is None:
+            return
+        made = [len(c.tokens) for s, c in zip(seqs, commits, strict=True)
+                if s.decoder_options["adaptive"] and not self.in_loop(s)]  # fmt: skip
+        if made:
+            passes = max(c.forward_passes for c in commits)
+            self.payoff.record(len(made), sum(made), ctx.timing, self.payoff.refining, passes)
 
     def _draft(
         self,
@@ -334,6 +368,7 @@ class Speculative(Decoder):
             policy.measured(len(seqs), len(seqs), False, ctx, passes)
             policy.stepped(passes)
             self.committed()
+            self._measure(seqs, commits, ctx)
             return commits
         logits = scored.logits
         assert logits is not None
@@ -372,6 +407,7 @@ class Speculative(Decoder):
             commits.append(Commit(tokens, lps, kv_keep=n_acc, kv_from=None if chain else path))
         policy.measured(len(seqs), sum(1 + len(p.tokens) for p in proposals), True, ctx)
         self.committed()
+        self._measure(seqs, commits, ctx)
         return commits
 
     def committed(self) -> None:
