@@ -163,6 +163,36 @@ def test_requests_the_loop_cannot_run_decode_plainly_in_full_bursts(eagle_target
         assert free(core)
 
 
+def test_loop_bursts_that_lose_on_the_clock_give_way_to_plain_epochs(eagle_target, eagle_head):
+    """Requests the device loop drafts have epochs of their own (`Speculative.payoffs`): here
+    the loop policy always picks a chain of 3, and each burst's commit takes 50 ms more than it
+    prices, so after the first epochs the loop runs only in tries of drafting; the tokens are
+    `ar`'s."""
+    prompts = PROMPTS[:2]
+    plain = [GenerateRequest(str(i), p, greedy(160)) for i, p in enumerate(prompts)]
+    ref, _ = run(eagle_core(eagle_target, None), plain)
+    core = eagle_core(eagle_target, eagle_head, fused_decode_steps=4)
+    spec = core.decoders["speculative"]
+    spec.device_loop = True
+    ran, measured = record_bursts(core), spec.loop.measured
+
+    def slow(*args):  # (after the loop priced the burst: a cost it does not see)
+        measured(*args)
+        time.sleep(0.05)
+
+    spec.loop.measured = slow
+    spec.loop.choose = lambda *args: Choice(TreeShape.chain(3), BURST)
+    options = {"draft": "eagle", "num_speculative_tokens": 3, "tree_nodes": 0}
+    reqs = [GenerateRequest(str(i), p, greedy(160), "speculative", options)
+            for i, p in enumerate(prompts)]  # fmt: skip
+    out, _ = run(core, reqs)
+    assert out == ref
+    assert 0 < len(ran) <= 15  # (with no epochs: 44 bursts, one every other step)
+    payoff = spec.payoffs[True]
+    assert payoff.epochs >= 3 and payoff.rates[bucket(2)][False] > payoff.rates[bucket(2)][True]
+    assert free(core)
+
+
 def count_steps(core) -> list[int]:
     """Every step of `core` from now on (one entry each)."""
     steps, real = [], core.step

@@ -37,6 +37,12 @@ class Speculative(Protocol):
 
     def committed(self) -> None: ...
 
+    def plain_epoch(self, seq: Sequence) -> bool: ...
+
+    def measure(
+        self, seqs: list[Sequence], commits: list[Commit], launch_s: float | None
+    ) -> None: ...
+
 
 def loop_shape(seq: Sequence, state: SeqState, eagle: EagleDrafter) -> TreeShape | None:
     """What `seq` drafts with the head this step, as the device loop's shape (None: nothing,
@@ -84,7 +90,7 @@ def start_burst(spec: Speculative, seqs: list[Sequence], passes: int) -> Burst |
     eagle = spec.eagle
     if eagle is None or eagle.cycles is None or passes < 2:
         return None
-    if not all(map(runnable, seqs)):
+    if not all(map(runnable, seqs)) or any(map(spec.plain_epoch, seqs)):
         return None
     states = [spec.state(s) for s in seqs]
     if all(spec.in_loop(s) for s in seqs):
@@ -161,6 +167,7 @@ class _EagleBurst(Burst):
                 )
             )
         spec.committed()
+        spec.measure(self.seqs, out, None)
         return out
 
 

@@ -23,12 +23,13 @@ own state back. Where the policy says K = 0 for everyone (a quiet step, decided 
 `committed`), every hook does what `ar` does.
 
 Whether drafting pays at all is measured as refinement measures it (`payoff`): adaptive requests
-drafted on the host run in epochs, either under the policy above or plainly, as `ar` does; the
-mode that made more tokens per second of wall time runs, the other is tried ever less often.
-The policy prices a draft from its model of step costs and acceptance; the epochs check its
-choices against the clock, host work included, so that where they do not pay (a GPU's
-plain steps run as bursts kept in flight, which a drafting step cannot) the requests cost what
-`ar` costs.
+run in epochs, either drafting (K chosen by the policy above, or in the device loop by the loop
+policy) or plainly, as `ar` does; the mode that made more tokens per second of wall time runs,
+the other is tried ever less often. The policies price drafts from their models of step costs
+and acceptance; the epochs check their choices against the clock, host work included, so that
+where they do not pay (a GPU's plain steps run as bursts kept in flight, which a drafting step
+cannot) the requests cost what `ar` costs. Requests the device loop drafts have epochs of their
+own.
 """
 
 from __future__ import annotations
@@ -117,9 +118,12 @@ class Speculative(Decoder):
         self.default_k = num_speculative_tokens
         saturation = saturation_tokens or (256.0 if engine.device.type == "cuda" else 16.0)
         self.policy = AdaptivePolicy(saturation, measure_costs)
-        # Does drafting on the host pay (`payoff`'s refining mode)? Measured by the clock, so not
-        # where costs come from sizes; the first epoch drafts (the policy has its own warm-up).
-        self.payoff = Payoff(most=1 + MAX_K, refining=True) if measure_costs else None
+        # Does drafting pay, by the clock (`payoff`, drafting as its refining mode)? Epochs of
+        # their own for the requests the device loop drafts (key True) and for the others; none
+        # where costs come from sizes. The first epoch drafts (the policies have warm-ups).
+        self.payoffs: dict[bool, Payoff] = {}
+        if measure_costs:
+            self.payoffs = {loop: Payoff(most=1 + MAX_K, refining=True) for loop in (False, True)}
         self.plans = StepPlans()  # the next step's, as its sequences reserve (`extra_tokens`)
         self.quiet = self.policy.quiet_at(self.policy.seen.batch)  # the next step (`committed`)
         self.draft_model = DraftModelDrafter(engine, draft_model) if draft_model else None
@@ -224,7 +228,7 @@ class Speculative(Decoder):
 
     def extra_tokens(self, seq: Sequence, cap: int) -> int:
         policy, state = self.policy, seq.decoder_state
-        if self.in_loop(seq) or self._plain_epoch(seq):  # (the loop reserves its own slots)
+        if self.in_loop(seq) or self.plain_epoch(seq):  # (the loop reserves its own slots)
             self.state(seq).reserved = 0
             return 0
         if self.quiet and state is not None and seq.decoder_options["adaptive"]:
@@ -287,36 +291,35 @@ class Speculative(Decoder):
                 adaptive = True
         if not adaptive:
             return Proposal(plain_steps=UNLIMITED)
-        if all(self.in_loop(s) for s in seqs):
-            if not all(map(runnable, seqs)):  # no loop for this batch: nothing drafts for it
-                return Proposal(plain_steps=UNLIMITED)
+        loop = all(self.in_loop(s) for s in seqs)
+        if loop and not all(map(runnable, seqs)):  # no loop for this batch: nothing drafts for it
+            return Proposal(plain_steps=UNLIMITED)
+        payoff = self.payoffs.get(loop)
+        if payoff is not None and not payoff.refining:  # as `ar` until drafting is tried again
+            return Proposal(plain_steps=payoff.plain_steps())
+        if loop:
             shapes = menu(seqs[0].decoder_options)
-            return Proposal(
-                plain_steps=self.loop.plain_steps(len(seqs), shapes, self.policy.seen.steps)
-            )
-        if self.payoff is None:
-            return Proposal(plain_steps=self.policy.quiet_steps(len(seqs)))
-        if not self.payoff.refining:  # a plain epoch: as `ar`, until drafting is tried again
-            return Proposal(plain_steps=self.payoff.plain_steps())
-        quiet = self.policy.quiet_steps(len(seqs))
-        return Proposal(plain_steps=min(quiet, self.payoff.plain_steps()))
+            steps = self.loop.plain_steps(len(seqs), shapes, self.policy.seen.steps)
+        else:
+            steps = self.policy.quiet_steps(len(seqs))
+        return Proposal(plain_steps=steps if payoff is None else min(steps, payoff.plain_steps()))
 
-    def _plain_epoch(self, seq: Sequence) -> bool:
-        """Is `seq` an adaptive request drafted on the host, in an epoch without drafts?"""
-        if self.payoff is None or self.payoff.refining:
-            return False
-        return seq.decoder_options["adaptive"] and not self.in_loop(seq)
+    def plain_epoch(self, seq: Sequence) -> bool:
+        """Is `seq` an adaptive request in an epoch without drafts (`payoffs`)?"""
+        payoff = self.payoffs.get(self.in_loop(seq))
+        return payoff is not None and not payoff.refining and seq.decoder_options["adaptive"]
 
-    def _measure(self, seqs: list[Sequence], commits: list[Commit], ctx: StepContext) -> None:
-        """The tokens of the adaptive requests drafted on the host, for `payoff`: a launch counts
-        for the epoch it commits in."""
-        if self.payoff is None:
-            return
-        made = [len(c.tokens) for s, c in zip(seqs, commits, strict=True)
-                if s.decoder_options["adaptive"] and not self.in_loop(s)]  # fmt: skip
-        if made:
-            passes = max(c.forward_passes for c in commits)
-            self.payoff.record(len(made), sum(made), ctx.timing, self.payoff.refining, passes)
+    def measure(self, seqs: list[Sequence], commits: list[Commit], launch_s: float | None) -> None:
+        """The adaptive requests' tokens, for their epochs (`payoffs`): a launch counts for the
+        epoch it commits in."""
+        passes = max((c.forward_passes for c in commits), default=1)
+        for loop, payoff in self.payoffs.items():
+            made = [
+                len(c.tokens) for s, c in zip(seqs, commits, strict=True)
+                if c.tokens and s.decoder_options["adaptive"] and self.in_loop(s) == loop
+            ]  # fmt: skip
+            if made:
+                payoff.record(len(made), sum(made), launch_s, payoff.refining, passes)
 
     def _draft(
         self,
@@ -368,7 +371,7 @@ class Speculative(Decoder):
             policy.measured(len(seqs), len(seqs), False, ctx, passes)
             policy.stepped(passes)
             self.committed()
-            self._measure(seqs, commits, ctx)
+            self.measure(seqs, commits, ctx.timing)
             return commits
         logits = scored.logits
         assert logits is not None
@@ -407,7 +410,7 @@ class Speculative(Decoder):
             commits.append(Commit(tokens, lps, kv_keep=n_acc, kv_from=None if chain else path))
         policy.measured(len(seqs), sum(1 + len(p.tokens) for p in proposals), True, ctx)
         self.committed()
-        self._measure(seqs, commits, ctx)
+        self.measure(seqs, commits, ctx.timing)
         return commits
 
     def committed(self) -> None:
