@@ -39,7 +39,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from pydantic import Field
 
 from stride import drafts
 from stride.decoders import grammar, sampling
@@ -51,7 +50,6 @@ from stride.decoders.base import (
     Decoder,
     DecoderError,
     DecodersConfig,
-    Options,
     Proposal,
     Scored,
     StepContext,
@@ -71,34 +69,12 @@ from stride.decoders.speculative.drafters import (
 )
 from stride.decoders.speculative.eagle import EagleDrafter, keep_recent
 from stride.decoders.speculative.loop_policy import LoopPolicy, menu
+from stride.decoders.speculative.options import SpeculativeOptions
 from stride.decoders.speculative.policy import MAX_K, AdaptivePolicy, SeqState, StepPlans
 from stride.decoders.speculative.tree import Tree
 from stride.decoders.speculative.verify import paths, verify_greedy, verify_sampled
 from stride.engine.engine import Engine
 from stride.engine.sequence import SamplingParams, Sequence
-
-MAX_NGRAM = 8
-MAX_TREE_NODES = 128
-MAX_TREE_TOPK = 16
-
-
-class SpeculativeOptions(Options):
-    """Types and ranges; which drafters exist and how many layers there are is the server's."""
-
-    draft: str | None = Field(
-        None, description="ngram, early_exit, eagle (with an EAGLE head) or the --draft-model"
-    )
-    num_speculative_tokens: int | None = Field(None, ge=0, le=MAX_K)
-    adaptive: bool = True
-    exit_layer: int | None = Field(None, ge=1, description="early_exit: layers that draft")
-    ngram_max: int | None = Field(None, ge=1, le=MAX_NGRAM, description="ngram: longest suffix")
-    tree_nodes: int | None = Field(
-        None, ge=0, le=MAX_TREE_NODES,
-        description="eagle: draft a tree of this many nodes (0: a chain; greedy requests only)",
-    )  # fmt: skip
-    tree_topk: int | None = Field(
-        None, ge=1, le=MAX_TREE_TOPK, description="eagle: children expanded per tree node"
-    )
 
 
 class Speculative(Decoder):
