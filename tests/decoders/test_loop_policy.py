@@ -141,10 +141,10 @@ def test_adaptive_eagle_requests_draft_only_in_the_loop_and_decode_exactly(
 
 
 def test_requests_the_loop_cannot_run_decode_plainly_in_full_bursts(eagle_target, eagle_head):
-    """Sampled, logprobs or constrained rows of adaptive EAGLE requests never run in the device
-    loop (it accepts by the argmax, on the device): their plain steps come as the executor's
-    bursts, as `ar`'s do, not one step at a time waiting for a loop try that cannot start; the
-    tokens are `ar`'s, seed for seed."""
+    """Rows the device loop cannot run (it accepts by the argmax, on the device), here sampled
+    ones and ones with logprobs: their plain steps come as the executor's bursts, as `ar`'s do,
+    not one step at a time waiting for a loop try that cannot start; the tokens are `ar`'s, seed
+    for seed."""
     options = {"draft": "eagle", "num_speculative_tokens": 3}
     sampled = SamplingParams(max_tokens=24, temperature=0.8, seed=7, ignore_eos=True)
     logprobs = replace(greedy(24), logprobs=2)
