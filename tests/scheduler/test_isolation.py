@@ -152,7 +152,8 @@ def test_the_two_killers_of_issue_16_fail_alone(tiny_dir, reference):
     with pytest.raises(RequestRejected) as e:
         core.add(GenerateRequest("m", [5], greedy(4), "refine", {"method": ["jacobi"]}))
     assert e.value.code == "invalid_decoder"
-    killer = SamplingParams(max_tokens=4, temperature=1.0, top_k=10**20)
+    # (unseeded draws from a random model: without ignore_eos one may draw EOS first)
+    killer = SamplingParams(max_tokens=4, temperature=1.0, top_k=10**20, ignore_eos=True)
     outs = run(core, [*batch("ar"), GenerateRequest("huge", [POISON, 5], killer)])
     huge = outs.pop("huge")
     assert huge[-1].finish_reason == "length" and sum(len(o.token_ids) for o in huge) == 4
