@@ -21,8 +21,8 @@ to a small share of the time, however slow that mode is:
     a batch that shrinks as its requests finish passes through every bucket below it.
 Epochs start plain (the first refining epoch is then a try against a measured plain rate) unless
 the owner says otherwise. The speculative decoder uses the same epochs for its adaptive requests
-drafted on the host, drafting as the refining mode, and starts there (its policy first times
-plain steps on its own).
+(those its device loop drafts apart from the others), drafting as the refining mode, and starts
+there (its policies time plain steps on their own first).
 A sequence in a plain epoch is promised plain steps up to the next try (`plain_steps`), not to
 the epoch's end, so that the executor keeps its launches in flight as it does for `ar`; steps
 promised before the mode changed are the measure of neither mode.
