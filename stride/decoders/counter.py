@@ -48,15 +48,16 @@ def bases(seeds: Sequence[int], stream: int = TARGET) -> np.ndarray:
     return mix32(mix32(hi ^ (((stream + 1) * _GOLDEN) & MASK)) ^ lo)
 
 
-def keys_at(bases: np.ndarray, positions: np.ndarray) -> np.ndarray:
-    """Row keys (int64, below 2^32) for draws at `positions` ([..., rows]: each row's position
-    in its sequence, broadcast against the rows' `bases`)."""
-    return mix32(bases ^ (np.asarray(positions, dtype=np.int64) & MASK))
+def keys_at(bases: Ints, positions: Ints) -> Ints:
+    """Row keys (int64, below 2^32) for draws at `positions` (int64, [..., rows]: each row's
+    position in its sequence, broadcast against the rows' `bases`): numpy arrays on the host,
+    or tensors where the positions are only known on the device (the speculation loop)."""
+    return mix32(bases ^ (positions & MASK))
 
 
 def keys(seeds: Sequence[int], positions: np.ndarray, stream: int = TARGET) -> np.ndarray:
     """Row keys for draws at `positions` by rows with `seeds` in `stream` (see `keys_at`)."""
-    return keys_at(bases(seeds, stream), positions)
+    return keys_at(bases(seeds, stream), np.asarray(positions, dtype=np.int64))
 
 
 def unit(x: torch.Tensor) -> torch.Tensor:

@@ -122,6 +122,22 @@ def probabilities(logits: torch.Tensor, rows: list[Row]) -> torch.Tensor:
     return probs
 
 
+def row_probabilities(logits: torch.Tensor, floats: torch.Tensor) -> torch.Tensor:
+    """`probabilities` for rows whose settings are `floats` [R, 5] (`draw_row`'s), decided by
+    no host: every row sorted, each truncation applied where its column asks for it, the same
+    ops at every call (what a CUDA graph replays). Float32 [R, V]."""
+    c = columns(floats)
+    vals, ids = (logits.float() / c["temperature"]).sort(dim=-1, descending=True)
+    keep = torch.arange(vals.shape[-1], device=vals.device) < c["top_k"]
+    probs = torch.softmax(torch.where(keep, vals, -math.inf), dim=-1)
+    keep &= (c["top_p"] >= 1.0) | (probs.cumsum(-1) - probs < c["top_p"])
+    keep &= vals >= vals[:, :1] + c["log_min_p"]
+    kept = torch.softmax(torch.where(keep, vals, -math.inf), dim=-1)
+    probs = torch.zeros_like(vals).scatter_(1, ids, kept)
+    one_hot = torch.zeros_like(probs).scatter_(1, logits.argmax(-1, keepdim=True), 1.0)
+    return torch.where(c["greedy"][:, None], one_hot, probs)
+
+
 def draw(probs: torch.Tensor, rows: list[Row], stream: int = counter.TARGET) -> list[int]:
     """One token per row from the distributions `probs`, with the rows' counter-based noise in
     `stream` (greedy rows hold a one-hot distribution: their argmax, drawn without noise where

@@ -11,6 +11,9 @@ import torch
 from safetensors.torch import save_file
 
 from stride import drafts
+from stride.decoders.speculative import cycles as cycles_module
+from stride.decoders.speculative.cycles import EagleCycles
+from stride.decoders.speculative.device_tree import TreeShape
 from stride.decoders.speculative.drafters import Draft
 from stride.decoders.speculative.eagle import EagleDrafter
 from stride.decoders.speculative.tree import Tree
@@ -359,3 +362,70 @@ def test_a_prompt_the_prefix_cache_holds_but_its_last_token_drafts_after_its_fir
     ref, _ = run(eagle_core(eagle_target, None), [GenerateRequest("r", again, greedy(12))])
     assert tokens["b"] == ref["r"]
     assert stats["b"]["drafts"] > 0
+
+
+def test_sampled_chains_in_the_loop_draw_what_the_host_draws_seed_for_seed(
+    eagle_target, eagle_head, eagle_ref
+):
+    """Sampled rows run the device loop's sampled chain (drafts drawn from the head, accepted by
+    the rejection rule, every uniform keyed by the request's seed and the token's position, as
+    on the host): the tokens of each seeded request equal the host path's, alone and in a batch
+    with greedy rows, whose tokens stay AR's."""
+    sampled = SamplingParams(max_tokens=24, temperature=0.9, top_p=0.95, top_k=20, min_p=0.02,
+                             ignore_eos=True)  # fmt: skip
+    requests = [
+        GenerateRequest(str(i), p, replace(sampled, seed=i), "speculative", CHAIN)
+        for i, p in enumerate(PROMPTS[:3])
+    ] + [GenerateRequest("g", PROMPTS[3], greedy(24), "speculative", CHAIN)]
+    stepwise = eagle_core(eagle_target, eagle_head)
+    ref, _ = run(stepwise, [replace(r) for r in requests[:3]])
+    core = eagle_core(eagle_target, eagle_head, fused_decode_steps=4)
+    ran = record_bursts(core)
+    alone, _ = run(core, [replace(r) for r in requests[:1]])
+    together, stats = run(core, [replace(r, request_id=f"b{r.request_id}") for r in requests])
+    assert {shape for _, shape, _ in ran} == {TreeShape.chain(K, sampled=True)}
+    assert alone["0"] == ref["0"]
+    assert all(together[f"b{i}"] == ref[str(i)] for i in range(3))
+    assert together["bg"] == eagle_ref[3]
+    assert sum(stats[f"b{i}"]["accepted_tokens"] for i in range(3)) > 0
+    assert free(core)
+
+
+@pytest.mark.parametrize("rule", ["exact", "accept what the target allows"])
+def test_sampled_chains_in_the_loop_follow_the_target_distribution(
+    eagle_target, eagle_head, monkeypatch, rule
+):
+    """The loop's rejection rule keeps the target's joint distribution of two tokens (χ²); the
+    same test rejects the loop's output under a wrong rule (every draft the target allows is
+    accepted). So that drafts are often accepted (a random head's rarely are), the head's
+    distribution is replaced by a guess at the target's likely second tokens."""
+    prompt, n = PROMPTS[2], 1200
+    params = SamplingParams(max_tokens=3, temperature=1.5, top_k=4, ignore_eos=True)
+    joint = exact_joint(load_hf(eagle_target), prompt, params)
+    likely = joint.sum(0).argsort(descending=True)[:6]
+    guess = torch.full((joint.shape[1],), -30.0)
+    guess[likely] = torch.linspace(2.0, 0.0, len(likely))
+    guessed = lambda self, h: guess[self.draft_ids].expand(len(h), -1)  # noqa: E731
+    monkeypatch.setattr(EagleCycles, "_logits", guessed)
+    if rule != "exact":
+        exact = cycles_module.verify
+        wrong = lambda p, q, d, k, u: exact(p, q, d, k, torch.zeros_like(u))  # noqa: E731
+        monkeypatch.setattr(cycles_module, "verify", wrong)
+    core = eagle_core(eagle_target, eagle_head, fused_decode_steps=2)
+    ran, tokens, accepted = record_bursts(core), {}, 0
+    options = dict(CHAIN, num_speculative_tokens=2)
+    for first in range(0, n, 8):  # (batches of 8, the loop's largest, nobody waiting: bursts)
+        batch = [GenerateRequest(str(i), prompt, replace(params, seed=i), "speculative", options)
+                 for i in range(first, first + 8)]  # fmt: skip
+        out, stats = run(core, batch)
+        tokens |= out
+        accepted += sum(s["accepted_tokens"] for s in stats.values())
+    assert sum(b == 8 for b, *_ in ran) >= n // 8  # (every request's second token from a cycle)
+    assert accepted > n // 4
+    cells = joint.flatten().nonzero()[:, 0]
+    counts = torch.zeros(joint.numel(), dtype=torch.float64)
+    for t in tokens.values():
+        counts[t[0] * joint.shape[1] + t[1]] += 1
+    assert counts.sum() == counts[cells].sum()  # nothing outside the target's support
+    pvalue = chi2_pvalue(counts[cells], joint.flatten()[cells])
+    assert pvalue > 1e-3 if rule == "exact" else pvalue < 1e-3

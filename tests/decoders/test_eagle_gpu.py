@@ -1,7 +1,9 @@
 """EAGLE on the GPU: greedy chains as device cycles in CUDA graphs (the head on fused kernels)
-decode exactly what plain decoding does, in fp32."""
+decode exactly what plain decoding does, in fp32; sampled chains draw what the host draws."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import pytest
 import torch
@@ -11,8 +13,10 @@ from stride.decoders.speculative.device_tree import TreeShape
 from stride.engine.config import EngineConfig
 from stride.engine.engine import Engine
 from stride.engine.fused import FusedHead
+from stride.engine.sequence import SamplingParams
 from stride.scheduler.core import EngineCore
 from stride.scheduler.outputs import GenerateRequest
+from stride.scheduler.policy import SchedulerConfig
 from tests.helpers.cores import PROMPTS, greedy, run
 from tests.helpers.eagle import CHAIN, TREE, random_head
 from tests.helpers.models import make_model_dir
@@ -20,13 +24,16 @@ from tests.helpers.models import make_model_dir
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 
 
-def cuda_core(model: str | None, head: str | None, **config) -> EngineCore:
+def cuda_core(
+    model: str | None, head: str | None, scheduler: SchedulerConfig | None = None, **config
+) -> EngineCore:
     engine = Engine(
         EngineConfig(
             model=model, device="cuda", dtype="float32", kv_cache_memory=256 << 20, **config
         )
     )
-    return EngineCore(engine, decoders=build_decoders(engine, DecodersConfig(draft_head=head)))
+    decoders = build_decoders(engine, DecodersConfig(draft_head=head))
+    return EngineCore(engine, scheduler or SchedulerConfig(), decoders)
 
 
 def test_device_cycles_decode_exactly_on_the_gpu(tmp_path):
@@ -48,6 +55,27 @@ def test_device_cycles_decode_exactly_on_the_gpu(tmp_path):
     for i, prompt in enumerate(PROMPTS):
         ref, _ = run(core, [GenerateRequest("r", prompt, greedy(24))])
         assert tokens[str(i)] == ref["r"]
+
+
+def test_sampled_chains_in_graphs_draw_what_the_host_draws_seed_for_seed(tmp_path):
+    """Seeded sampled requests of a fixed chain: the graphed loop's tokens equal those of steps
+    drafted and verified on the host (no bursts), alone and beside a greedy row (AR's)."""
+    model = make_model_dir(tmp_path / "target", layers=4)
+    head = random_head(model, tmp_path / "head")
+    sampled = SamplingParams(max_tokens=24, temperature=0.9, top_p=0.95, top_k=20,
+                             ignore_eos=True)  # fmt: skip
+    requests = [GenerateRequest(str(i), p, replace(sampled, seed=i), "speculative", CHAIN)
+                for i, p in enumerate(PROMPTS[:3])]  # fmt: skip
+    host = cuda_core(str(model), str(head), SchedulerConfig(fused_decode_steps=1))
+    ref, _ = run(host, requests)
+    core = cuda_core(str(model), str(head))
+    cycles = core.decoders["speculative"].eagle.cycles
+    greedy_ref, _ = run(core, [GenerateRequest("g", PROMPTS[3], greedy(24))])
+    tokens, stats = run(core, requests + [
+        GenerateRequest("s", PROMPTS[3], greedy(24), "speculative", CHAIN)])  # fmt: skip
+    assert (4, TreeShape.chain(CHAIN["num_speculative_tokens"], sampled=True)) in cycles._graphs
+    assert all(tokens[str(i)] == ref[str(i)] for i in range(3))
+    assert tokens["s"] == greedy_ref["g"]
 
 
 def test_the_shipped_head_on_the_default_model_decodes_exactly_and_accepts(tmp_path):

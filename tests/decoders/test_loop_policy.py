@@ -141,12 +141,12 @@ def test_adaptive_eagle_requests_draft_only_in_the_loop_and_decode_exactly(
 
 
 def test_requests_the_loop_cannot_run_decode_plainly_in_full_bursts(eagle_target, eagle_head):
-    """Rows the device loop cannot run (it accepts by the argmax, on the device), here sampled
-    ones and ones with logprobs: their plain steps come as the executor's bursts, as `ar`'s do,
-    not one step at a time waiting for a loop try that cannot start; the tokens are `ar`'s, seed
-    for seed."""
+    """Rows the device loop cannot run (it hands back nothing but tokens), here ones with
+    logprobs, greedy and sampled: their plain steps come as the executor's bursts, as `ar`'s
+    do, not one step at a time waiting for a loop try that cannot start; the tokens are `ar`'s,
+    seed for seed."""
     options = {"draft": "eagle", "num_speculative_tokens": 3}
-    sampled = SamplingParams(max_tokens=24, temperature=0.8, seed=7, ignore_eos=True)
+    sampled = SamplingParams(max_tokens=24, temperature=0.8, seed=7, ignore_eos=True, logprobs=2)
     logprobs = replace(greedy(24), logprobs=2)
     for params in (sampled, logprobs):
         core = eagle_core(eagle_target, eagle_head, fused_decode_steps=4)
@@ -161,6 +161,56 @@ def test_requests_the_loop_cannot_run_decode_plainly_in_full_bursts(eagle_target
         assert out == ref and not ran
         assert len(steps) <= 24 // 4 + 3  # (the prefill, then bursts of 4 passes)
         assert free(core)
+
+
+def test_a_try_that_could_not_start_waits_for_its_retry():
+    loop, fast = LoopPolicy(8, BURST), 1e-3
+    assert loop.choose(1, SHAPES, fast, 0) == Choice(CHAIN, TRY)
+    loop.declined(1, CHAIN, 0)
+    assert loop.choose(1, SHAPES, fast, 1) == Choice(TREE, TRY)
+    loop.declined(1, TREE, 1)
+    assert loop.choose(1, SHAPES, fast, 2) is None
+    assert loop.plain_steps(1, SHAPES, 2) == LoopPolicy.RETRY_EVERY - 2
+    assert loop.choose(1, SHAPES, fast, LoopPolicy.RETRY_EVERY) == Choice(CHAIN, TRY)
+
+
+def test_a_try_that_cannot_start_counts_as_tried(eagle_target, eagle_head, monkeypatch):
+    """A burst the loop policy chose but that cannot start (here no graph wide enough: `fits`)
+    counts as a try: the plain steps up to the next one come as the executor's bursts, not one
+    step at a time; the tokens are `ar`'s."""
+    options = {"draft": "eagle", "num_speculative_tokens": 3}
+    core = eagle_core(eagle_target, eagle_head, fused_decode_steps=4)
+    spec = core.decoders["speculative"]
+    spec.device_loop = True
+    monkeypatch.setattr(spec.eagle.cycles, "fits", lambda *a: False)
+    ref, _ = run(core, [GenerateRequest("r", PROMPTS[0], greedy(40))])
+    steps = count_steps(core)
+    out, _ = run(core, [GenerateRequest("r", PROMPTS[0], greedy(40), "speculative", options)])
+    assert out == ref
+    assert spec.loop.tried  # (the policy chose shapes, which could not start)
+    assert len(steps) <= 40 // 4 + 8  # (the prefill, the steps that time plain ones, bursts)
+    assert free(core)
+
+
+def test_adaptive_requests_that_sample_draft_sampled_chains_in_the_loop(eagle_target, eagle_head):
+    """A batch with sampled rows is offered the sampled chain alone (`menu(..., sampled=True)`):
+    adaptive requests, sampled or beside a sampled one, draft only in the loop, in that chain."""
+    core = eagle_core(eagle_target, eagle_head, fused_decode_steps=4)
+    spec = core.decoders["speculative"]
+    spec.device_loop = True
+    ran, hosted = record_bursts(core), []
+    real_draft = spec.eagle.draft
+    spec.eagle.draft = lambda *a: hosted.append(a) or real_draft(*a)
+    options = {"draft": "eagle", "num_speculative_tokens": 3}
+    sampled = SamplingParams(max_tokens=40, temperature=0.8, seed=3, ignore_eos=True)
+    requests = [GenerateRequest("s", PROMPTS[0], sampled, "speculative", options),
+                GenerateRequest("g", PROMPTS[1], greedy(40), "speculative", options)]  # fmt: skip
+    tokens, _ = run(core, requests)
+    assert len(tokens["s"]) == len(tokens["g"]) == 40
+    assert menu(options, sampled=True) == (TreeShape.chain(3, sampled=True),)
+    assert {shape for _, shape, _ in ran} == {TreeShape.chain(3, sampled=True)}
+    assert not hosted
+    assert free(core)
 
 
 def test_loop_bursts_that_lose_on_the_clock_give_way_to_plain_epochs(eagle_target, eagle_head):

@@ -62,44 +62,65 @@ def loop_shape(seq: Sequence, state: SeqState, eagle: EagleDrafter) -> TreeShape
         k = options["num_speculative_tokens"]
     else:
         return None
-    if not options.get("tree_nodes"):
-        return TreeShape.chain(k)
+    if not options.get("tree_nodes") or not seq.params.greedy:  # (sampled rows draft chains)
+        return TreeShape.chain(k, sampled=not seq.params.greedy)
     return TreeShape.of(max(options["tree_nodes"], k), k, options["tree_topk"])
 
 
 def runnable(seq: Sequence) -> bool:
-    """Can the device loop run `seq` now? Only a plain greedy row drawn on the device: the loop
-    accepts by the argmax, on the device, and hands nothing else back (no logprobs)."""
-    p = seq.params
-    return p.greedy and p.logprobs is None and sampling.on_device(seq)
+    """Can the device loop run `seq` now? Only a row drawn on the device with nothing for the
+    host between two tokens: the loop accepts on the device (the argmax, or the rejection rule
+    for sampled rows) and hands nothing else back (no logprobs)."""
+    return seq.params.logprobs is None and sampling.on_device(seq)
+
+
+def batch_menu(seqs: list[Sequence]) -> tuple[TreeShape, ...] | None:
+    """The shapes the loop may run a batch of adaptive requests in (`loop_policy.menu`; the
+    sampled chain alone where some row samples), or None where their menus differ."""
+    sampled = not all(s.params.greedy for s in seqs)
+    options = seqs[0].decoder_options
+    if all(s.decoder_options == options for s in seqs):
+        return menu(options, sampled)
+    menus = {menu(s.decoder_options, sampled) for s in seqs}  # (a sampled row has no tree)
+    return menus.pop() if len(menus) == 1 else None
+
+
+def _one_shape(shapes: set[TreeShape | None]) -> TreeShape | None:
+    """The shape a batch's sequences share: chains of one length where some rows sample are
+    the sampled chain (its greedy rows accept their argmax under it)."""
+    if len(shapes) == 1 or None in shapes:
+        return next(iter(shapes)) if len(shapes) == 1 else None
+    chains = {(s.depth, s.is_chain) for s in shapes if s is not None}
+    (depth, is_chain), *more = chains
+    return TreeShape.chain(depth, sampled=True) if is_chain and not more else None
 
 
 def _loop_choice(spec: Speculative, seqs: list[Sequence]) -> Choice | None:
-    """The loop policy's shape for a batch of adaptive EAGLE requests with the same options."""
-    options = seqs[0].decoder_options
-    if any(s.decoder_options != options for s in seqs):
+    """The loop policy's shape for a batch of adaptive EAGLE requests with the same menu."""
+    shapes = batch_menu(seqs)
+    if shapes is None:
         return None
     policy, batch = spec.policy, len(seqs)
-    return spec.loop.choose(batch, menu(options), policy.plain_seconds(batch), policy.seen.steps)
+    return spec.loop.choose(batch, shapes, policy.plain_seconds(batch), policy.seen.steps)
 
 
 def start_burst(spec: Speculative, seqs: list[Sequence], passes: int) -> Burst | None:
     """Cycles on the device for `seqs`, when every one drafts the same chain or tree shape with
-    the head this step (adaptive requests: the loop policy's choice for all) and decodes
-    plainly greedily (acceptance is the argmax, on the device); None: the step runs as usual."""
+    the head this step (adaptive requests: the loop policy's choice for all) and the loop can
+    run them all (`runnable`); None: the step runs as usual."""
     eagle = spec.eagle
     if eagle is None or eagle.cycles is None or passes < 2:
         return None
     if not all(map(runnable, seqs)) or any(map(spec.plain_epoch, seqs)):
         return None
     states = [spec.state(s) for s in seqs]
-    if all(spec.in_loop(s) for s in seqs):
+    adaptive = all(spec.in_loop(s) for s in seqs)
+    if adaptive:
         # (after plain steps that handed out no features the head cannot draft: a plain step)
         ready = all(eagle.available(s, 1) for s in seqs)
         choice = _loop_choice(spec, seqs) if ready else None
     else:
-        shapes = {loop_shape(s, st, eagle) for s, st in zip(seqs, states, strict=True)}
-        one = shapes.pop() if len(shapes) == 1 else None
+        one = _one_shape({loop_shape(s, st, eagle) for s, st in zip(seqs, states, strict=True)})
         choice = None if one is None else Choice(one, eagle.cycles.max_cycles)
     if choice is None:
         return None
@@ -107,19 +128,28 @@ def start_burst(spec: Speculative, seqs: list[Sequence], passes: int) -> Burst |
     left = max(s.params.max_tokens - s.num_output_tokens for s in seqs)
     room = min(spec.engine.max_model_len - s.num_tokens for s in seqs) - shape.span
     cycles = min(passes, choice.cycles, -(-left // shape.advance), room // shape.advance)
-    if cycles < 1 or not eagle.cycles.fits(seqs, cycles, shape):
+    fits = cycles >= 1 and eagle.cycles.fits(seqs, cycles, shape)
+    if not fits or not _reserve(spec, seqs, shape, cycles):
+        if adaptive:
+            spec.loop.declined(len(seqs), shape, spec.policy.seen.steps)
         return None
-    try:
-        for seq in seqs:
-            spec.engine.cache.reserve(seq, seq.num_cached + reach(shape, cycles))
-    except OutOfBlocks:
-        return None  # what was reserved goes back at commit (the core trims)
     spec.plans = StepPlans()  # (the step its sequences' plans were for runs as the burst)
     # (a burst that captures its graph is not timed: the capture would price the shape)
     timed = eagle.cycles.warm(len(seqs), shape)
     in_a_row = all(eagle.caught_up(s) for s in seqs)  # (before this burst catches up)
     result = eagle.burst(seqs, shape, cycles)
     return _EagleBurst(spec, seqs, states, shape, result, timed, in_a_row)
+
+
+def _reserve(spec: Speculative, seqs: list[Sequence], shape: TreeShape, cycles: int) -> bool:
+    """KV slots for what `cycles` cycles of `shape` may write, for every sequence (False: the
+    cache ran out; what was reserved goes back at commit, which the core trims)."""
+    try:
+        for seq in seqs:
+            spec.engine.cache.reserve(seq, seq.num_cached + reach(shape, cycles))
+    except OutOfBlocks:
+        return False
+    return True
 
 
 class _EagleBurst(Burst):

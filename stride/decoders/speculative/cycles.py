@@ -6,7 +6,9 @@ a whole cycle is tensor work on the device, replayed as one CUDA graph per (batc
 `TreeShape`); a chain of K drafts is the tree with one child per level:
 
 1. drafts: a chain drafts token 1 from the head's output for the last real row (`g`), then
-   K - 1 head rows each read the draft before and the output before; a tree is EAGLE-2's
+   K - 1 head rows each read the draft before and the output before (the head's argmax, or in
+   a sampled cycle a draw from the head's distribution under each row's own temperature,
+   top-k, top-p and min-p); a tree is EAGLE-2's
    (`device_tree.draft_tree`): `topk` head rows per level, in scratch slots past the root's,
    each seeing the prefix and its ancestors' rows;
 2. verify: the target scores [tail, drafts] (N rows per sequence, in the N slots from the
@@ -15,7 +17,11 @@ a whole cycle is tensor work on the device, replayed as one CUDA graph per (batc
    sequence are one tree for the attention kernel, which reads their prefix once) and hands
    out their hidden states;
 3. accept (`verify.accept_greedy`): the longest path of drafts equal to the target's argmax
-   after their parents; the target's argmax after it is the bonus token; the committed tokens
+   after their parents; the target's argmax after it is the bonus token (a sampled chain:
+   `verify.verify`, the rejection rule, then a draw from the residual or the bonus
+   distribution, every uniform from `counter` keyed by the request's seed and the token's
+   position, as on the host, so a seeded request's tokens do not depend on the path or the
+   batch; greedy rows of the batch have one-hot distributions); the committed tokens
    of the cycle go to an output buffer; a tree's accepted rows then move their keys and values
    to the slots of the positions they take (`device_tree.compact`);
 4. catch up: depth + 1 head rows read the accepted path's hidden states and the token after
@@ -24,8 +30,8 @@ a whole cycle is tensor work on the device, replayed as one CUDA graph per (batc
 
 Rows past the accepted ones write keys and values (target and head) that the next cycle
 overwrites before anything reads them: every row writes its slot before attending, and attends
-only to the prefix and its own rows. Greedy only, and only for plain greedy rows (no penalties,
-bias, logprobs): acceptance is the argmax, computed here. Elsewhere than on a GPU with graphs
+only to the prefix and its own rows. Only rows with nothing for the host to do between tokens
+(no penalties, bias, grammar, logprobs: `bursts.runnable`). Elsewhere than on a GPU with graphs
 the same code runs eagerly (what the CPU tests check).
 """
 
@@ -35,8 +41,10 @@ import logging
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
+from stride.decoders import counter, sampling
 from stride.decoders.speculative.device_tree import (
     DraftedTree,
     TreeConstants,
@@ -44,15 +52,18 @@ from stride.decoders.speculative.device_tree import (
     compact,
     draft_tree,
 )
-from stride.decoders.speculative.verify import accept_greedy
+from stride.decoders.speculative.verify import accept_greedy, verify
 from stride.engine.eagle import HeadRunner
 from stride.engine.fused import FusedHead
 from stride.engine.kernels.decode_attention import DecodeMetadata
 from stride.engine.runner import ModelRunner
+from stride.engine.sequence import SamplingParams
 
 log = logging.getLogger(__name__)
 
 BUCKETS = (1, 2, 4, 8)  # batch sizes with graphs: bursts pay where the host is a large share
+STREAMS = (counter.DRAFT, counter.ACCEPT, counter.TARGET)  # a sampled cycle's draws, by kind
+GREEDY_ROW = SamplingParams(temperature=0.0).draw_row  # padding rows' settings
 
 
 @dataclass
@@ -92,6 +103,7 @@ class EagleCycles:
     def __init__(self, runner: ModelRunner, heads: HeadRunner, max_cycles: int = 8) -> None:
         self.runner, self.heads, self.head = runner, heads, heads.head
         self.model = runner.model
+        self.vocab = runner.model.config.vocab_size
         self.block_size = runner.cache.block_size
         device = runner.cache.k.device
         self.graphs = runner.graphs is not None
@@ -110,6 +122,9 @@ class EagleCycles:
         self.tokens = torch.full((max_cycles, b, self.max_depth + 1), -1, dtype=torch.long,
                                  device=device)  # fmt: skip
         self.counts = torch.zeros(max_cycles, b, dtype=torch.long, device=device)
+        # sampled cycles: each row's settings (`draw_row`) and key bases per stream (`STREAMS`)
+        self.floats = torch.tensor([GREEDY_ROW] * b, dtype=torch.float32, device=device)
+        self.bases = torch.zeros(len(STREAMS), b, dtype=torch.long, device=device)
         self._graphs: dict[tuple[int, TreeShape], torch.cuda.CUDAGraph] = {}
         self._constants: dict[tuple[int, TreeShape], Fixed] = {}
         self._pool = None
@@ -148,6 +163,12 @@ class EagleCycles:
         self.tail[:bucket].copy_(tail, non_blocking=True)
         self.g[:bucket].zero_()
         self.g[:n].copy_(roots)
+        if shape.sampled:
+            rows = [s.params.draw_row for s in seqs] + [GREEDY_ROW] * (bucket - n)
+            bases = np.zeros((len(STREAMS), bucket), dtype=np.int64)
+            bases[:, :n] = [counter.bases([s.seed for s in seqs], st) for st in STREAMS]
+            self.floats[:bucket].copy_(torch.tensor(rows, dtype=torch.float32), non_blocking=True)
+            self.bases[:, :bucket].copy_(torch.from_numpy(bases), non_blocking=True)
         self.cycle.zero_()
         cuda = device.type == "cuda"
         if cuda:
@@ -236,19 +257,33 @@ class EagleCycles:
             return self.draft_ids[self.head_forward.best(h, self.lm_weight)]
         return self.draft_ids[self.head.logits(h).argmax(-1)]
 
-    def _draft_chain(self, b: int, k: int, rows: Rows, fixed: Fixed) -> DraftedTree:
+    def _draw(self, h: torch.Tensor, j: int, qs: list[torch.Tensor]) -> torch.Tensor:
+        """A sampled cycle's draft j of each head output: a draw from the head's distribution
+        under the row's settings, keyed by the row's seed and the draft's position (as
+        `drafters.run_drafts` draws on the host); its distribution over the target's
+        vocabulary goes to `qs`."""
+        b = len(h)
+        probs = sampling.row_probabilities(self._logits(h), self.floats[:b])
+        ids = self.draft_ids.expand(b, -1)
+        keys = counter.keys_at(self.bases[0, :b], self.base[:b] + 1 + j)
+        picked = (probs.log() + counter.gumbel(keys[:, None], ids, self.vocab)).argmax(-1)
+        qs.append(probs.new_zeros(b, self.vocab).scatter_(1, ids, probs))
+        return self.draft_ids[picked]
+
+    def _draft_chain(self, b: int, k: int, rows: Rows, fixed: Fixed, pick) -> DraftedTree:
+        """`pick(h, j)`: draft j of the head outputs `h` [B, H], as target token ids."""
         g, tables = self.g[:b], self.tables[:b]
         # chain row j (at context index base + j - 1) reads draft j: its slot, context length
         # and position as [B] vectors of their own (one copy each, not a computation per row)
         slots, lens = rows.slots.t().contiguous(), rows.lens.t().contiguous()
         positions = rows.at.t()
-        h, d = g, self._best(g)
+        h, d = g, pick(g, 0)
         drafts = [d]
         kv = (self.heads.k, self.heads.v)
         for j in range(1, k):
             meta = DecodeMetadata(slots[j - 1], tables, lens[j - 1], self.block_size)
             h = self.head_forward(d, h, positions[j - 1], kv, meta)
-            d = self._best(h)
+            d = pick(h, j)
             drafts.append(d)
         return DraftedTree(torch.cat([self.tail[:b, None], torch.stack(drafts, 1)], 1),
                            *fixed.chain)  # fmt: skip
@@ -285,8 +320,11 @@ class EagleCycles:
         at = base[:, None] + fixed.steps
         rows = Rows(at, self._slots(at, tables), (at + 1).to(torch.int32))
         # 1. drafts
-        if shape.is_chain:
-            tree = self._draft_chain(b, depth, rows, fixed)
+        qs: list[torch.Tensor] = []  # a sampled chain's draft distributions
+        if shape.sampled:
+            tree = self._draft_chain(b, depth, rows, fixed, lambda h, j: self._draw(h, j, qs))
+        elif shape.is_chain:
+            tree = self._draft_chain(b, depth, rows, fixed, lambda h, j: self._best(h))
         else:
             tree = self._draft_tree(b, shape, rows, fixed)
         # 2. verify every row in the N slots from the tail's, each at its parent's position + 1
@@ -298,11 +336,15 @@ class EagleCycles:
         aux_layers = self.head.config.aux_layers
         hidden, aux = self.runner.forward_fn(tree.tokens.flatten(), positions, kv, meta,
                                              aux=aux_layers)  # fmt: skip
-        best = self.model.lm_head(hidden).argmax(-1).view(b, n_rows)  # (in its dtype: same argmax)
-        # 3. accept the longest path of drafts equal to the target's choice, then its next one
-        n, path, bonus = accept_greedy(tree.tokens, tree.parents, tree.sees, tree.depths, best,
-                                       depth)  # fmt: skip
+        logits = self.model.lm_head(hidden)
         steps = fixed.steps[: depth + 1]
+        if shape.sampled:  # 3. accept by the rejection rule, then draw the token after
+            n, bonus = self._accept_sampled(logits, tree.tokens[:, 1:], torch.stack(qs, 1), steps)
+            path = torch.where(steps <= n[:, None], steps, 0)
+        else:  # 3. accept the longest path of drafts equal to the target's choice, then its next
+            best = logits.argmax(-1).view(b, n_rows)  # (in its dtype: the same argmax)
+            n, path, bonus = accept_greedy(tree.tokens, tree.parents, tree.sees, tree.depths,
+                                           best, depth)  # fmt: skip
         after = torch.cat([tree.tokens.gather(1, path[:, 1:]), bonus[:, None]], 1)
         after = torch.where(steps < n[:, None], after, bonus[:, None])  # the token after each
         committed = torch.where(steps <= n[:, None], after, -1)
@@ -324,6 +366,22 @@ class EagleCycles:
         tail.copy_(bonus)
         base.add_(n + 1)
         self.cycle.add_(1)
+
+    def _accept_sampled(
+        self, logits: torch.Tensor, drafts: torch.Tensor, q: torch.Tensor, steps: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A sampled chain's accepted drafts [B] and the token after them [B], from the target's
+        logits [B * (K + 1), V] over [tail, drafts], the drafts [B, K] and their distributions
+        q [B, K, V] (`steps`: 0..K): `verify.verify`, its uniforms and the last draw keyed as
+        `verify_sampled`'s."""
+        b, k = drafts.shape
+        p = sampling.row_probabilities(logits, Fixed.per_row(self.floats[:b], k + 1))
+        places = self.base[:b, None] + 1 + steps
+        u = counter.unit(counter.keys_at(self.bases[1, :b, None], places[:, :k]))
+        n, dist = verify(p.view(b, k + 1, -1), q, drafts, torch.full_like(self.base[:b], k), u)
+        keys = counter.keys_at(self.bases[2, :b], places.gather(1, n[:, None])[:, 0])
+        noise = counter.gumbel(keys[:, None], None, dist.shape[-1])
+        return n, (dist.log() + noise).argmax(-1)
 
     def _rows_meta(self, rows: Rows, r: int, fixed: Fixed, sees: torch.Tensor) -> DecodeMetadata:
         """Decode rows for the first `r` slots of every sequence's span, one tree of `r` rows

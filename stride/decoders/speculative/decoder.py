@@ -6,8 +6,9 @@ Request options (`{"type": "speculative", ...}`):
     num_speculative_tokens: the most drafts per step, K (default: the server's setting)
     adaptive: let the policy pick K per step (default true); false always drafts K. On a GPU an
         adaptive eagle request drafts only in the device loop, which picks per batch among a
-        chain of K, a tree and plain decoding (`loop_policy`); a batch with rows the loop
-        cannot run (sampled, logprobs, a grammar: `bursts.runnable`) decodes plainly
+        chain of K, a tree and plain decoding (`loop_policy`; where rows sample, a sampled chain
+        and plain decoding); a batch with rows the loop cannot run (logprobs, penalties, bias,
+        a grammar: `bursts.runnable`) decodes plainly
     exit_layer: early_exit only, how many target layers draft (default: half of them)
     ngram_max: ngram only, the longest suffix looked up (default 3)
     tree_nodes, tree_topk: eagle only, draft a tree (greedy requests) instead of a chain (0: a
@@ -58,7 +59,7 @@ from stride.decoders.base import (
 )
 from stride.decoders.catalog import EAGLE, EARLY_EXIT, NGRAM, SPECULATIVE
 from stride.decoders.payoff import Payoff
-from stride.decoders.speculative.bursts import runnable, start_burst
+from stride.decoders.speculative.bursts import batch_menu, runnable, start_burst
 from stride.decoders.speculative.cycles import BUCKETS
 from stride.decoders.speculative.drafters import (
     Draft,
@@ -68,7 +69,7 @@ from stride.decoders.speculative.drafters import (
     NgramDrafter,
 )
 from stride.decoders.speculative.eagle import EagleDrafter, keep_recent
-from stride.decoders.speculative.loop_policy import LoopPolicy, menu
+from stride.decoders.speculative.loop_policy import LoopPolicy
 from stride.decoders.speculative.options import SpeculativeOptions
 from stride.decoders.speculative.policy import MAX_K, AdaptivePolicy, SeqState, StepPlans
 from stride.decoders.speculative.tree import Tree
@@ -268,13 +269,13 @@ class Speculative(Decoder):
         if not adaptive:
             return Proposal(plain_steps=UNLIMITED)
         loop = all(self.in_loop(s) for s in seqs)
-        if loop and not all(map(runnable, seqs)):  # no loop for this batch: nothing drafts for it
+        shapes = batch_menu(seqs) if loop and all(map(runnable, seqs)) else None
+        if loop and shapes is None:  # no loop for this batch: nothing drafts for it
             return Proposal(plain_steps=UNLIMITED)
         payoff = self.payoffs.get(loop)
         if payoff is not None and not payoff.refining:  # as `ar` until drafting is tried again
             return Proposal(plain_steps=payoff.plain_steps())
-        if loop:
-            shapes = menu(seqs[0].decoder_options)
+        if shapes is not None:
             steps = self.loop.plain_steps(len(seqs), shapes, self.policy.seen.steps)
         else:
             steps = self.policy.quiet_steps(len(seqs))

@@ -24,15 +24,18 @@ import torch
 class TreeShape:
     """What a cycle's graph is captured for: `nodes` verified rows per sequence (the root, the
     tail the target scores anyway, then nodes - 1 drafts) over `depth` levels, `topk` children
-    per expanded node. A chain of K drafts is `TreeShape.chain(K)`: one child per level."""
+    per expanded node. A chain of K drafts is `TreeShape.chain(K)`: one child per level.
+    `sampled`: the cycle draws its drafts and accepts them by the rejection rule, so that its
+    rows may sample (chains only); otherwise drafts and acceptance are the argmax."""
 
     nodes: int
     depth: int
     topk: int
+    sampled: bool = False
 
     @classmethod
-    def chain(cls, k: int) -> TreeShape:
-        return cls(k + 1, k, 1)
+    def chain(cls, k: int, sampled: bool = False) -> TreeShape:
+        return cls(k + 1, k, 1, sampled)
 
     @classmethod
     def of(cls, drafts: int, depth: int, topk: int) -> TreeShape:

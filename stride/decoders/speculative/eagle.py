@@ -125,7 +125,7 @@ class EagleDrafter(Drafter):
         return torch.stack(roots)  # type: ignore[arg-type]
 
     def burst(self, seqs: list[Sequence], shape: TreeShape, cycles: int) -> CycleResult:
-        """`cycles` greedy cycles of chains or trees of `shape` on the device (`EagleCycles`);
+        """`cycles` cycles of chains or trees of `shape` on the device (`EagleCycles`);
         each sequence needs KV slots for `num_cached + cycles.reach(shape, cycles)` tokens."""
         roots = self._catch_up(seqs)
         return self.cycles.run(seqs, roots, shape, cycles)

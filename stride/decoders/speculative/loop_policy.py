@@ -21,7 +21,8 @@ decoding, no drafter work) unless the best G beats 1 by 5 %.
 The device loop. Where the loop serves EAGLE (a GPU with graphs), an adaptive EAGLE request
 drafts only there: a step that drafts on the host pays a round trip per pass and loses to plain
 decoding on such a device. The candidates of a batch are its requests' `menu`: a chain of K
-drafts and a tree (the requests' own, else `DEFAULT_TREE`). Each has a rate measured per
+drafts and a tree (the requests' own, else `DEFAULT_TREE`); where a row samples, the sampled
+chain alone (trees accept by the argmax). Each has a rate measured per
 batch-size bucket (`bucket`): tokens the batch commits per second of its bursts (`Spent`). A
 burst right after another is timed from the previous launch's end to its commit, so that the
 host's work between bursts (which plain steps in flight hide) counts against the loop; its
@@ -34,7 +35,8 @@ the shape far above what it costs in a row. Plain decoding has its own rate, fro
 steps the speculative policy times. The batch runs the fastest, and plain decoding unless a shape
 beats it by `MIN_GAIN`.
 
-What is not measured yet at a bucket is tried once plain decoding has been timed there; a
+What is not measured yet at a bucket is tried once plain decoding has been timed there (a try
+that cannot start, for want of room or KV blocks, counts as one); a
 candidate not chosen is tried again after `RETRY_EVERY` steps, so that a rate measured on
 other prompts cannot pin the choice, and each time such a retry loses again its wait doubles,
 up to `MAX_WAIT` steps: a shape that does not pay at a batch size costs a few cycles now and
@@ -143,10 +145,13 @@ def ema(old: float | None, new: float, weight: float = 0.2) -> float:
 DEFAULT_TREE = TreeShape.of(64, 7, 8)  # EAGLE-2's tree: 64 drafts, 7 levels, 8 children a node
 
 
-def menu(options: dict) -> tuple[TreeShape, ...]:
+def menu(options: dict, sampled: bool = False) -> tuple[TreeShape, ...]:
     """The shapes an adaptive EAGLE request may draft in the loop: a chain of its K drafts, and
-    its tree (`tree_nodes` drafts, K levels) or `DEFAULT_TREE` if it named none (0: no tree)."""
+    its tree (`tree_nodes` drafts, K levels) or `DEFAULT_TREE` if it named none (0: no tree);
+    in a batch where some rows sample, the sampled chain alone (`TreeShape.sampled`)."""
     k, nodes = options["num_speculative_tokens"], options.get("tree_nodes")
+    if sampled:
+        return (TreeShape.chain(k, sampled=True),)
     if nodes is None:
         return (TreeShape.chain(k), DEFAULT_TREE)
     if nodes == 0:
@@ -208,7 +213,9 @@ class LoopPolicy:
         for shape in shapes:
             rate = self.rates.get((key, shape))
             if rate is None:
-                return Choice(shape, self.TRY_CYCLES)
+                if (key, shape) not in self.tried:  # (a try that could not start: retried below)
+                    return Choice(shape, self.TRY_CYCLES)
+                continue
             if rate.per_second(batch) > best_rate:
                 best, best_rate = shape, rate.per_second(batch)
         if best is not None:
@@ -232,6 +239,12 @@ class LoopPolicy:
             for s in shapes
         )
         return max(1, due - step)
+
+    def declined(self, batch: int, shape: TreeShape, step: int) -> None:
+        """A burst of `shape` chosen for `batch` sequences at `step` could not start (no room
+        before a context's end, no KV blocks, no graph wide enough): it counts as tried, so
+        that plain steps are promised up to its next retry rather than one at a time."""
+        self.tried[(bucket(batch), shape)] = step
 
     def measured(
         self, batch: int, shape: TreeShape, cycles: int, spent: Spent, tokens: int, step: int
