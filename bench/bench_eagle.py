@@ -208,6 +208,7 @@ def busy_share(work) -> float:
 # drafts) at the depth and width of the "tree 64" and "tree 128" configurations.
 SHAPES = {
     "chain K=3": TreeShape.chain(3),
+    "sampled chain K=3": TreeShape.chain(3, sampled=True),
     "chain K=5": TreeShape.chain(5),
     "tree 64 rows": TreeShape.of(63, 7, 8),
     "tree 128 rows": TreeShape.of(127, 8, 10),
