@@ -25,7 +25,7 @@ from stride.engine.spans import Span
 from stride.scheduler.core import EngineCore
 from stride.scheduler.outputs import GenerateRequest, RequestRejected
 from stride.scheduler.policy import SchedulerConfig
-from tests.helpers.cores import PROMPTS, chi2_pvalue, exact_joint, greedy, run
+from tests.helpers.cores import PROMPTS, chi2_pvalue, exact_joint, greedy, joint_pvalue, run
 from tests.helpers.models import make_model_dir
 
 K = 4
@@ -301,18 +301,12 @@ def test_sampled_output_follows_the_target_distribution(tiny_dir, tiny_hf, other
     ]
     tokens, stats = run(core, requests)
     assert sum(s.get("draft_tokens", 0) for s in stats.values()) > 0
-    joint = exact_joint(tiny_hf, prompt, params)
-    cells = joint.flatten().nonzero()[:, 0]
-    counts = torch.zeros(joint.numel(), dtype=torch.float64)
-    for t in tokens.values():
-        counts[t[0] * joint.shape[1] + t[1]] += 1
-    assert counts.sum() == counts[cells].sum()  # nothing outside the target's support
-    pvalue = chi2_pvalue(counts[cells], joint.flatten()[cells])
+    pvalue = joint_pvalue(tokens, exact_joint(tiny_hf, prompt, params))
     print(f"chi-square p-value {pvalue:.3g}")
     assert pvalue > 1e-3
     # The same test rejects a wrong distribution: the target's at a lower temperature.
     wrong = exact_joint(tiny_hf, prompt, SamplingParams(temperature=0.8, top_k=4))
-    wrong_pvalue = chi2_pvalue(counts[cells], wrong.flatten()[cells])
+    wrong_pvalue = joint_pvalue(tokens, wrong)
     print(f"wrong distribution: p-value {wrong_pvalue:.3g}")
     assert wrong_pvalue < 1e-3
 

@@ -80,6 +80,17 @@ def chi2_pvalue(observed: torch.Tensor, probs: torch.Tensor) -> float:
     return chisquare(observed.numpy(), expected.numpy()).pvalue
 
 
+def joint_pvalue(tokens: dict[str, list[int]], joint: torch.Tensor) -> float:
+    """The χ² p-value of outputs' first two tokens against `joint` (`exact_joint`'s table),
+    after checking that no output fell outside its support."""
+    cells = joint.flatten().nonzero()[:, 0]
+    counts = torch.zeros(joint.numel(), dtype=torch.float64)
+    for t in tokens.values():
+        counts[t[0] * joint.shape[1] + t[1]] += 1
+    assert counts.sum() == counts[cells].sum()  # nothing outside the target's support
+    return chi2_pvalue(counts[cells], joint.flatten()[cells])
+
+
 def exact_joint(tiny_hf, prompt: list[int], params: SamplingParams) -> torch.Tensor:
     """p(t1, t2) of the target under temperature/top-k, as a [vocab, vocab] table."""
     from stride.decoders import sampling
