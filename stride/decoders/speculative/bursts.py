@@ -86,13 +86,17 @@ def batch_menu(seqs: list[Sequence]) -> tuple[TreeShape, ...] | None:
 
 
 def _one_shape(shapes: set[TreeShape | None]) -> TreeShape | None:
-    """The shape a batch's sequences share: chains of one length where some rows sample are
-    the sampled chain (its greedy rows accept their argmax under it)."""
-    if len(shapes) == 1 or None in shapes:
-        return next(iter(shapes)) if len(shapes) == 1 else None
-    chains = {(s.depth, s.is_chain) for s in shapes if s is not None}
-    (depth, is_chain), *more = chains
-    return TreeShape.chain(depth, sampled=True) if is_chain and not more else None
+    """The shape a batch's sequences share, if any: chains of one length where some rows
+    sample are the sampled chain (its greedy rows accept their argmax under it)."""
+    known = {s for s in shapes if s is not None}
+    if len(known) < len(shapes):
+        return None
+    if len(known) == 1:
+        return known.pop()
+    depths = {s.depth for s in known}
+    if len(depths) > 1 or not all(s.is_chain for s in known):
+        return None
+    return TreeShape.chain(depths.pop(), sampled=True)
 
 
 def _loop_choice(spec: Speculative, seqs: list[Sequence]) -> Choice | None:

@@ -62,7 +62,7 @@ from stride.engine.sequence import SamplingParams
 log = logging.getLogger(__name__)
 
 BUCKETS = (1, 2, 4, 8)  # batch sizes with graphs: bursts pay where the host is a large share
-STREAMS = (counter.DRAFT, counter.ACCEPT, counter.TARGET)  # a sampled cycle's draws, by kind
+STREAMS = (counter.TARGET, counter.DRAFT, counter.ACCEPT)  # `bases`' rows: stream s is row s
 GREEDY_ROW = SamplingParams(temperature=0.0).draw_row  # padding rows' settings
 
 
@@ -122,7 +122,7 @@ class EagleCycles:
         self.tokens = torch.full((max_cycles, b, self.max_depth + 1), -1, dtype=torch.long,
                                  device=device)  # fmt: skip
         self.counts = torch.zeros(max_cycles, b, dtype=torch.long, device=device)
-        # sampled cycles: each row's settings (`draw_row`) and key bases per stream (`STREAMS`)
+        # sampled cycles: each row's settings (`draw_row`) and its key bases in each stream
         self.floats = torch.tensor([GREEDY_ROW] * b, dtype=torch.float32, device=device)
         self.bases = torch.zeros(len(STREAMS), b, dtype=torch.long, device=device)
         self._graphs: dict[tuple[int, TreeShape], torch.cuda.CUDAGraph] = {}
@@ -265,7 +265,7 @@ class EagleCycles:
         b = len(h)
         probs = sampling.row_probabilities(self._logits(h), self.floats[:b])
         ids = self.draft_ids.expand(b, -1)
-        keys = counter.keys_at(self.bases[0, :b], self.base[:b] + 1 + j)
+        keys = counter.keys_at(self.bases[counter.DRAFT, :b], self.base[:b] + 1 + j)
         picked = (probs.log() + counter.gumbel(keys[:, None], ids, self.vocab)).argmax(-1)
         qs.append(probs.new_zeros(b, self.vocab).scatter_(1, ids, probs))
         return self.draft_ids[picked]
@@ -377,9 +377,9 @@ class EagleCycles:
         b, k = drafts.shape
         p = sampling.row_probabilities(logits, Fixed.per_row(self.floats[:b], k + 1))
         places = self.base[:b, None] + 1 + steps
-        u = counter.unit(counter.keys_at(self.bases[1, :b, None], places[:, :k]))
+        u = counter.unit(counter.keys_at(self.bases[counter.ACCEPT, :b, None], places[:, :k]))
         n, dist = verify(p.view(b, k + 1, -1), q, drafts, torch.full_like(self.base[:b], k), u)
-        keys = counter.keys_at(self.bases[2, :b], places.gather(1, n[:, None])[:, 0])
+        keys = counter.keys_at(self.bases[counter.TARGET, :b], places.gather(1, n[:, None])[:, 0])
         noise = counter.gumbel(keys[:, None], None, dist.shape[-1])
         return n, (dist.log() + noise).argmax(-1)
 
