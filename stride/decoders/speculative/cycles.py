@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -64,6 +65,7 @@ log = logging.getLogger(__name__)
 BUCKETS = (1, 2, 4, 8)  # batch sizes with graphs: bursts pay where the host is a large share
 STREAMS = (counter.TARGET, counter.DRAFT, counter.ACCEPT)  # `bases`' rows: stream s is row s
 GREEDY_ROW = SamplingParams(temperature=0.0).draw_row  # padding rows' settings
+Pick = Callable[[torch.Tensor, int], torch.Tensor]  # (head outputs, draft j) -> token ids
 
 
 @dataclass
@@ -270,7 +272,7 @@ class EagleCycles:
         qs.append(probs.new_zeros(b, self.vocab).scatter_(1, ids, probs))
         return self.draft_ids[picked]
 
-    def _draft_chain(self, b: int, k: int, rows: Rows, fixed: Fixed, pick) -> DraftedTree:
+    def _draft_chain(self, b: int, k: int, rows: Rows, fixed: Fixed, pick: Pick) -> DraftedTree:
         """`pick(h, j)`: draft j of the head outputs `h` [B, H], as target token ids."""
         g, tables = self.g[:b], self.tables[:b]
         # chain row j (at context index base + j - 1) reads draft j: its slot, context length
