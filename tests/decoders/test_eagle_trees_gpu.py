@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from stride.decoders.registry import DecodersConfig, build_decoders
-from stride.decoders.speculative.cycles import Fixed
 from stride.decoders.speculative.device_tree import TreeShape
+from stride.decoders.speculative.layout import Fixed
 from stride.decoders.speculative.tree import Tree
 from stride.engine.config import EngineConfig
 from stride.engine.engine import Engine

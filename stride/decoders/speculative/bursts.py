@@ -10,9 +10,10 @@ from typing import Protocol
 from stride.decoders import sampling
 from stride.decoders.base import Burst, Commit
 from stride.decoders.catalog import EAGLE
-from stride.decoders.speculative.cycles import CycleResult, reach
+from stride.decoders.speculative.cycles import CycleResult
 from stride.decoders.speculative.device_tree import TreeShape
 from stride.decoders.speculative.eagle import EagleDrafter
+from stride.decoders.speculative.layout import reach
 from stride.decoders.speculative.loop_policy import Choice, LoopPolicy, Spent, menu
 from stride.decoders.speculative.policy import AdaptivePolicy, SeqState, StepPlans
 from stride.engine.engine import Engine

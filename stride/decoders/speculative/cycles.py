@@ -46,13 +46,8 @@ import numpy as np
 import torch
 
 from stride.decoders import counter, sampling
-from stride.decoders.speculative.device_tree import (
-    DraftedTree,
-    TreeConstants,
-    TreeShape,
-    compact,
-    draft_tree,
-)
+from stride.decoders.speculative.device_tree import DraftedTree, TreeShape, compact, draft_tree
+from stride.decoders.speculative.layout import Fixed, Rows, reach
 from stride.decoders.speculative.verify import accept_greedy, verify
 from stride.engine.eagle import HeadRunner
 from stride.engine.fused import FusedHead
@@ -398,45 +393,3 @@ class EagleCycles:
             tree_mask=sees,
             tree_rows=r,
         )
-
-
-@dataclass
-class Rows:
-    """The slots a cycle writes, from the tail's on: context index `at` = base + s [B, span],
-    the cache slot of each and the context length a row there attends to."""
-
-    at: torch.Tensor
-    slots: torch.Tensor
-    lens: torch.Tensor
-
-
-@dataclass
-class Fixed:
-    """What every cycle at one batch size and shape reads and never changes, made once before
-    its graph is captured (inside a graph, each op that made them would launch at every replay)."""
-
-    steps: torch.Tensor  # [span] 0, 1, 2, ...
-    causal: torch.Tensor  # [B * (depth + 1), depth + 1] bool: catch-up rows' mask, a chain's
-    chain: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # a chain's parents, depths, sees
-    scratch_levels: torch.Tensor  # [scratch] a tree's scratch row s is at position base + s // k
-    tree: TreeConstants | None
-
-    @classmethod
-    def of(cls, b: int, shape: TreeShape, device: torch.device) -> Fixed:
-        steps = torch.arange(shape.span, device=device)
-        k1 = shape.depth + 1
-        lower = torch.ones(k1, k1, dtype=torch.bool, device=device).tril()
-        chain = ((steps[:k1] - 1).clamp(min=0).expand(b, k1), steps[:k1].expand(b, k1),
-                 lower.expand(b, k1, k1))  # fmt: skip
-        tree = None if shape.is_chain else TreeConstants.of(b, shape, device)
-        return cls(steps, lower.repeat(b, 1), chain, steps[: shape.scratch] // shape.topk, tree)
-
-    @staticmethod
-    def per_row(x: torch.Tensor, r: int) -> torch.Tensor:
-        """Each sequence's row of `x` [B, ...] repeated for its `r` rows: [B * r, ...]."""
-        return x[:, None].expand(x.shape[0], r, *x.shape[1:]).flatten(0, 1)
-
-
-def reach(shape: TreeShape, cycles: int) -> int:
-    """Slots past `num_cached` that `cycles` cycles of `shape` may write."""
-    return cycles * shape.advance + shape.span
