@@ -269,7 +269,9 @@ class Speculative(Decoder):
         if not adaptive:
             return Proposal(plain_steps=UNLIMITED)
         loop = all(self.in_loop(s) for s in seqs)
-        shapes = batch_menu(seqs) if loop and all(map(runnable, seqs)) else None
+        shapes = None
+        if loop and all(map(runnable, seqs)):  # (a batch larger than the loop takes: no menu)
+            shapes = batch_menu(seqs) if len(seqs) <= self.loop.max_batch else ()
         if loop and shapes is None:  # no loop for this batch: nothing drafts for it
             return Proposal(plain_steps=UNLIMITED)
         payoff = self.payoffs.get(loop)
