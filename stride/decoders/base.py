@@ -280,6 +280,10 @@ class Decoder:
 class Burst:
     """Passes a decoder started on the device (`Decoder.burst`)."""
 
+    # Set by `commits`: the decoder launched its sequences' next burst at this one's commit,
+    # into the KV slots reserved past their tokens, which the core then keeps.
+    followed: bool = False
+
     def commits(self, since: float) -> list[Commit]:
         """One commit per sequence of the burst, in order (waits for the device). `since`: when
         the launch before it finished (`time.perf_counter()`), where the host's work for this

@@ -226,9 +226,11 @@ class EngineCore:
             applied.append(result)
         cache = self.engine.cache
         for result in applied:  # once all are in: an earlier result's trim would drop the slots
-            loop = result.batch.burst is not None  # of a later one's tokens
+            burst = result.batch.burst  # of a later one's tokens (or of a burst launched ahead)
+            if burst is not None and burst.followed:
+                continue
             for item in result.batch.plan:  # (the slots of rejected drafts go back)
-                if (item.extra or loop) and item.seq.status is Status.RUNNING:
+                if (item.extra or burst) and item.seq.status is Status.RUNNING:
                     cache.trim(item.seq)
         for seq, error, what in self.decoders.take_failed():
             self._fail(seq, error, what)

@@ -214,9 +214,10 @@ class Executor:
         result, plan = launch.result, launch.batch.plan
         seqs = [item.seq for item in plan]
         before = [s.stats.draft_tokens for s in seqs]
-        # (From the launch before's end, not this step's start: a burst is never in flight, so
-        # the host's work since, its commit and outputs too, is the burst's cost. A burst after
-        # an idle engine follows a prefill, which the loop prices by the device's time instead.)
+        # (From the launch before's end, not this step's start: the host's work since, its
+        # commit and outputs too, is the burst's cost, less what a burst the decoder launched
+        # at that commit hid of it. A burst after an idle engine follows a prefill, which the
+        # loop prices by the device's time instead.)
         commits = launch.burst.commits(self._finished_at)
         self._finished_at = time.perf_counter()
         live = [i for i, s in enumerate(seqs) if s.status is not Status.FINISHED]

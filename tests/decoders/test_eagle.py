@@ -12,6 +12,7 @@ from safetensors.torch import save_file
 
 from stride import drafts
 from stride.decoders.speculative import cycles as cycles_module
+from stride.decoders.speculative.bursts import Ahead
 from stride.decoders.speculative.cycles import EagleCycles
 from stride.decoders.speculative.device_tree import TreeShape
 from stride.decoders.speculative.drafters import Draft
@@ -383,6 +384,53 @@ def test_sampled_chains_in_the_loop_draw_what_the_host_draws_seed_for_seed(
     assert together["bg"] == eagle_ref[3]
     assert sum(stats[f"b{i}"]["accepted_tokens"] for i in range(3)) > 0
     assert free(core)
+
+
+def test_bursts_launched_at_the_commit_before_decode_exactly(
+    eagle_target, eagle_head, eagle_ref, monkeypatch
+):
+    """A burst's commit launches the batch's next burst from the device state (on a GPU, so
+    that the host's work runs meanwhile; forced on here): adopted when the next step would run
+    it, dropped when it would not (a request ends, one arrives, a preemption), and the tokens
+    are what they are without it, greedy and seeded sampled, the KV blocks all given back."""
+    adopted: list[bool] = []
+    continues = Ahead.continues
+
+    def noted(self, *args):
+        adopted.append(continues(self, *args))
+        return adopted[-1]
+
+    monkeypatch.setattr(Ahead, "continues", noted)
+
+    def core(ahead: bool = True, **kw):
+        made = eagle_core(eagle_target, eagle_head, fused_decode_steps=4, **kw)
+        made.decoders["speculative"].eagle.cycles.ahead = ahead
+        return made
+
+    lengths = [13, 17, 24, 9]  # (ending at different steps: bursts after an end are dropped)
+    requests = [GenerateRequest(str(i), p, greedy(n), "speculative", CHAIN)
+                for i, (p, n) in enumerate(zip(PROMPTS, lengths, strict=True))]  # fmt: skip
+    late = [GenerateRequest("late", PROMPTS[1], greedy(20), "speculative", CHAIN)]
+    ahead = core()
+    tokens, _ = run(ahead, requests, late)
+    assert any(adopted) and not all(adopted)
+    assert all(tokens[str(i)] == eagle_ref[i][:n] for i, n in enumerate(lengths))
+    assert tokens["late"] == eagle_ref[1][:20]
+    assert free(ahead)
+
+    cramped = core(kv_bytes=7 * 16384)  # 6 usable blocks of 16 tokens: preemptions
+    tokens, _ = run(cramped, [replace(r, params=greedy(24)) for r in requests])
+    assert cramped.preempted
+    assert all(tokens[str(i)] == eagle_ref[i] for i in range(len(PROMPTS)))
+    assert free(cramped)
+
+    sampled = SamplingParams(max_tokens=24, temperature=0.9, top_p=0.95, seed=7, ignore_eos=True)
+    requests = [GenerateRequest(str(i), p, replace(sampled, seed=i), "speculative", CHAIN)
+                for i, p in enumerate(PROMPTS)]  # fmt: skip
+    adopted.clear()
+    tokens, _ = run(core(), requests)
+    assert any(adopted)
+    assert tokens == run(core(ahead=False), [replace(r) for r in requests])[0]
 
 
 @pytest.mark.parametrize("rule", ["exact", "accept what the target allows"])

@@ -1,10 +1,16 @@
 """EAGLE's device loop as the speculative decoder's bursts: which steps may run as cycles on
 the device (`cycles.EagleCycles`), in which shape (a request's fixed one, or for adaptive
-requests the loop policy's choice, `loop_policy`), and their commits."""
+requests the loop policy's choice, `loop_policy`), and their commits.
+
+Where cycles run as CUDA graphs, a burst's commit launches the batch's next burst at once
+(`Ahead`), from the state the cycles left on the device, so that the host's work between two
+bursts (applying the commit, outputs, scheduling, proposing) runs while the device computes the
+next one, as plain steps kept in flight hide theirs."""
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Protocol
 
 from stride.decoders import sampling
@@ -29,6 +35,7 @@ class Speculative(Protocol):
     policy: AdaptivePolicy
     loop: LoopPolicy
     plans: StepPlans
+    ahead: Ahead | None
 
     def state(self, seq: Sequence) -> SeqState: ...
 
@@ -109,10 +116,38 @@ def _loop_choice(spec: Speculative, seqs: list[Sequence]) -> Choice | None:
     return spec.loop.choose(batch, shapes, policy.plain_seconds(batch), policy.seen.steps)
 
 
+@dataclass
+class Ahead:
+    """A burst launched at the commit of the one before, for the same sequences in the same
+    shape (`_launch_ahead`). The next step adopts it if it would start that very burst: the
+    same sequences, still at the cached lengths and on the blocks it was launched for, in the
+    same shape and cycles. Otherwise it is dropped: its cycles wrote only past its sequences'
+    cached tokens, into slots that whatever runs next overwrites in stream order. (The slots
+    reserved for it stay with their sequences until a burst's or a drafting step's commit
+    trims them.)"""
+
+    seqs: list[Sequence]
+    shape: TreeShape
+    cycles: int
+    starts: list[int]  # each sequence's cached length after the commit it was launched at
+    tables: list[list[int]]  # and its block table
+    result: CycleResult
+
+    def continues(self, seqs: list[Sequence], shape: TreeShape, cycles: int) -> bool:
+        if shape != self.shape or cycles != self.cycles or len(seqs) != len(self.seqs):
+            return False
+        return all(
+            a is b and a.num_cached == n and a.block_table == t
+            for a, b, n, t in zip(seqs, self.seqs, self.starts, self.tables, strict=True)
+        )
+
+
 def start_burst(spec: Speculative, seqs: list[Sequence], passes: int) -> Burst | None:
     """Cycles on the device for `seqs`, when every one drafts the same chain or tree shape with
     the head this step (adaptive requests: the loop policy's choice for all) and the loop can
-    run them all (`runnable`); None: the step runs as usual."""
+    run them all (`runnable`); None: the step runs as usual. The burst launched ahead at the
+    last commit, if it is this one; else it is dropped."""
+    ahead, spec.ahead = spec.ahead, None
     eagle = spec.eagle
     if eagle is None or eagle.cycles is None or passes < 2:
         return None
@@ -129,12 +164,16 @@ def start_burst(spec: Speculative, seqs: list[Sequence], passes: int) -> Burst |
         choice = None if one is None else Choice(one, eagle.cycles.max_cycles)
     if choice is None:
         return None
-    shape = choice.shape
-    left = max(s.params.max_tokens - s.num_output_tokens for s in seqs)
-    room = min(spec.engine.max_model_len - s.num_tokens for s in seqs) - shape.span
-    cycles = min(passes, choice.cycles, -(-left // shape.advance), room // shape.advance)
+    shape, most = choice.shape, min(passes, choice.cycles)
+    made = [0] * len(seqs)
+    cycles = _cycles(spec, seqs, made, shape, most)
+    # (a try runs fewer cycles than a burst takes: the next step may choose otherwise)
+    follow = most if choice.cycles == eagle.cycles.max_cycles else 0
+    if ahead is not None and ahead.continues(seqs, shape, cycles):
+        spec.plans = StepPlans()
+        return _EagleBurst(spec, seqs, states, shape, ahead.result, True, True, follow)
     fits = cycles >= 1 and eagle.cycles.fits(seqs, cycles, shape)
-    if not fits or not _reserve(spec, seqs, shape, cycles):
+    if not fits or not _reserve(spec, seqs, shape, cycles, made):
         if adaptive:
             spec.loop.declined(len(seqs), shape, spec.policy.seen.steps)
         return None
@@ -143,17 +182,57 @@ def start_burst(spec: Speculative, seqs: list[Sequence], passes: int) -> Burst |
     timed = eagle.cycles.warm(len(seqs), shape)
     in_a_row = all(eagle.caught_up(s) for s in seqs)  # (before this burst catches up)
     result = eagle.burst(seqs, shape, cycles)
-    return _EagleBurst(spec, seqs, states, shape, result, timed, in_a_row)
+    return _EagleBurst(spec, seqs, states, shape, result, timed, in_a_row, follow)
 
 
-def _reserve(spec: Speculative, seqs: list[Sequence], shape: TreeShape, cycles: int) -> bool:
-    """KV slots for what `cycles` cycles of `shape` may write, for every sequence (False: the
-    cache ran out; what was reserved goes back at commit, which the core trims)."""
+def _cycles(
+    spec: Speculative, seqs: list[Sequence], made: list[int], shape: TreeShape, most: int
+) -> int:
+    """The cycles of a burst of `shape` (at most `most`) for `seqs` once each has `made` more
+    tokens: no more than the longest of them needs, none that would pass a context's end."""
+    pairs = list(zip(seqs, made, strict=True))
+    left = max(s.params.max_tokens - s.num_output_tokens - m for s, m in pairs)
+    room = min(spec.engine.max_model_len - s.num_tokens - m for s, m in pairs)
+    return min(most, -(-left // shape.advance), (room - shape.span) // shape.advance)
+
+
+def _reserve(
+    spec: Speculative, seqs: list[Sequence], shape: TreeShape, cycles: int, made: list[int]
+) -> bool:
+    """KV slots for what `cycles` cycles of `shape` may write, for every sequence once it has
+    `made` more tokens (False: the cache ran out; what was reserved goes back at the next
+    commit, which the core trims)."""
     try:
-        for seq in seqs:
-            spec.engine.cache.reserve(seq, seq.num_cached + reach(shape, cycles))
+        for seq, m in zip(seqs, made, strict=True):
+            spec.engine.cache.reserve(seq, seq.num_cached + m + reach(shape, cycles))
     except OutOfBlocks:
         return False
+    return True
+
+
+def _launch_ahead(
+    spec: Speculative, seqs: list[Sequence], shape: TreeShape, tokens: list[list[int]], most: int
+) -> bool:
+    """At a burst's commit, the batch's next burst of the same shape (`Ahead`), launched now
+    unless a sequence ends with its `tokens` (its max_tokens, a stop token or EOS), was aborted,
+    or switches to plain decoding (its epoch), or the next burst would not fit."""
+    eagle = spec.eagle
+    assert eagle is not None and eagle.cycles is not None
+    if not most or not eagle.cycles.ahead or any(map(spec.plain_epoch, seqs)):
+        return False
+    eos, pairs = spec.engine.eos_ids, zip(seqs, tokens, strict=True)
+    if any(s.status is Status.FINISHED or _ends(s, t, eos) for s, t in pairs):
+        return False
+    made = [len(t) for t in tokens]
+    starts = [s.num_cached + m for s, m in zip(seqs, made, strict=True)]
+    cycles = _cycles(spec, seqs, made, shape, most)
+    if cycles < 1 or not eagle.cycles.fits(seqs, cycles, shape, starts):
+        return False
+    if not _reserve(spec, seqs, shape, cycles, made):
+        return False
+    tables = [list(s.block_table) for s in seqs]
+    result = eagle.cycles.resume(seqs, shape, cycles)
+    spec.ahead = Ahead(seqs, shape, cycles, starts, tables, result)
     return True
 
 
@@ -169,14 +248,16 @@ class _EagleBurst(Burst):
         result: CycleResult,
         timed: bool,
         in_a_row: bool,
+        follow: int,
     ) -> None:
         self.spec, self.seqs, self.states, self.shape = spec, seqs, states, shape
         self.result, self.timed, self.in_a_row = result, timed, in_a_row
+        self.follow = follow  # the most cycles of a burst launched at its commit (0: none)
 
     def commits(self, since: float) -> list[Commit]:
         spec, depth, policy = self.spec, self.shape.depth, self.spec.policy
         assert spec.eagle is not None
-        out = []
+        out, tokens = [], []
         per_seq = self.result.per_sequence()
         cycles = len(per_seq[0]) if per_seq else 0
         if cycles and self.timed:
@@ -185,24 +266,26 @@ class _EagleBurst(Burst):
             spec.loop.measured(len(self.seqs), self.shape, cycles, spent, made, policy.seen.steps)
         policy.stepped(cycles)
         for i, (seq, st, cycles) in enumerate(zip(self.seqs, self.states, per_seq, strict=True)):
-            tokens = [t for cycle in cycles for t in cycle]
+            made = [t for cycle in cycles for t in cycle]
+            tokens.append(made)
             if seq.status is Status.FINISHED:  # aborted meanwhile: released, nothing to count
                 out.append(Commit([], []))
                 continue
             for cycle in cycles[: _cycles_kept(seq, cycles, spec.engine.eos_ids)]:
                 spec.record(seq, st, depth, len(cycle) - 1)
-            spec.eagle.burst_done(seq, len(tokens), self.result.roots[i])
+            spec.eagle.burst_done(seq, len(made), self.result.roots[i])
             out.append(
                 Commit(
-                    tokens,
-                    [None] * len(tokens),
-                    kv_keep=len(tokens) - 1,
+                    made,
+                    [None] * len(made),
+                    kv_keep=len(made) - 1,
                     forward_passes=len(cycles),
                     per_pass=[len(c) for c in cycles],
                 )
             )
         spec.committed()
         spec.measure(self.seqs, out, None)
+        self.followed = _launch_ahead(spec, self.seqs, self.shape, tokens, self.follow)
         return out
 
 
@@ -213,7 +296,7 @@ def _cycles_kept(seq: Sequence, cycles: list[list[int]], eos_ids: set[int]) -> i
     string's end is the core's to find)."""
     p = seq.params
     made = seq.num_output_tokens
-    stops = set(p.stop_token_ids) if p.ignore_eos else eos_ids.union(p.stop_token_ids)
+    stops = _stops(seq, eos_ids)
     for i, cycle in enumerate(cycles):
         if made >= p.max_tokens:
             return i
@@ -222,3 +305,18 @@ def _cycles_kept(seq: Sequence, cycles: list[list[int]], eos_ids: set[int]) -> i
             if token in stops and made >= p.min_tokens:
                 return i + 1
     return len(cycles)
+
+
+def _ends(seq: Sequence, tokens: list[int], eos_ids: set[int]) -> bool:
+    """Does `seq` end with `tokens` (its max_tokens, or a stop token or EOS it stops at)?"""
+    p, stops = seq.params, _stops(seq, eos_ids)
+    made = seq.num_output_tokens + len(tokens)
+    if made >= p.max_tokens:
+        return True
+    first = seq.num_output_tokens + 1  # the count of output tokens with tokens[0]
+    return any(t in stops and first + i >= p.min_tokens for i, t in enumerate(tokens))
+
+
+def _stops(seq: Sequence, eos_ids: set[int]) -> set[int]:
+    p = seq.params
+    return set(p.stop_token_ids) if p.ignore_eos else eos_ids.union(p.stop_token_ids)

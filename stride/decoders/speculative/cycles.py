@@ -104,6 +104,9 @@ class EagleCycles:
         self.block_size = runner.cache.block_size
         device = runner.cache.k.device
         self.graphs = runner.graphs is not None
+        # launch a batch's next burst at its commit, before the host's work (`bursts.Ahead`):
+        # where cycles are graphs, whose replays the host work between bursts would leave idle
+        self.ahead = self.graphs
         self.head_forward = FusedHead(self.head) if self.graphs and FusedHead.supported(
             self.head) else self.head  # fmt: skip
         self.draft_ids = self.head.draft_ids
@@ -126,13 +129,15 @@ class EagleCycles:
         self._constants: dict[tuple[int, TreeShape], Fixed] = {}
         self._pool = None
 
-    def fits(self, seqs, cycles: int, shape: TreeShape) -> bool:
-        """Can a burst of these sequences run here (batch, depth, cycles, graph width)?"""
+    def fits(self, seqs, cycles: int, shape: TreeShape, starts: list[int] | None = None) -> bool:
+        """Can a burst of these sequences run here (batch, depth, cycles, graph width), from
+        their cached lengths or `starts`?"""
         if len(seqs) > BUCKETS[-1] or shape.depth > self.max_depth or cycles > self.max_cycles:
             return False
         if not self.graphs:
             return True
-        blocks = -(-(max(s.num_cached for s in seqs) + reach(shape, cycles)) // self.block_size)
+        start = max(s.num_cached for s in seqs) if starts is None else max(starts)
+        blocks = -(-(start + reach(shape, cycles)) // self.block_size)
         return blocks <= self.tables.shape[1]
 
     def warm(self, batch: int, shape: TreeShape) -> bool:
@@ -142,20 +147,14 @@ class EagleCycles:
     def run(self, seqs, roots: torch.Tensor, shape: TreeShape, cycles: int) -> CycleResult:
         """`cycles` cycles of `shape` for `seqs` (each with KV slots reserved for
         `num_cached + reach(shape, cycles)` tokens), from their roots `g` [B, H]."""
-        n, device = len(seqs), self.base.device
+        n = len(seqs)
         bucket = next(b for b in BUCKETS if b >= n)
         graph = self._graph(bucket, shape) if self.graphs else None  # (captured before packing)
-        width = max(len(s.block_table) for s in seqs)
-        if not self.graphs and self.tables.shape[1] < width:
-            self.tables = torch.zeros(len(self.tables), width, dtype=torch.int32, device=device)
-        tables = torch.zeros(bucket, self.tables.shape[1], dtype=torch.int32)
-        for i, s in enumerate(seqs):
-            tables[i, : len(s.block_table)] = torch.tensor(s.block_table, dtype=torch.int32)
+        self._copy_tables(seqs, bucket)
         base = torch.ones(bucket, dtype=torch.long)  # padding rows: block 0, never handed out
         base[:n] = torch.tensor([s.num_cached for s in seqs])
         tail = torch.zeros(bucket, dtype=torch.long)
         tail[:n] = torch.tensor([s.token_ids[-1] for s in seqs])
-        self.tables[:bucket].copy_(tables, non_blocking=True)
         self.base[:bucket].copy_(base, non_blocking=True)
         self.tail[:bucket].copy_(tail, non_blocking=True)
         self.g[:bucket].zero_()
@@ -166,8 +165,37 @@ class EagleCycles:
             bases[:, :n] = [counter.bases([s.seed for s in seqs], st) for st in STREAMS]
             self.floats[:bucket].copy_(torch.tensor(rows, dtype=torch.float32), non_blocking=True)
             self.bases[:, :bucket].copy_(torch.from_numpy(bases), non_blocking=True)
+        return self._replay(n, bucket, shape, cycles, graph)
+
+    def resume(self, seqs, shape: TreeShape, cycles: int) -> CycleResult:
+        """`cycles` more cycles of `shape` for the sequences of the last `run` or `resume`, in
+        the same order, from where those left them on the device (positions, last tokens,
+        roots, sampling rows), without waiting for their tokens: what a burst launched ahead
+        runs (`bursts.Ahead`). Each sequence needs KV slots for `reach(shape, cycles)` tokens
+        past the cached length the last cycles leave it."""
+        n = len(seqs)
+        bucket = next(b for b in BUCKETS if b >= n)
+        graph = self._graph(bucket, shape) if self.graphs else None
+        self._copy_tables(seqs, bucket)  # (with the blocks reserved since)
+        return self._replay(n, bucket, shape, cycles, graph)
+
+    def _copy_tables(self, seqs, bucket: int) -> None:
+        """The sequences' block tables to the device (rows past them: block 0, never handed out;
+        copied in stream order, after any cycles still reading them)."""
+        width = max(len(s.block_table) for s in seqs)
+        if not self.graphs and self.tables.shape[1] < width:
+            self.tables = torch.zeros(len(self.tables), width, dtype=torch.int32,
+                                      device=self.base.device)  # fmt: skip
+        tables = torch.zeros(bucket, self.tables.shape[1], dtype=torch.int32)
+        for i, s in enumerate(seqs):
+            tables[i, : len(s.block_table)] = torch.tensor(s.block_table, dtype=torch.int32)
+        self.tables[:bucket].copy_(tables, non_blocking=True)
+
+    def _replay(self, n: int, bucket: int, shape: TreeShape, cycles: int, graph) -> CycleResult:
+        """Run `cycles` cycles from the state on the device; their tokens start on their way to
+        the host."""
         self.cycle.zero_()
-        cuda = device.type == "cuda"
+        cuda = self.base.device.type == "cuda"
         if cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()

@@ -59,7 +59,7 @@ from stride.decoders.base import (
 )
 from stride.decoders.catalog import EAGLE, EARLY_EXIT, NGRAM, SPECULATIVE
 from stride.decoders.payoff import Payoff
-from stride.decoders.speculative.bursts import batch_menu, runnable, start_burst
+from stride.decoders.speculative.bursts import Ahead, batch_menu, runnable, start_burst
 from stride.decoders.speculative.cycles import BUCKETS
 from stride.decoders.speculative.drafters import (
     Draft,
@@ -109,6 +109,7 @@ class Speculative(Decoder):
         cycles = self.eagle.cycles if self.eagle else None
         self.device_loop = cycles is not None and cycles.graphs
         self.loop = LoopPolicy(BUCKETS[-1], cycles.max_cycles if cycles else 0)
+        self.ahead: Ahead | None = None  # the loop's burst launched at the last one's commit
         self.drafters: dict[tuple, Drafter] = {}  # ngram and early-exit drafters by settings
 
     @classmethod
