@@ -173,11 +173,13 @@ class StepContext:
     time of the launch being committed, from the end of the launch before it (the host's work
     in between, the step's own proposals and launch, then the device: what the launch costs
     whether or not it overlapped), for the policies that price steps by measurement; None where
-    the launch is no measure of its decode steps (it held prefill rows)."""
+    the launch is no measure of its decode steps (it held prefill rows). `waiting`: requests
+    wait to be admitted this step (a burst's commit then launches no burst ahead: `Burst`)."""
 
     eos_ids: set[int]
     device: torch.device
     timing: float | None = None
+    waiting: bool = False
 
 
 def plain_commits(scored: Scored) -> list[Commit]:
@@ -281,7 +283,10 @@ class Burst:
     """Passes a decoder started on the device (`Decoder.burst`)."""
 
     # Set by `commits`: the decoder launched its sequences' next burst at this one's commit,
-    # into the KV slots reserved past their tokens, which the core then keeps.
+    # into the KV slots reserved past their tokens, which the core then keeps; and the next
+    # step admits nobody, so that the burst in flight is that step's (requests that arrive
+    # meanwhile wait for it either way: it holds the device). Never while requests wait
+    # (`StepContext.waiting`), so an arrival waits one burst at most.
     followed: bool = False
 
     def commits(self, since: float) -> list[Commit]:

@@ -106,6 +106,7 @@ class EngineCore:
         self._detok: dict[str, Detokenizer] = {}
         self._grouped: dict[str, Sequence] = {}  # sequences that a model group runs
         self._num_deadlines = 0  # sequences in flight with a deadline
+        self._followed = False  # the last step's burst launched the next one (`Burst.followed`)
         self._in_flight: Counter[str] = Counter()  # sequences in flight, by decoder
         self._timelines: dict[str, Timeline] = {}  # of the traced requests in flight
         self._failed: list[RequestOutput] = []  # failed requests' outputs, out with the step's
@@ -193,7 +194,8 @@ class EngineCore:
     def step(self) -> list[RequestOutput]:
         """Schedule, propose, run, apply (see the module docstring)."""
         outputs = self._expire_deadlines() + self._step_groups()
-        plan = self.scheduler.schedule(self.decoders)
+        self.decoders.ctx.waiting = bool(self.scheduler.waiting)
+        plan = self.scheduler.schedule(self.decoders, admit=not self._followed)
         self._note_plan(plan)
         batch = self.decoders.propose(plan.items, alone=self._alone)
         # (finishing a loop adds to its load)
@@ -203,8 +205,9 @@ class EngineCore:
 
     @property
     def _alone(self) -> bool:
-        """Nobody waits to be scheduled and no model group runs beside the target."""
-        return not self.scheduler.waiting and not self._grouped
+        """Nobody waits to be scheduled (or those who do wait for the burst launched ahead:
+        `Burst.followed`) and no model group runs beside the target."""
+        return (self._followed or not self.scheduler.waiting) and not self._grouped
 
     def _note_plan(self, plan: Plan) -> None:
         """When each sequence was first scheduled, and the traced ones' preemptions."""
@@ -225,9 +228,11 @@ class EngineCore:
             self._apply_result(result, out)
             applied.append(result)
         cache = self.engine.cache
+        self._followed = False
         for result in applied:  # once all are in: an earlier result's trim would drop the slots
             burst = result.batch.burst  # of a later one's tokens (or of a burst launched ahead)
             if burst is not None and burst.followed:
+                self._followed = True  # (the next step runs the burst launched ahead: `Burst`)
                 continue
             for item in result.batch.plan:  # (the slots of rejected drafts go back)
                 if (item.extra or burst) and item.seq.status is Status.RUNNING:

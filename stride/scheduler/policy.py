@@ -96,8 +96,9 @@ class Scheduler:
         self.cache.free(seq)
         seq.status = Status.FINISHED
 
-    def schedule(self, decoders: Decoders) -> Plan:
-        """Pick this step's work; `decoders` says what each sequence's decoder adds.
+    def schedule(self, decoders: Decoders, admit: bool = True) -> Plan:
+        """Pick this step's work; `decoders` says what each sequence's decoder adds; waiting
+        sequences join only if `admit`.
 
         A sequence with pending tokens (a launch still in flight samples them) runs as a fed
         row: one plain step from its last pending token, as its decoder promised. It is never
@@ -147,7 +148,7 @@ class Scheduler:
 
         pending: set[bytes] | None = None  # blocks that running prefills compute, when needed
         i = 0
-        while i < len(self.waiting) and budget > 0 and len(plan) < max_seqs:
+        while admit and i < len(self.waiting) and budget > 0 and len(plan) < max_seqs:
             seq = self.waiting[i]
             caching = self.cache.prefix_caching and not seq.wants_prompt_rows
             if caching:

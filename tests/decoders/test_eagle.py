@@ -390,9 +390,10 @@ def test_bursts_launched_at_the_commit_before_decode_exactly(
     eagle_target, eagle_head, eagle_ref, monkeypatch
 ):
     """A burst's commit launches the batch's next burst from the device state (on a GPU, so
-    that the host's work runs meanwhile; forced on here): adopted when the next step would run
-    it, dropped when it would not (a request ends, one arrives, a preemption), and the tokens
-    are what they are without it, greedy and seeded sampled, the KV blocks all given back."""
+    that the host's work runs meanwhile; forced on here): the next step runs it (a request that
+    arrives meanwhile waits for it), or drops it where it would run another (an abort), and the
+    tokens are what they are without it, greedy and seeded sampled, under preemption too, the
+    KV blocks all given back."""
     adopted: list[bool] = []
     continues = Ahead.continues
 
@@ -413,7 +414,7 @@ def test_bursts_launched_at_the_commit_before_decode_exactly(
     late = [GenerateRequest("late", PROMPTS[1], greedy(20), "speculative", CHAIN)]
     ahead = core()
     tokens, _ = run(ahead, requests, late)
-    assert any(adopted) and not all(adopted)
+    assert adopted and all(adopted)  # (the late request waits for the burst in flight)
     assert all(tokens[str(i)] == eagle_ref[i][:n] for i, n in enumerate(lengths))
     assert tokens["late"] == eagle_ref[1][:20]
     assert free(ahead)
@@ -423,6 +424,20 @@ def test_bursts_launched_at_the_commit_before_decode_exactly(
     assert cramped.preempted
     assert all(tokens[str(i)] == eagle_ref[i] for i in range(len(PROMPTS)))
     assert free(cramped)
+
+    adopted.clear()  # an abort while a burst is launched ahead: it is dropped, not adopted
+    aborting = core()
+    for r in requests:
+        aborting.add(replace(r, params=greedy(24)))
+    made: dict[str, list[int]] = {}
+    while aborting.has_work:
+        if adopted and "0" in aborting.seqs:
+            aborting.abort("0")
+        for out in aborting.step():
+            made.setdefault(out.request_id, []).extend(out.token_ids)
+    assert False in adopted
+    assert all(made[str(i)] == eagle_ref[i] for i in range(1, len(PROMPTS)))
+    assert free(aborting)
 
     sampled = SamplingParams(max_tokens=24, temperature=0.9, top_p=0.95, seed=7, ignore_eos=True)
     requests = [GenerateRequest(str(i), p, replace(sampled, seed=i), "speculative", CHAIN)

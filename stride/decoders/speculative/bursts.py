@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from stride.decoders import sampling
-from stride.decoders.base import Burst, Commit
+from stride.decoders.base import Burst, Commit, StepContext
 from stride.decoders.catalog import EAGLE
 from stride.decoders.speculative.cycles import CycleResult
 from stride.decoders.speculative.device_tree import TreeShape
@@ -142,7 +142,9 @@ class Ahead:
         )
 
 
-def start_burst(spec: Speculative, seqs: list[Sequence], passes: int) -> Burst | None:
+def start_burst(
+    spec: Speculative, seqs: list[Sequence], passes: int, ctx: StepContext
+) -> Burst | None:
     """Cycles on the device for `seqs`, when every one drafts the same chain or tree shape with
     the head this step (adaptive requests: the loop policy's choice for all) and the loop can
     run them all (`runnable`); None: the step runs as usual. The burst launched ahead at the
@@ -171,7 +173,7 @@ def start_burst(spec: Speculative, seqs: list[Sequence], passes: int) -> Burst |
     follow = most if choice.cycles == eagle.cycles.max_cycles else 0
     if ahead is not None and ahead.continues(seqs, shape, cycles):
         spec.plans = StepPlans()
-        return _EagleBurst(spec, seqs, states, shape, ahead.result, True, True, follow)
+        return _EagleBurst(spec, seqs, states, shape, ahead.result, True, True, follow, ctx)
     fits = cycles >= 1 and eagle.cycles.fits(seqs, cycles, shape)
     if not fits or not _reserve(spec, seqs, shape, cycles, made):
         if adaptive:
@@ -182,7 +184,7 @@ def start_burst(spec: Speculative, seqs: list[Sequence], passes: int) -> Burst |
     timed = eagle.cycles.warm(len(seqs), shape)
     in_a_row = all(eagle.caught_up(s) for s in seqs)  # (before this burst catches up)
     result = eagle.burst(seqs, shape, cycles)
-    return _EagleBurst(spec, seqs, states, shape, result, timed, in_a_row, follow)
+    return _EagleBurst(spec, seqs, states, shape, result, timed, in_a_row, follow, ctx)
 
 
 def _cycles(
@@ -215,7 +217,8 @@ def _launch_ahead(
 ) -> bool:
     """At a burst's commit, the batch's next burst of the same shape (`Ahead`), launched now
     unless a sequence ends with its `tokens` (its max_tokens, a stop token or EOS), was aborted,
-    or switches to plain decoding (its epoch), or the next burst would not fit."""
+    or switches to plain decoding (its epoch), or the next burst would not fit. (Not while
+    requests wait: `_EagleBurst.commits`.)"""
     eagle = spec.eagle
     assert eagle is not None and eagle.cycles is not None
     if not most or not eagle.cycles.ahead or any(map(spec.plain_epoch, seqs)):
@@ -249,10 +252,12 @@ class _EagleBurst(Burst):
         timed: bool,
         in_a_row: bool,
         follow: int,
+        ctx: StepContext,
     ) -> None:
         self.spec, self.seqs, self.states, self.shape = spec, seqs, states, shape
         self.result, self.timed, self.in_a_row = result, timed, in_a_row
         self.follow = follow  # the most cycles of a burst launched at its commit (0: none)
+        self.ctx = ctx
 
     def commits(self, since: float) -> list[Commit]:
         spec, depth, policy = self.spec, self.shape.depth, self.spec.policy
@@ -285,7 +290,9 @@ class _EagleBurst(Burst):
             )
         spec.committed()
         spec.measure(self.seqs, out, None)
-        self.followed = _launch_ahead(spec, self.seqs, self.shape, tokens, self.follow)
+        # (while requests wait, the next step admits them: no burst of these sequences then)
+        follow = 0 if self.ctx.waiting else self.follow
+        self.followed = _launch_ahead(spec, self.seqs, self.shape, tokens, follow)
         return out
 
 

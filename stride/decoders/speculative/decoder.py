@@ -419,7 +419,7 @@ class Speculative(Decoder):
 
     def burst(self, seqs: list[Sequence], passes: int, ctx: StepContext) -> Burst | None:
         """EAGLE's greedy chains and trees, several cycles per host sync (`bursts`)."""
-        return start_burst(self, seqs, passes)
+        return start_burst(self, seqs, passes, ctx)
 
 
 def _within_grammar(seq: Sequence, state: SeqState, draft: Draft) -> Draft:
