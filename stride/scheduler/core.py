@@ -9,6 +9,8 @@
 and feeds it through queues. Every admitted request leaves through exactly one terminal output.
 The executor may keep one launch in flight across steps (plain steps sampled on the device):
 then a step applies the launch before its own, and its fed rows continue from the pending tokens.
+A decoder's burst may launch its sequences' next one at its commit (`Burst.followed`): then the
+next step admits no waiting request, so that it runs that burst.
 
 Fault isolation: one request's failure is that request's error (`internal_error`), never the
 engine's. Work done per sequence (admission, applying a commit, detokenizing, finishing) fails
