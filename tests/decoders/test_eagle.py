@@ -390,15 +390,17 @@ def test_bursts_launched_at_the_commit_before_decode_exactly(
     eagle_target, eagle_head, eagle_ref, monkeypatch
 ):
     """A burst's commit launches the batch's next burst from the device state (on a GPU, so
-    that the host's work runs meanwhile; forced on here): the next step runs it (a request that
-    arrives meanwhile waits for it), or drops it where it would run another (an abort), and the
-    tokens are what they are without it, greedy and seeded sampled, under preemption too, the
-    KV blocks all given back."""
+    that the host's work runs meanwhile; forced on here), for the sequences that do not end
+    there: the next step runs it (a request that arrives meanwhile waits for it), or drops it
+    where it would run another (an abort), and the tokens are what they are without it, greedy
+    and seeded sampled, under preemption too, the KV blocks all given back."""
     adopted: list[bool] = []
+    after_an_end: list[bool] = []  # adopted, with the row of a sequence that ended
     continues = Ahead.continues
 
     def noted(self, *args):
         adopted.append(continues(self, *args))
+        after_an_end.append(adopted[-1] and None in self.rows)
         return adopted[-1]
 
     monkeypatch.setattr(Ahead, "continues", noted)
@@ -415,9 +417,18 @@ def test_bursts_launched_at_the_commit_before_decode_exactly(
     ahead = core()
     tokens, _ = run(ahead, requests, late)
     assert adopted and all(adopted)  # (the late request waits for the burst in flight)
+    assert any(after_an_end)  # (the others go on where one ended)
     assert all(tokens[str(i)] == eagle_ref[i][:n] for i, n in enumerate(lengths))
     assert tokens["late"] == eagle_ref[1][:20]
     assert free(ahead)
+
+    # the longest context ends first: its row, left behind on block 0, stays within the tables
+    lengths = [4, 60, 60, 60]
+    prompts = [list(range(30, 150))] + PROMPTS[:3]
+    long = [GenerateRequest(str(i), p, greedy(n), "speculative", CHAIN)
+            for i, (p, n) in enumerate(zip(prompts, lengths, strict=True))]  # fmt: skip
+    tokens, _ = run(core(), long)
+    assert tokens == run(core(ahead=False), [replace(r) for r in long])[0]
 
     cramped = core(kv_bytes=7 * 16384)  # 6 usable blocks of 16 tokens: preemptions
     tokens, _ = run(cramped, [replace(r, params=greedy(24)) for r in requests])

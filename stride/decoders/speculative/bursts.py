@@ -116,29 +116,34 @@ def _loop_choice(spec: Speculative, seqs: list[Sequence]) -> Choice | None:
     return spec.loop.choose(batch, shapes, policy.plain_seconds(batch), policy.seen.steps)
 
 
+Rows = list[Sequence | None]  # a burst's rows on the device: None where a sequence ended
+
+
 @dataclass
 class Ahead:
-    """A burst launched at the commit of the one before, for the same sequences in the same
-    shape (`_launch_ahead`). The next step adopts it if it would start that very burst: the
-    same sequences, still at the cached lengths and on the blocks it was launched for, in the
-    same shape and cycles. Otherwise it is dropped: its cycles wrote only past its sequences'
-    cached tokens, into slots that whatever runs next overwrites in stream order. (The slots
-    reserved for it stay with their sequences until a burst's or a drafting step's commit
-    trims them.)"""
+    """A burst launched at the commit of the one before, in the same shape and on the same
+    device rows, for those of its sequences that did not end there (`_launch_ahead`; an ended
+    one's row runs on block 0, which is never handed out). The next step adopts it if it would
+    start that very burst: the same sequences, still at the cached lengths and on the blocks it
+    was launched for, in the same shape and cycles. Otherwise it is dropped: its cycles wrote
+    only past its sequences' cached tokens, into slots that whatever runs next overwrites in
+    stream order. (The slots reserved for it stay with their sequences until a burst's or a
+    drafting step's commit trims them.)"""
 
-    seqs: list[Sequence]
+    rows: Rows
     shape: TreeShape
     cycles: int
-    starts: list[int]  # each sequence's cached length after the commit it was launched at
+    starts: list[int]  # each live row's cached length after the commit it was launched at
     tables: list[list[int]]  # and its block table
     result: CycleResult
 
     def continues(self, seqs: list[Sequence], shape: TreeShape, cycles: int) -> bool:
-        if shape != self.shape or cycles != self.cycles or len(seqs) != len(self.seqs):
+        live = [s for s in self.rows if s is not None]
+        if shape != self.shape or cycles != self.cycles or len(seqs) != len(live):
             return False
         return all(
             a is b and a.num_cached == n and a.block_table == t
-            for a, b, n, t in zip(seqs, self.seqs, self.starts, self.tables, strict=True)
+            for a, b, n, t in zip(seqs, live, self.starts, self.tables, strict=True)
         )
 
 
@@ -173,7 +178,9 @@ def start_burst(
     follow = most if choice.cycles == eagle.cycles.max_cycles else 0
     if ahead is not None and ahead.continues(seqs, shape, cycles):
         spec.plans = StepPlans()
-        return _EagleBurst(spec, seqs, states, shape, ahead.result, True, True, follow, ctx)
+        burst = _EagleBurst(spec, seqs, states, shape, ahead.result, True, True, follow, ctx)
+        burst.rows = ahead.rows
+        return burst
     fits = cycles >= 1 and eagle.cycles.fits(seqs, cycles, shape)
     if not fits or not _reserve(spec, seqs, shape, cycles, made):
         if adaptive:
@@ -213,20 +220,24 @@ def _reserve(
 
 
 def _launch_ahead(
-    spec: Speculative, seqs: list[Sequence], shape: TreeShape, tokens: list[list[int]], most: int
+    spec: Speculative, rows: Rows, shape: TreeShape, tokens: dict[int, list[int]], most: int
 ) -> bool:
-    """At a burst's commit, the batch's next burst of the same shape (`Ahead`), launched now
-    unless a sequence ends with its `tokens` (its max_tokens, a stop token or EOS), was aborted,
-    or switches to plain decoding (its epoch), or the next burst would not fit. (Not while
-    requests wait: `_EagleBurst.commits`.)"""
+    """At a burst's commit, the next burst of the same shape on the same rows (`Ahead`), for
+    the sequences that do not end with their `tokens` (by row: their max_tokens, a stop token
+    or EOS) and were not aborted; launched now unless none is left, one switches to plain
+    decoding (its epoch), or the next burst would not fit. (Not while requests wait:
+    `_EagleBurst.commits`.)"""
     eagle = spec.eagle
     assert eagle is not None and eagle.cycles is not None
-    if not most or not eagle.cycles.ahead or any(map(spec.plain_epoch, seqs)):
+    eos = spec.engine.eos_ids
+    rows = [
+        None if s is None or s.status is Status.FINISHED or _ends(s, tokens[r], eos) else s
+        for r, s in enumerate(rows)
+    ]
+    seqs = [s for s in rows if s is not None]
+    if not most or not seqs or not eagle.cycles.ahead or any(map(spec.plain_epoch, seqs)):
         return False
-    eos, pairs = spec.engine.eos_ids, zip(seqs, tokens, strict=True)
-    if any(s.status is Status.FINISHED or _ends(s, t, eos) for s, t in pairs):
-        return False
-    made = [len(t) for t in tokens]
+    made = [len(tokens[r]) for r, s in enumerate(rows) if s is not None]
     starts = [s.num_cached + m for s, m in zip(seqs, made, strict=True)]
     cycles = _cycles(spec, seqs, made, shape, most)
     if cycles < 1 or not eagle.cycles.fits(seqs, cycles, shape, starts):
@@ -234,8 +245,8 @@ def _launch_ahead(
     if not _reserve(spec, seqs, shape, cycles, made):
         return False
     tables = [list(s.block_table) for s in seqs]
-    result = eagle.cycles.resume(seqs, shape, cycles)
-    spec.ahead = Ahead(seqs, shape, cycles, starts, tables, result)
+    result = eagle.cycles.resume(rows, shape, cycles)
+    spec.ahead = Ahead(rows, shape, cycles, starts, tables, result)
     return True
 
 
@@ -258,27 +269,30 @@ class _EagleBurst(Burst):
         self.result, self.timed, self.in_a_row = result, timed, in_a_row
         self.follow = follow  # the most cycles of a burst launched at its commit (0: none)
         self.ctx = ctx
+        self.rows: Rows = list(seqs)  # the result's rows (a burst launched ahead: `Ahead.rows`)
 
     def commits(self, since: float) -> list[Commit]:
         spec, depth, policy = self.spec, self.shape.depth, self.spec.policy
         assert spec.eagle is not None
-        out, tokens = [], []
-        per_seq = self.result.per_sequence()
+        out, tokens = [], {}
+        per_row = self.result.per_sequence()
+        at = {id(s): r for r, s in enumerate(self.rows) if s is not None}
+        index = [at[id(s)] for s in self.seqs]
+        per_seq = [per_row[r] for r in index]
         cycles = len(per_seq[0]) if per_seq else 0
         if cycles and self.timed:
             made = sum(len(c) for cycles_of in per_seq for c in cycles_of)
             spent = Spent(time.perf_counter() - since, self.result.cycle_seconds(), self.in_a_row)
             spec.loop.measured(len(self.seqs), self.shape, cycles, spent, made, policy.seen.steps)
         policy.stepped(cycles)
-        for i, (seq, st, cycles) in enumerate(zip(self.seqs, self.states, per_seq, strict=True)):
-            made = [t for cycle in cycles for t in cycle]
-            tokens.append(made)
+        for r, seq, st, cycles in zip(index, self.seqs, self.states, per_seq, strict=True):
+            made = tokens[r] = [t for cycle in cycles for t in cycle]
             if seq.status is Status.FINISHED:  # aborted meanwhile: released, nothing to count
                 out.append(Commit([], []))
                 continue
             for cycle in cycles[: _cycles_kept(seq, cycles, spec.engine.eos_ids)]:
                 spec.record(seq, st, depth, len(cycle) - 1)
-            spec.eagle.burst_done(seq, len(made), self.result.roots[i])
+            spec.eagle.burst_done(seq, len(made), self.result.roots[r])
             out.append(
                 Commit(
                     made,
@@ -292,7 +306,7 @@ class _EagleBurst(Burst):
         spec.measure(self.seqs, out, None)
         # (while requests wait, the next step admits them: no burst of these sequences then)
         follow = 0 if self.ctx.waiting else self.follow
-        self.followed = _launch_ahead(spec, self.seqs, self.shape, tokens, follow)
+        self.followed = _launch_ahead(spec, self.rows, self.shape, tokens, follow)
         return out
 
 

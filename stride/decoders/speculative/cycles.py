@@ -167,28 +167,33 @@ class EagleCycles:
             self.bases[:, :bucket].copy_(torch.from_numpy(bases), non_blocking=True)
         return self._replay(n, bucket, shape, cycles, graph)
 
-    def resume(self, seqs, shape: TreeShape, cycles: int) -> CycleResult:
-        """`cycles` more cycles of `shape` for the sequences of the last `run` or `resume`, in
-        the same order, from where those left them on the device (positions, last tokens,
-        roots, sampling rows), without waiting for their tokens: what a burst launched ahead
-        runs (`bursts.Ahead`). Each sequence needs KV slots for `reach(shape, cycles)` tokens
-        past the cached length the last cycles leave it."""
-        n = len(seqs)
+    def resume(self, rows, shape: TreeShape, cycles: int) -> CycleResult:
+        """`cycles` more cycles of `shape` on the rows of the last `run` or `resume` (`rows`:
+        their sequences in the same order, None for one that ended: its row runs on block 0,
+        which is never handed out), from where those left them on the device (positions, last
+        tokens, roots, sampling rows), without waiting for their tokens: what a burst launched
+        ahead runs (`bursts.Ahead`). Each sequence needs KV slots for `reach(shape, cycles)`
+        tokens past the cached length the last cycles leave it."""
+        n = len(rows)
         bucket = next(b for b in BUCKETS if b >= n)
         graph = self._graph(bucket, shape) if self.graphs else None
-        self._copy_tables(seqs, bucket)  # (with the blocks reserved since)
+        self._copy_tables(rows, bucket)  # (with the blocks reserved since)
+        for r, seq in enumerate(rows):
+            if seq is None:  # (as a padding row: its positions stay within any block table)
+                self.base[r : r + 1].fill_(1)
         return self._replay(n, bucket, shape, cycles, graph)
 
     def _copy_tables(self, seqs, bucket: int) -> None:
-        """The sequences' block tables to the device (rows past them: block 0, never handed out;
-        copied in stream order, after any cycles still reading them)."""
-        width = max(len(s.block_table) for s in seqs)
+        """The sequences' block tables to the device (rows past them, and None's: block 0, never
+        handed out; copied in stream order, after any cycles still reading them)."""
+        width = max(len(s.block_table) for s in seqs if s is not None)
         if not self.graphs and self.tables.shape[1] < width:
             self.tables = torch.zeros(len(self.tables), width, dtype=torch.int32,
                                       device=self.base.device)  # fmt: skip
         tables = torch.zeros(bucket, self.tables.shape[1], dtype=torch.int32)
         for i, s in enumerate(seqs):
-            tables[i, : len(s.block_table)] = torch.tensor(s.block_table, dtype=torch.int32)
+            if s is not None:
+                tables[i, : len(s.block_table)] = torch.tensor(s.block_table, dtype=torch.int32)
         self.tables[:bucket].copy_(tables, non_blocking=True)
 
     def _replay(self, n: int, bucket: int, shape: TreeShape, cycles: int, graph) -> CycleResult:
