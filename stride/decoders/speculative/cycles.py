@@ -178,9 +178,13 @@ class EagleCycles:
         bucket = next(b for b in BUCKETS if b >= n)
         graph = self._graph(bucket, shape) if self.graphs else None
         self._copy_tables(rows, bucket)  # (with the blocks reserved since)
-        for r, seq in enumerate(rows):
-            if seq is None:  # (as a padding row: its positions stay within any block table)
-                self.base[r : r + 1].fill_(1)
+        # Rows of no sequence (ended ones, the bucket's padding) start again where `run` starts
+        # padding rows: every cycle moves a row's positions on, which would otherwise leave the
+        # block tables after enough bursts launched ahead in a row.
+        idle = [r for r, seq in enumerate(rows) if seq is None] + list(range(n, bucket))
+        if idle:
+            at = torch.tensor(idle).to(self.base.device, non_blocking=True)
+            self.base.index_fill_(0, at, 1)
         return self._replay(n, bucket, shape, cycles, graph)
 
     def _copy_tables(self, seqs, bucket: int) -> None:
