@@ -178,9 +178,8 @@ def start_burst(
     follow = most if choice.cycles == eagle.cycles.max_cycles else 0
     if ahead is not None and ahead.continues(seqs, shape, cycles):
         spec.plans = StepPlans()
-        burst = _EagleBurst(spec, seqs, states, shape, ahead.result, True, True, follow, ctx)
-        burst.rows = ahead.rows
-        return burst
+        return _EagleBurst(spec, seqs, states, shape, ahead.result, True, True, follow, ctx,
+                           ahead.rows)  # fmt: skip
     fits = cycles >= 1 and eagle.cycles.fits(seqs, cycles, shape)
     if not fits or not _reserve(spec, seqs, shape, cycles, made):
         if adaptive:
@@ -230,10 +229,11 @@ def _launch_ahead(
     eagle = spec.eagle
     assert eagle is not None and eagle.cycles is not None
     eos = spec.engine.eos_ids
-    rows = [
-        None if s is None or s.status is Status.FINISHED or _ends(s, tokens[r], eos) else s
-        for r, s in enumerate(rows)
-    ]
+
+    def goes_on(r: int, s: Sequence | None) -> bool:
+        return s is not None and s.status is not Status.FINISHED and _end(s, tokens[r], eos) is None
+
+    rows = [s if goes_on(r, s) else None for r, s in enumerate(rows)]
     seqs = [s for s in rows if s is not None]
     if not most or not seqs or not eagle.cycles.ahead or any(map(spec.plain_epoch, seqs)):
         return False
@@ -264,12 +264,13 @@ class _EagleBurst(Burst):
         in_a_row: bool,
         follow: int,
         ctx: StepContext,
+        rows: Rows | None = None,
     ) -> None:
         self.spec, self.seqs, self.states, self.shape = spec, seqs, states, shape
         self.result, self.timed, self.in_a_row = result, timed, in_a_row
         self.follow = follow  # the most cycles of a burst launched at its commit (0: none)
         self.ctx = ctx
-        self.rows: Rows = list(seqs)  # the result's rows (a burst launched ahead: `Ahead.rows`)
+        self.rows: Rows = list(seqs) if rows is None else rows  # the result's (`Ahead.rows`)
 
     def commits(self, since: float) -> list[Commit]:
         spec, depth, policy = self.spec, self.shape.depth, self.spec.policy
@@ -312,32 +313,25 @@ class _EagleBurst(Burst):
 
 def _cycles_kept(seq: Sequence, cycles: list[list[int]], eos_ids: set[int]) -> int:
     """How many of a burst's cycles make tokens that `seq` keeps: those that start before its
-    end (its max_tokens, or a stop token or EOS it stops at, as the core stops it); the cycles
-    after it ran for the batch's other sequences, and count in none of its stats (a stop
-    string's end is the core's to find)."""
+    end (`_end`); the cycles after it ran for the batch's other sequences, and count in none of
+    its stats (a stop string's end is the core's to find)."""
+    end = _end(seq, [t for cycle in cycles for t in cycle], eos_ids)
+    if end is None:
+        return len(cycles)
+    start = kept = 0
+    while kept < len(cycles) and start < end:
+        start += len(cycles[kept])
+        kept += 1
+    return kept
+
+
+def _end(seq: Sequence, tokens: list[int], eos_ids: set[int]) -> int | None:
+    """How many of `tokens`, made after `seq`'s own, it keeps if it ends with them (at its
+    max_tokens, or a stop token or EOS it stops at, as the core stops it); None: it goes on."""
     p = seq.params
-    made = seq.num_output_tokens
-    stops = _stops(seq, eos_ids)
-    for i, cycle in enumerate(cycles):
-        if made >= p.max_tokens:
-            return i
-        for token in cycle:
-            made += 1
-            if token in stops and made >= p.min_tokens:
-                return i + 1
-    return len(cycles)
-
-
-def _ends(seq: Sequence, tokens: list[int], eos_ids: set[int]) -> bool:
-    """Does `seq` end with `tokens` (its max_tokens, or a stop token or EOS it stops at)?"""
-    p, stops = seq.params, _stops(seq, eos_ids)
-    made = seq.num_output_tokens + len(tokens)
-    if made >= p.max_tokens:
-        return True
-    first = seq.num_output_tokens + 1  # the count of output tokens with tokens[0]
-    return any(t in stops and first + i >= p.min_tokens for i, t in enumerate(tokens))
-
-
-def _stops(seq: Sequence, eos_ids: set[int]) -> set[int]:
-    p = seq.params
-    return set(p.stop_token_ids) if p.ignore_eos else eos_ids.union(p.stop_token_ids)
+    stops = set(p.stop_token_ids) if p.ignore_eos else eos_ids.union(p.stop_token_ids)
+    room = max(p.max_tokens - seq.num_output_tokens, 0)
+    for i, token in enumerate(tokens[:room]):
+        if token in stops and seq.num_output_tokens + i + 1 >= p.min_tokens:
+            return i + 1
+    return room if len(tokens) >= room else None
