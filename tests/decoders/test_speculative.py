@@ -582,12 +582,15 @@ def test_a_plain_steps_measured_cost_counts_its_own_forward(tiny_dir, monkeypatc
 def test_drafting_that_loses_on_the_clock_gives_way_to_plain_epochs(tiny_dir):
     """Whatever the policy's cost model says, adaptive requests drafted on the host draft only
     while drafting makes more tokens per second of wall time than plain steps (`payoff`): here
-    each drafting step's commit takes 50 ms more (work the policy does not price), so after the
-    first epochs drafting is only tried now and then; the tokens are `ar`'s, and a request of a
-    fixed K still drafts."""
+    each step of a drafting epoch costs 50 ms more on the payoff's clock (work the policy does
+    not price; every step of the epoch, since whether prompt lookup finds a draft depends on the
+    text), so after the first epochs drafting is only tried now and then; the tokens are `ar`'s,
+    and a request of a fixed K still drafts."""
     core = make(tiny_dir, fused_decode_steps=4)
     dec = core.decoders["speculative"]
-    propose, commit, drafting = dec.propose, dec.commit, []
+    payoff = dec.payoffs[False]  # (the epochs of requests drafted on the host)
+    propose, commit, drafting, extra = dec.propose, dec.commit, [], [0.0]
+    payoff.clock = lambda: time.perf_counter() + extra[0]
 
     def proposed(seqs, ctx):
         out = propose(seqs, ctx)
@@ -595,8 +598,8 @@ def test_drafting_that_loses_on_the_clock_gives_way_to_plain_epochs(tiny_dir):
         return out
 
     def committed(seqs, proposals, scored, ctx):
-        if any(p.tokens for p in proposals):
-            time.sleep(0.05)
+        if payoff.refining:
+            extra[0] += 0.05
         return commit(seqs, proposals, scored, ctx)
 
     dec.propose, dec.commit = proposed, committed
@@ -605,7 +608,6 @@ def test_drafting_that_loses_on_the_clock_gives_way_to_plain_epochs(tiny_dir):
     options = spec("ngram", adaptive=True)
     out, _ = run(core, [GenerateRequest("a", prompt, greedy(400), "speculative", options)])
     assert out == ref
-    payoff = dec.payoffs[False]  # (the epochs of requests drafted on the host)
     assert payoff.epochs >= 3 and payoff.rates[bucket(1)][False] > payoff.rates[bucket(1)][True]
     assert 0 < sum(drafting) <= len(drafting) // 8  # the first epoch, then tries only
     fixed = GenerateRequest("f", prompt, greedy(24), "speculative", spec("ngram"))
