@@ -41,7 +41,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from stride.decoders.speculative.loop_policy import MIN_GAIN, bucket, ema
+from stride.decoders.rates import MIN_GAIN, bucket, ema
 
 EPOCH = 16  # steps per measured epoch
 PROBE = 4  # steps after which a probe of the mode out of favour may end, already losing

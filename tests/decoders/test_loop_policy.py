@@ -12,17 +12,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from stride.decoders.rates import MIN_GAIN, bucket
 from stride.decoders.speculative.device_tree import TreeShape
 from stride.decoders.speculative.eagle import keep_recent
-from stride.decoders.speculative.loop_policy import (
-    DEFAULT_TREE,
-    MIN_GAIN,
-    Choice,
-    LoopPolicy,
-    Spent,
-    bucket,
-    menu,
-)
+from stride.decoders.speculative.loop_policy import DEFAULT_TREE, Choice, LoopPolicy, Spent, menu
 from stride.engine.sequence import SamplingParams
 from stride.scheduler.outputs import GenerateRequest
 from tests.helpers.cores import PROMPTS, alone_then_together, greedy, run

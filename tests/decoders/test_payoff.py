@@ -7,7 +7,7 @@ import pytest
 
 from stride.decoders import payoff
 from stride.decoders.payoff import EPOCH, EXPLORE_EVERY, MAX_WAIT, PROBE, Payoff
-from stride.decoders.speculative.loop_policy import bucket
+from stride.decoders.rates import bucket
 from tests.helpers.cores import run
 from tests.helpers.refine import make_refine_core, reqs
 

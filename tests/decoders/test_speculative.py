@@ -12,10 +12,11 @@ from safetensors.torch import load_file, save_file
 
 from stride.decoders.autoregressive import Autoregressive
 from stride.decoders.base import Proposal, Scored, StepContext
+from stride.decoders.rates import bucket
 from stride.decoders.registry import DecodersConfig, build_decoders
 from stride.decoders.speculative import Speculative
 from stride.decoders.speculative.drafters import Draft, Drafter, NgramDrafter
-from stride.decoders.speculative.loop_policy import StepCosts, Timings, bucket, choose_k
+from stride.decoders.speculative.loop_policy import StepCosts, Timings, choose_k
 from stride.decoders.speculative.policy import AdaptivePolicy, StepPlans
 from stride.decoders.speculative.verify import verify
 from stride.engine.config import EngineConfig

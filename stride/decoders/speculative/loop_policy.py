@@ -1,10 +1,9 @@
 """What speculation pays, priced against plain decoding: the cost model of K drafts, and which
 draft shape EAGLE's device loop runs for a batch of adaptive requests, or none.
 
-Both measure per batch-size bucket (`bucket`) with moving averages of wall times (`ema`), and
-choose speculation only where it beats plain decoding by `MIN_GAIN`; the adaptive K policy
-(`policy`, which measures the model's inputs) and refining's payoff (`payoff`) price with the
-same helpers.
+Both measure per batch-size bucket with moving averages of wall times, and choose speculation
+only where it beats plain decoding by `MIN_GAIN` (`rates`, which the adaptive K policy and
+refining's `payoff` use too).
 
 The cost model. With a_i the chance that draft i passes once drafts 0..i-1 have, K drafts yield
 E(K) = 1 + a_0 + a_0·a_1 + … + a_0·…·a_(K-1) tokens per target pass. A step with K drafts costs
@@ -50,10 +49,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from stride.decoders.rates import MIN_GAIN, bucket, ema
 from stride.decoders.speculative.device_tree import TreeShape
 
 Rates = float | tuple[float, ...]  # acceptance per draft position; a float: the same at each
-MIN_GAIN = 1.05  # speculation must beat plain decoding by this much to be chosen
 
 
 def expected_tokens(alpha: Rates, k: int) -> float:
@@ -120,11 +119,6 @@ def choose_k(alpha: Rates, batch: int, k_max: int, costs: StepCosts) -> int:
     return best_k if best_gain >= MIN_GAIN else 0
 
 
-def bucket(batch: int) -> int:
-    """Batch sizes whose step costs are measured together: 1, 2, 3-4, 5-8, …, 33-64, …"""
-    return (max(batch, 1) - 1).bit_length()
-
-
 @dataclass
 class Timings:
     """Measured step costs at one batch-size bucket."""
@@ -133,11 +127,6 @@ class Timings:
     spec_at: dict[int, float] = field(default_factory=dict)  # StepCosts.spec_at measured
     plain_since_spec: int = 0  # plain steps timed since a drafting step was last timed
     plain_steps: int = 0  # plain steps timed in all
-
-
-def ema(old: float | None, new: float, weight: float = 0.2) -> float:
-    """An exponential moving average: wall times drift, ratios of recent ones stay sensible."""
-    return new if old is None else old + weight * (new - old)
 
 
 # ---- the device loop ----------------------------------------------------------------------------

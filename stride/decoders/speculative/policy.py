@@ -26,7 +26,7 @@ the costs come from sizes: scoring drafts costs what plain decoding does, drafti
 drafter's size says (0 for n-gram, L/layers for early exit, the parameter ratio for a draft model);
 and then a sequence drafts one token at most, so that the smallest draft-scoring pass is the one
 measured first, and larger ones are priced from it. Step costs are measured per batch-size bucket
-(`loop_policy.bucket`), since a draft-scoring step of 64 rows and one of 1 row relate differently
+(`rates.bucket`), since a draft-scoring step of 64 rows and one of 1 row relate differently
 to their plain steps, and within a bucket by the step's tokens per pass (`Timings.spec_at`; a size
 not measured yet is priced from the nearest one measured, `StepCosts.scoring`). Measured from the
 smallest pass up, a dear 4-row pass on a CPU cannot price the cheap 2-row one out of ever being
@@ -67,16 +67,9 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from stride.decoders.base import StepContext
+from stride.decoders.rates import MIN_GAIN, bucket, ema
 from stride.decoders.speculative.drafters import Draft, Drafter
-from stride.decoders.speculative.loop_policy import (
-    MIN_GAIN,
-    Rates,
-    StepCosts,
-    Timings,
-    bucket,
-    choose_k,
-    ema,
-)
+from stride.decoders.speculative.loop_policy import Rates, StepCosts, Timings, choose_k
 from stride.decoders.speculative.tree import Tree
 from stride.engine.sequence import Sequence
 
