@@ -14,7 +14,11 @@ How every decoder keeps to it:
   (`mask_logits`). A row's mask is the grammar's state after the sequence's committed tokens
   plus the row's pending tokens (the drafts before it): one bitmask row per logits row, filled
   on llguidance's thread pool for the whole batch at once (a chain of drafts in one call),
-  copied to the device in one transfer and applied there.
+  copied to the device in one transfer and applied there. A greedy draw whose only adjustment
+  is the grammar asks for a mask only where the raw argmax is not surely allowed
+  (`Matcher.allows`): most tokens of a constrained answer are what the model writes anyway,
+  and checking one token is far cheaper than filling a row of the vocabulary
+  (docs/BENCHMARKS.md, "Structured outputs").
 - Drafts: tokens a drafter proposes that the grammar forbids are cut before they are scored
   (`valid_prefix`; trees keep the nodes whose path the grammar allows, `allowed_nodes`).
 - State: a matcher advances only on committed tokens (`EngineCore._apply`), never on a draft,
@@ -115,6 +119,21 @@ class Matcher:
     def valid_prefix(self, tokens: list[int]) -> int:
         """How many of `tokens`, in order, the grammar allows from here (nothing consumed)."""
         return self.ll.validate_tokens(tokens) if tokens else 0
+
+    def forced(self) -> list[int]:
+        """The canonical tokens of the text the grammar forces from here (none: it forces
+        nothing). Where it forces text, its mask allows the first of them and no other token."""
+        return self.ll.compute_ff_tokens()
+
+    def allows(self, token: int, forced: list[int]) -> bool:
+        """True if the mask (`bitmask`) surely allows `token` next, checked for that token
+        alone (`forced`: what `forced` says here): the matcher accepts it, it is the first
+        forced token if the grammar forces text (the one-token check would take any token
+        that spells the text's start), and a number stays bounded. False: only the mask can
+        tell."""
+        if forced and forced[0] != token or self.ll.validate_tokens([token]) != 1:
+            return False
+        return self.scan is None or self.digits.fits(self.scan, token)
 
     def advance(self, token: int) -> bool:
         """Consume a committed token; True once the grammar allows nothing more (but EOS).

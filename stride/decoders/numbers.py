@@ -111,6 +111,16 @@ class Digits:
         return bits
 
 
+    def fits(self, scan: Scan, token: int) -> bool:
+        """Does `token` keep a number in state `scan` within its bounds (its bit in `allowed`)?"""
+        if scan.part == _MANTISSA:
+            return (
+                scan.digits + self._mantissa[token] <= MANTISSA_DIGITS
+                and self._into[token] <= EXPONENT_DIGITS
+            )
+        return scan.part == _OUTSIDE or scan.digits + self._exponent[token] <= EXPONENT_DIGITS
+
+
 def _pack(flags: np.ndarray) -> np.ndarray:
     """Booleans per token as int32 words, token t at bit t % 32 of word t // 32."""
     words = (len(flags) + 31) // 32

@@ -308,14 +308,44 @@ def on_device(seq: Sequence) -> bool:
     )
 
 
+def greedy_but_grammar(row: Row) -> bool:
+    """Greedy with nothing for `adjust` to do but a grammar's mask (min_tokens does not hold a
+    grammar open), and no pending tokens."""
+    p = row.params
+    if row.seq.grammar is None:
+        return plain_greedy(row)
+    return p.greedy and p.plain and not row.pending
+
+
 def sample(logits: torch.Tensor, rows: list[Row], eos_ids: set[int]) -> list[int]:
     if all(map(plain_greedy, rows)):  # the common serving case: one argmax, one sync
         return logits.argmax(-1).tolist()
+    if all(map(greedy_but_grammar, rows)):
+        return _greedy_checked(logits, rows, eos_ids)
     logits = adjust(logits, rows, eos_ids)
     if all(r.params.greedy for r in rows):  # skip the distribution
         return logits.argmax(-1).tolist()
     s = settings([r.seq for r in rows], [r.position for r in rows], logits.device)
     return device_sample(logits, s).tolist()
+
+
+def _greedy_checked(logits: torch.Tensor, rows: list[Row], eos_ids: set[int]) -> list[int]:
+    """Greedy draws under grammars, the mask asked for only where it is needed: the raw argmax
+    is the masked one whenever the mask allows it (`grammar.Matcher.allows`); the other rows
+    are masked and drawn again. What the grammars force is read while the device computes."""
+    argmax = logits.argmax(-1)
+    forced = [None if r.seq.grammar is None else r.seq.grammar.forced() for r in rows]
+    tokens = argmax.tolist()
+    masked = [
+        i
+        for i, (row, token, ahead) in enumerate(zip(rows, tokens, forced, strict=True))
+        if row.seq.grammar is not None and not row.seq.grammar.allows(token, ahead)
+    ]
+    if masked:
+        again = adjust(logits[masked], [rows[i] for i in masked], eos_ids).argmax(-1).tolist()
+        for i, token in zip(masked, again, strict=True):
+            tokens[i] = token
+    return tokens
 
 
 def logprobs(logits: torch.Tensor, tokens: list[int], rows: list[Row]) -> list[TokenLogprob | None]:
