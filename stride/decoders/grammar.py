@@ -14,11 +14,12 @@ How every decoder keeps to it:
   (`mask_logits`). A row's mask is the grammar's state after the sequence's committed tokens
   plus the row's pending tokens (the drafts before it): one bitmask row per logits row, filled
   on llguidance's thread pool for the whole batch at once (a chain of drafts in one call),
-  copied to the device in one transfer and applied there. A greedy draw whose only adjustment
-  is the grammar asks for a mask only where the raw argmax is not surely allowed
-  (`Matcher.allows`): most tokens of a constrained answer are what the model writes anyway,
-  and checking one token is far cheaper than filling a row of the vocabulary
-  (docs/BENCHMARKS.md, "Structured outputs").
+  copied to the device in one transfer and applied there. A draw whose only adjustment is the
+  grammar (greedy, or sampled without truncation: `sampling.checked_alone`) asks for a mask
+  only where the token drawn from the raw logits is not surely allowed (`Matcher.allows`):
+  most tokens of a constrained answer are what the model writes anyway, and checking one token
+  is far cheaper than filling a row of the vocabulary (docs/BENCHMARKS.md, "Greedy draws
+  under a grammar").
 - Drafts: tokens a drafter proposes that the grammar forbids are cut before they are scored
   (`valid_prefix`; trees keep the nodes whose path the grammar allows, `allowed_nodes`).
 - State: a matcher advances only on committed tokens (`EngineCore._apply`), never on a draft,

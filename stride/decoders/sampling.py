@@ -308,41 +308,51 @@ def on_device(seq: Sequence) -> bool:
     )
 
 
-def greedy_but_grammar(row: Row) -> bool:
-    """Greedy with nothing for `adjust` to do but a grammar's mask (min_tokens does not hold a
-    grammar open), and no pending tokens."""
+def checked_alone(row: Row) -> bool:
+    """May this row's token be drawn from its raw logits and checked alone afterwards
+    (`_draw_checked`)? Nothing for `adjust` to do but a grammar's mask, and a draw that the mask
+    changes only by refusing its token: greedy, or sampled without top-k, top-p or min-p (they
+    rank tokens among those the mask leaves), where the same noise picks the same token among
+    fewer whenever that token is left; no pending tokens."""
     p = row.params
     if row.seq.grammar is None:
-        return plain_greedy(row)
-    return p.greedy and p.plain and not row.pending
+        return p.unbiased and row.seq.num_output_tokens + len(row.pending) >= p.min_tokens
+    untruncated = p.greedy or (p.top_k <= 0 and p.top_p >= 1.0 and p.min_p <= 0.0)
+    return p.unbiased and untruncated and not row.pending
 
 
 def sample(logits: torch.Tensor, rows: list[Row], eos_ids: set[int]) -> list[int]:
     if all(map(plain_greedy, rows)):  # the common serving case: one argmax, one sync
         return logits.argmax(-1).tolist()
-    if all(map(greedy_but_grammar, rows)):
-        return _greedy_checked(logits, rows, eos_ids)
-    logits = adjust(logits, rows, eos_ids)
+    if all(map(checked_alone, rows)):
+        return _draw_checked(logits, rows, eos_ids)
+    return _draw(adjust(logits, rows, eos_ids), rows).tolist()
+
+
+def _draw(logits: torch.Tensor, rows: list[Row]) -> torch.Tensor:
+    """The rows' tokens from logits already adjusted, on the logits' device."""
     if all(r.params.greedy for r in rows):  # skip the distribution
-        return logits.argmax(-1).tolist()
+        return logits.argmax(-1)
     s = settings([r.seq for r in rows], [r.position for r in rows], logits.device)
-    return device_sample(logits, s).tolist()
+    return device_sample(logits, s)
 
 
-def _greedy_checked(logits: torch.Tensor, rows: list[Row], eos_ids: set[int]) -> list[int]:
-    """Greedy draws under grammars, the mask asked for only where it is needed: the raw argmax
-    is the masked one whenever the mask allows it (`grammar.Matcher.allows`); the other rows
-    are masked and drawn again. What the grammars force is read while the device computes."""
-    argmax = logits.argmax(-1)
+def _draw_checked(logits: torch.Tensor, rows: list[Row], eos_ids: set[int]) -> list[int]:
+    """Draws under grammars, a mask asked for only where it is needed: a token drawn from the
+    raw logits is the one the masked logits give whenever the mask allows it (`checked_alone`,
+    `grammar.Matcher.allows`); the other rows are masked and drawn again, with the same noise.
+    What the grammars force is read while the device computes."""
+    drawn = _draw(logits, rows)
     forced = [None if r.seq.grammar is None else r.seq.grammar.forced() for r in rows]
-    tokens = argmax.tolist()
+    tokens = drawn.tolist()
     masked = [
         i
         for i, (row, token, ahead) in enumerate(zip(rows, tokens, forced, strict=True))
         if row.seq.grammar is not None and not row.seq.grammar.allows(token, ahead)
     ]
     if masked:
-        again = adjust(logits[masked], [rows[i] for i in masked], eos_ids).argmax(-1).tolist()
+        picked = [rows[i] for i in masked]
+        again = _draw(adjust(logits[masked], picked, eos_ids), picked).tolist()
         for i, token in zip(masked, again, strict=True):
             tokens[i] = token
     return tokens

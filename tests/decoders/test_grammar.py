@@ -76,7 +76,7 @@ def make(model: Path, draft: Path | None = None, **sched) -> EngineCore:
 
 
 def params(constraint: Constraint | None = JSON, n: int = 80, **kw) -> SamplingParams:
-    return SamplingParams(max_tokens=n, temperature=0.0, constraint=constraint, **kw)
+    return SamplingParams(**{"max_tokens": n, "temperature": 0.0, "constraint": constraint, **kw})
 
 
 def run(core: EngineCore, requests: list[GenerateRequest]) -> dict[str, tuple[list[int], str]]:
@@ -497,3 +497,37 @@ def test_greedy_constrained_draws_ask_for_masks_only_where_the_argmax_is_refused
         assert got[str(i)][0] == masked_greedy(core, tiny_hf, prompt, JSON, 80)
     # (a random model's argmax is mostly refused: a few rows go without a mask)
     assert 0 < sum(rows) < sum(len(ids) for ids, _ in got.values())
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [{"temperature": 1.0}, {"temperature": 0.7, "min_tokens": 5}, {"temperature": 1.0, "top_k": 5}],
+)
+def test_sampled_constrained_draws_are_those_of_the_mask_everywhere(
+    tiny_dir, monkeypatch, settings
+):
+    """Seeded sampled requests under a grammar draw the same tokens whether each row's mask is
+    filled every step or only where the token drawn from the raw logits is refused (untruncated
+    rows: the same noise picks the same token among fewer whenever that token is left); rows
+    with a top-k always take the mask."""
+    rows = []
+    mask_logits = grammar.mask_logits
+
+    def counted(logits, at, jobs):
+        rows.append(len(at))
+        return mask_logits(logits, at, jobs)
+
+    monkeypatch.setattr(grammar, "mask_logits", counted)
+    requests = [GenerateRequest(str(i), p, params(n=60, seed=11 + i, **settings))
+                for i, p in enumerate(PROMPTS)]  # fmt: skip
+    got = run(make(tiny_dir), requests)
+    first = sum(rows)
+    with monkeypatch.context() as every_step:
+        every_step.setattr(sampling, "checked_alone", lambda row: False)
+        assert run(make(tiny_dir), requests) == got
+    core = make(tiny_dir)
+    for ids, reason in got.values():  # (a valid prefix where max_tokens cut it short)
+        if reason == "stop":
+            jsonschema.validate(json.loads(text(core, ids)), SCHEMA)
+    made = sum(len(ids) for ids, _ in got.values())
+    assert (first < made) == ("top_k" not in settings)
