@@ -165,6 +165,9 @@ class Commit:
     kv_from: list[int] | None = None
     forward_passes: int = 1  # target passes that made these tokens (a burst: several)
     per_pass: list[int] | None = None  # tokens each pass made (default: 1 each, or all in one)
+    # False: drawn on the device without a grammar's mask (`sampling.drawn_then_checked`); each
+    # token is checked as it is committed, and the first refused one ends the commit.
+    masked: bool = True
 
 
 @dataclass
@@ -188,7 +191,7 @@ def plain_commits(scored: Scored) -> list[Commit]:
     assert scored.tokens is not None
     lps = scored.logprobs or [[None] * len(t) for t in scored.tokens]
     return [
-        Commit(t, lp, len(t) - 1, forward_passes=len(t))
+        Commit(t, lp, len(t) - 1, forward_passes=len(t), masked=False)
         for t, lp in zip(scored.tokens, lps, strict=True)
     ]
 

@@ -25,9 +25,12 @@ How every decoder keeps to it:
 - State: a matcher advances only on committed tokens (`EngineCore._apply`), never on a draft,
   so a rejected draft leaves nothing to undo: the grammar state rolls back with the KV for free.
   When the grammar can go no further, the sequence finishes with "stop".
-- Constrained sequences are never drawn on the device paths (bursts, EAGLE's device cycles,
-  launches kept in flight: `sampling.on_device`): their rows are masked and drawn on the host
-  after the launch is waited for.
+- Bursts: a sequence whose draws the check serves (`sampling.checked_alone`) joins the
+  executor's bursts, drawn from the raw logits on the device several passes in a row
+  (`sampling.drawn_then_checked`); its tokens are checked as they are committed
+  (`EngineCore._apply`), and the first refused one is dropped with all after it: the sequence
+  then takes one step on the host, where the mask draws that token again (`refused`). Nothing
+  constrained rides EAGLE's device cycles or a launch kept in flight (`sampling.on_device`).
 """
 
 from __future__ import annotations
@@ -104,12 +107,13 @@ class Matcher:
     """One sequence's position in its grammar: after its committed output tokens (and, for a
     JSON grammar, where its text stands, so that numbers stay bounded: `numbers`)."""
 
-    __slots__ = ("ll", "digits", "scan", "__weakref__")
+    __slots__ = ("ll", "digits", "scan", "refused", "__weakref__")
 
     def __init__(self, ll: llguidance.LLMatcher, digits: Digits | None = None) -> None:
         self.ll = ll
         self.digits = digits
         self.scan = None if digits is None else Scan()
+        self.refused = False  # a token drawn without the mask was refused here (`refuses`)
 
     def scan_after(self, pending: list[int]) -> Scan | None:
         """The JSON text's state after the committed tokens and then `pending`."""
@@ -136,11 +140,18 @@ class Matcher:
             return False
         return self.scan is None or self.digits.fits(self.scan, token)
 
+    def refuses(self, token: int) -> bool:
+        """Is `token`, drawn without the mask, one the mask might refuse (`allows`)? Then the
+        next draw is masked (`refused`, until a token is committed)."""
+        self.refused = not self.allows(token, self.forced())
+        return self.refused
+
     def advance(self, token: int) -> bool:
         """Consume a committed token; True once the grammar allows nothing more (but EOS).
 
         A grammar that allows nothing at all from the start (a regex of no string) offers EOS
         only: taking it ends the sequence as any end of the grammar does."""
+        self.refused = False
         ended = self.ll.is_stopped()
         if not self.ll.consume_token(token):
             if ended:

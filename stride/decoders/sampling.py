@@ -321,6 +321,15 @@ def checked_alone(row: Row) -> bool:
     return p.unbiased and untruncated and not row.pending
 
 
+def drawn_then_checked(seq: Sequence) -> bool:
+    """May this constrained sequence's tokens be drawn on the device from the raw logits,
+    several passes in a row, and each checked when it is committed? What `checked_alone`
+    allows, except right after a refused token (the grammar's `refused`: that token is drawn
+    again on the host, under the mask)."""
+    grammar = seq.grammar
+    return grammar is not None and not grammar.refused and checked_alone(Row(seq))
+
+
 def sample(logits: torch.Tensor, rows: list[Row], eos_ids: set[int]) -> list[int]:
     if all(map(plain_greedy, rows)):  # the common serving case: one argmax, one sync
         return logits.argmax(-1).tolist()

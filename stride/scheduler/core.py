@@ -307,10 +307,9 @@ class EngineCore:
     ) -> RequestOutput | None:
         """Append a commit's tokens under the stop rules, roll back rejected KV, emit output.
 
-        An output that does not end its request gets its text later, from `untexted`.
-        `proposed`: how many tokens the decoder proposed after the tail (a traced request's
-        timeline notes refinement passes by it).
-        """
+        An output that does not end its request gets its text later, from `untexted`. A token
+        drawn without its grammar's mask that the grammar refuses ends the commit before it.
+        `proposed`: how many tokens the decoder proposed after the tail (traced requests)."""
         token_ids = seq.token_ids
         cached = len(token_ids)  # the whole tail was scored
         if commit.kv_from is not None and commit.kv_from != list(range(commit.kv_keep)):
@@ -330,6 +329,9 @@ class EngineCore:
         stop_reason: str | int | None = None
         n = 0
         for token in commit.tokens:
+            if grammar is not None and not commit.masked and grammar.refuses(token):
+                seq.num_cached = len(token_ids) - 1  # (that token is drawn again, under the mask)
+                break
             token_ids.append(token)
             n += 1
             produced = len(token_ids) - num_prompt

@@ -262,18 +262,35 @@ def test_free_requests_beside_constrained_ones_are_unchanged(tiny_dir, other_dir
             jsonschema.validate(json.loads(text(core, ids)), SCHEMA)
 
 
-def test_fused_decode_steps_leave_constrained_sequences_to_the_sampler(tiny_dir):
-    """With fused greedy bursts on, a constrained request still follows its grammar (it never
-    joins a burst), and a free one beside it decodes as it does alone."""
+def test_constrained_sequences_join_bursts_and_keep_to_the_grammar(tiny_dir, tiny_hf):
+    """With fused bursts on, greedy and untruncated sampled constrained requests join them,
+    drawn from the raw logits and checked as they commit (the first refused token and those
+    after it dropped, that token drawn again under the mask): the tokens are those of one step
+    at a time, the masked argmax for greedy ones; a free request beside them decodes as it
+    does alone, and a truncated sampled one never joins a burst."""
     requests = [
         GenerateRequest("c", PROMPTS[0], params()),
+        GenerateRequest("s", PROMPTS[2], params(n=40, temperature=1.0, seed=3)),
         GenerateRequest("f", PROMPTS[1], params(None, 24, ignore_eos=True)),
+        GenerateRequest("k", PROMPTS[1], params(n=40, temperature=1.0, seed=4, top_k=5)),
     ]
-    together = run(make(tiny_dir, fused_decode_steps=8), [replace(r) for r in requests])
+    core = make(tiny_dir, fused_decode_steps=8)
+    bursts, decode_steps = [], core.engine.runner.decode_steps
+
+    def recorded(seqs, tokens, steps, *args, **kwargs):
+        bursts.append(({s.request_id for s in seqs}, steps))
+        return decode_steps(seqs, tokens, steps, *args, **kwargs)
+
+    core.engine.runner.decode_steps = recorded
+    together = run(core, [replace(r) for r in requests[:3]])
+    together.update(run(core, [replace(requests[3])]))
     alone = {}
     for r in requests:
         alone.update(run(make(tiny_dir), [replace(r)]))
     assert together == alone
+    assert together["c"][0] == masked_greedy(core, tiny_hf, PROMPTS[0], JSON, 80)
+    joined = set().union(*(ids for ids, steps in bursts if steps > 1))
+    assert {"c", "s", "f"} <= joined and "k" not in joined
 
 
 def test_a_constraint_is_compiled_once_per_sequence_using_it_at_once(tiny_dir, monkeypatch):
