@@ -494,19 +494,24 @@ def test_a_token_the_matcher_allows_alone_is_one_the_mask_allows(tiny_dir):
     assert surely > 0.9 * masked  # (the check is no mask: it allows nearly all the mask does)
 
 
-def test_greedy_constrained_draws_ask_for_masks_only_where_the_argmax_is_refused(
-    tiny_dir, tiny_hf, monkeypatch
-):
-    """The masked argmax, exactly, with a mask filled only for the rows whose raw argmax the
-    grammar does not surely allow."""
-    rows = []
-    mask_logits = grammar.mask_logits
+def masked_rows(monkeypatch) -> list[int]:
+    """The rows of every mask filled from now on, one entry per `mask_logits` call."""
+    rows, mask_logits = [], grammar.mask_logits
 
     def counted(logits, at, jobs):
         rows.append(len(at))
         return mask_logits(logits, at, jobs)
 
     monkeypatch.setattr(grammar, "mask_logits", counted)
+    return rows
+
+
+def test_greedy_constrained_draws_ask_for_masks_only_where_the_argmax_is_refused(
+    tiny_dir, tiny_hf, monkeypatch
+):
+    """The masked argmax, exactly, with a mask filled only for the rows whose raw argmax the
+    grammar does not surely allow."""
+    rows = masked_rows(monkeypatch)
     core = make(tiny_dir)
     requests = [GenerateRequest(str(i), p, params()) for i, p in enumerate(PROMPTS)]
     got = run(core, requests)
@@ -527,14 +532,7 @@ def test_sampled_constrained_draws_are_those_of_the_mask_everywhere(
     filled every step or only where the token drawn from the raw logits is refused (untruncated
     rows: the same noise picks the same token among fewer whenever that token is left); rows
     with a top-k always take the mask."""
-    rows = []
-    mask_logits = grammar.mask_logits
-
-    def counted(logits, at, jobs):
-        rows.append(len(at))
-        return mask_logits(logits, at, jobs)
-
-    monkeypatch.setattr(grammar, "mask_logits", counted)
+    rows = masked_rows(monkeypatch)
     requests = [GenerateRequest(str(i), p, params(n=60, seed=11 + i, **settings))
                 for i, p in enumerate(PROMPTS)]  # fmt: skip
     got = run(make(tiny_dir), requests)
