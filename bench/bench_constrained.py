@@ -11,9 +11,11 @@ count of tokens: output tok/s compares like with like. Two kinds of string:
 - `bounded`: strings of at most 12 characters (`maxLength`, as a pydantic `constr(max_length=)`
   sends): near its bound a string's mask walks the whole token trie.
 
-Greedy free requests may take the device's greedy bursts; constrained ones never do (the mask
-needs the host between two tokens), which is part of what is measured. Grammars are compiled
-once, before timing (`compile_ms`).
+Free requests may take the device's bursts; constrained ones join them where their draws can
+be checked token by token as they commit (greedy, or sampled without truncation:
+`sampling.checked_alone`), each refused token costing a step on the host under the mask; a
+token that broke the grammar would fail its request, and the run. Grammars are compiled once,
+before timing (`compile_ms`).
 
     python bench/bench_constrained.py --model ./SmolLM2-135M-Instruct.Q4_1.gguf --json OUT
     python bench/bench_constrained.py --device cpu --concurrency 1,4 --new 16  # a quick check
