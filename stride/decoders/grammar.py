@@ -25,12 +25,14 @@ How every decoder keeps to it:
 - State: a matcher advances only on committed tokens (`EngineCore._apply`), never on a draft,
   so a rejected draft leaves nothing to undo: the grammar state rolls back with the KV for free.
   When the grammar can go no further, the sequence finishes with "stop".
-- Bursts: a sequence whose draws the check serves (`sampling.checked_alone`) joins the
-  executor's bursts, drawn from the raw logits on the device several passes in a row
-  (`sampling.drawn_then_checked`); its tokens are checked as they are committed
-  (`EngineCore._apply`), and the first refused one is dropped with all after it: the sequence
-  then takes one step on the host, where the mask draws that token again (`refused`). Nothing
-  constrained rides EAGLE's device cycles or a launch kept in flight (`sampling.on_device`).
+- Bursts and launches kept in flight: a sequence whose draws the check serves
+  (`sampling.checked_alone`) is drawn from the raw logits on the device like a free one,
+  several passes in a row, the next launch continuing from its tokens before they are
+  committed (`sampling.drawn_then_checked`); its tokens are checked as they are committed
+  (`EngineCore._apply`), and the first refused one is dropped with all after it, and with what
+  launches still in flight made from it (`Batch.starts`, `Sequence.pending_in_vain`): the
+  sequence then takes one step on the host, where the mask draws that token again
+  (`refused`). Nothing constrained rides EAGLE's device cycles (`sampling.on_device`).
 """
 
 from __future__ import annotations

@@ -200,6 +200,13 @@ class Sequence:
         return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_ids)
 
     @property
+    def pending_in_vain(self) -> bool:
+        """Do the launches still in flight continue from a token its grammar refused (drawn
+        without the mask, `grammar.Matcher.refuses`)? Their tokens for it are dropped, and it
+        sits out until they are done."""
+        return self.pending > 0 and self.grammar is not None and self.grammar.refused
+
+    @property
     def fed_offset(self) -> int:
         """Where the next decode row sits past `num_cached`: at its last token, the last
         pending one if any (its predecessors' K/V are written or being written)."""

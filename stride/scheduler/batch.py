@@ -32,6 +32,14 @@ class Batch:
     proposals: list[Proposal | None]
     alone: bool = False  # nobody waits to be scheduled and no model group runs beside it
     burst: Burst | None = None
+    # Each item's sequence length, committed and pending tokens, as the step was made: a row
+    # commits only where its sequence still has that many tokens when the launch is finished
+    # (a grammar may have refused a pending token it continued from: `DecoderSet.live`).
+    starts: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.starts:
+            self.starts = [item.seq.num_tokens + item.seq.pending for item in self.plan]
 
     @property
     def seqs(self) -> list[Sequence]:
@@ -49,7 +57,10 @@ class Batch:
     def without(self, dropped: Collection[int]) -> Batch:
         kept = [i for i in range(len(self.plan)) if i not in dropped]
         return Batch(
-            [self.plan[i] for i in kept], [self.proposals[i] for i in kept], self.alone
+            [self.plan[i] for i in kept],
+            [self.proposals[i] for i in kept],
+            self.alone,
+            starts=[self.starts[i] for i in kept],
         )
 
 

@@ -165,11 +165,14 @@ class DecoderSet(Mapping[str, Decoder]):
 
     def live(self, batch: Batch) -> dict[str, list[int]]:
         """Each decoder's plan indices whose tail completes and whose sequence still runs
-        (aborts and expired deadlines finish sequences between a launch and its commit)."""
-        plan = batch.plan
+        (aborts and expired deadlines finish sequences between a launch and its commit) from
+        where the row started (`Batch.starts`: a token it continued from may have been refused
+        by the sequence's grammar since)."""
+        plan, starts = batch.plan, batch.starts
         out = {}
         for name, idx in batch.by_decoder.items():
-            idx = [i for i in idx if plan[i].seq.status is not Status.FINISHED]
+            idx = [i for i in idx if plan[i].seq.status is not Status.FINISHED
+                   and plan[i].seq.num_tokens == starts[i]]  # fmt: skip
             if idx:
                 out[name] = idx
         return out

@@ -10,7 +10,8 @@ launch that has finished. A batch runs one of three ways:
   next, so the host's per-step work (sync, commit, schedule, pack) is paid once for several
   tokens. Every row must be a plain step sampled on the device (`sampling.on_device`: greedy
   or sampled, with the rows' settings as tensors, `sampling.DrawSettings`; logprobs taken
-  beside, `drawn_logprobs`)
+  beside, `drawn_logprobs`; or under a grammar that checks each token as it is committed,
+  `sampling.drawn_then_checked`)
   whose decoder promised that many plain steps (`Proposal.plain_steps`), and nobody may wait.
   Several steps only for batches up to `MAX_BURST_BATCH`, where host work is a large share of a
   step: a request arriving meanwhile waits up to `steps - 1` steps longer, and a sequence that
@@ -235,10 +236,9 @@ class Executor:
         whether the launch may stay in flight: every committing row a plain step sampled on the
         device (`sampling.on_device`), its decoder promising more plain steps after this
         launch, and its next row one the decode graphs can feed. A burst needs every row to be
-        such a decode row, or a constrained one whose tokens are checked as they are committed
-        (`sampling.drawn_then_checked`: a launch with one stays out of flight, since its next
-        row depends on that check); several steps only for batches up to `MAX_BURST_BATCH`
-        where nobody waits."""
+        such a decode row (a constrained one too, whose tokens are checked as they are
+        committed: `sampling.drawn_then_checked`); several steps only for batches up to
+        `MAX_BURST_BATCH` where nobody waits."""
         plan = batch.plan
         decodes = plain = True  # every row a plain decode row / every committing row plain
         promised = left = 1 << 30  # plain steps promised, tokens left, the least of any row
@@ -250,15 +250,15 @@ class Executor:
             seq = item.seq
             if prop is None or prop.tokens or prop.positions is not None:
                 return 0, False
-            checked = sampling.drawn_then_checked(seq)  # (a burst, then each token checked)
-            if not (item.fed or checked or sampling.on_device(seq)):  # (fed: checked at launch)
+            device = sampling.on_device(seq) or sampling.drawn_then_checked(seq)
+            if not item.fed and not device:  # (fed: checked at launch)
                 return 0, False
             decodes = decodes and item.num_tail == 1
             count = len(seq.token_ids) + seq.pending
             made = max(made, count)
             promised = min(promised, prop.plain_steps)
             left = min(left, seq.params.max_tokens - (count - len(seq.prompt_ids)))
-            plain = plain and seq.prompt_logprobs is None and not checked
+            plain = plain and seq.prompt_logprobs is None
         runner = self.engine.runner
 
         def continuable(n: int) -> bool:  # after a launch of n steps

@@ -21,7 +21,7 @@ from stride.decoders.speculative import Speculative
 from stride.engine.config import EngineConfig
 from stride.engine.cuda_graphs import LENGTH, POSITION, SLOT, TABLE, TOKEN, DecodeGraphs
 from stride.engine.engine import Engine
-from stride.engine.sequence import Constraint, SamplingParams
+from stride.engine.sequence import Constraint, SamplingParams, Sequence
 from stride.scheduler import executor as executor_module
 from stride.scheduler.core import EngineCore
 from stride.scheduler.outputs import GenerateRequest
@@ -367,8 +367,8 @@ def test_overlap_changes_no_output_beside_sampled_rows(tiny_dir, device):
 
 
 def _constrained_requests() -> list[GenerateRequest]:
-    """Rows under a JSON schema or a regex, greedy and seeded sampled, one with logprobs,
-    beside free ones; r1 is aborted, r6 and r7 arrive late (`_run_mixed`)."""
+    """Rows under a JSON schema or a regex, greedy and seeded sampled (r7 with a top-k), one
+    with logprobs, beside free ones; r1 is aborted, r6 and r7 arrive late (`_run_mixed`)."""
     schema = {
         "type": "object",
         "properties": {"name": {"type": "string", "maxLength": 8}, "n": {"type": "integer"}},
@@ -382,46 +382,57 @@ def _constrained_requests() -> list[GenerateRequest]:
     for i, constraint in enumerate(kinds):
         params = SamplingParams(
             max_tokens=40, temperature=0.9 if i in (2, 4, 7) else 0.0, seed=i,
-            ignore_eos=constraint is None, logprobs=2 if i == 5 else None, constraint=constraint,
+            top_k=5 if i == 7 else 0, ignore_eos=constraint is None,
+            logprobs=2 if i == 5 else None, constraint=constraint,
         )  # fmt: skip
         reqs.append(GenerateRequest(f"r{i}", [5 + i, 9, 12 + i, 7][: 2 + i % 3], params))
     return reqs
 
 
-@pytest.mark.parametrize("device", ["cpu", "cuda"])
-def test_rows_under_a_grammar_never_stay_in_flight_and_change_no_output(
-    tiny_dir, device, monkeypatch
+@pytest.mark.parametrize(("device", "steps"), [("cpu", 1), ("cpu", 4), ("cuda", 1), ("cuda", 4)])
+def test_rows_under_a_grammar_stay_in_flight_and_change_no_output(
+    tiny_dir, device, steps, monkeypatch
 ):
-    """A launch with a committing row under a grammar is waited for at once (the host masks and
-    draws its rows), while free rows beside them still stay in flight once the grammars are
-    done; every output is what one launch at a time gives."""
+    """Rows under a grammar whose tokens can be checked as they commit (greedy, or sampled
+    without truncation) are drawn on the device in launches kept in flight; a token the grammar
+    refuses voids what the launch in flight made for its sequence, which sits out and then draws
+    that token on the host under the mask. A row with a top-k is drawn on the host every step.
+    Every output is what one launch at a time gives."""
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("no GPU")
-    launches = []  # (kept in flight, some committing row under a grammar, its sampled rows')
+    launches = []  # (kept in flight, whose rows it drew on the device)
     launch = executor_module.Executor._launch
 
     def recording(self, batch):
         made = launch(self, batch)
         if made is not None:
-            constrained = any(item.completes_tail and item.seq.grammar is not None
-                              for item in made.batch.plan)  # fmt: skip
-            sampled = any(seq.grammar is not None for seq in made.sampling)
-            launches.append((made.continuable, constrained, sampled))
+            launches.append((made.continuable, {seq.request_id for seq in made.sampling}))
         return made
 
     monkeypatch.setattr(executor_module.Executor, "_launch", recording)
+    in_vain = []
+    pending_in_vain = Sequence.pending_in_vain.fget
+
+    def noted(seq):
+        if pending_in_vain(seq):
+            in_vain.append(seq.request_id)
+            return True
+        return False
+
+    monkeypatch.setattr(Sequence, "pending_in_vain", property(noted))
     config = EngineConfig(model=str(tiny_dir), device=device, dtype="float32",
                           kv_cache_memory=16 << 20)  # fmt: skip
     runs = []
     for overlap in (True, False):
-        core = EngineCore(Engine(config), SchedulerConfig(max_num_seqs=8))
+        scheduler = SchedulerConfig(max_num_seqs=8, fused_decode_steps=steps if overlap else 1)
+        core = EngineCore(Engine(config), scheduler)
         runs.append(_run_mixed(core, overlap, _constrained_requests()))
-        assert any(constrained for _, constrained, _ in launches)
-        assert not any(sampled for _, _, sampled in launches)  # never drawn on the device
-        kept = [constrained for continuable, constrained, _ in launches if continuable]
-        assert not any(kept)  # no launch with a constrained row stays in flight
-        assert bool(kept) == overlap  # (free rows alone do, with overlap)
+        in_flight = set().union(*(drawn for kept, drawn in launches if kept))
+        assert bool({"r0", "r2", "r5"} & in_flight) == overlap  # constrained, drawn on the device
+        assert "r7" not in set().union(*(drawn for _, drawn in launches))  # (its top-k)
+        assert bool(in_vain) == overlap  # refused tokens with a launch in flight after them
         launches.clear()
+        in_vain.clear()
     _same_mixed(*runs)
     ends = {request_id: r[3] for request_id, r in runs[0].items()}
     assert ends["r0"] == ends["r5"] == "stop"  # the grammar ended them
