@@ -110,7 +110,6 @@ class Digits:
             bits = self._allowed[key] = _pack(~bad)
         return bits
 
-
     def fits(self, scan: Scan, token: int) -> bool:
         """Does `token` keep a number in state `scan` within its bounds (its bit in `allowed`)?"""
         if scan.part == _MANTISSA:
