@@ -154,6 +154,7 @@ class Scored:
     logits: list[torch.Tensor] | None = None
     tokens: list[list[int]] | None = None
     logprobs: list[Logprobs] | None = None  # of `tokens`, where drawn so
+    masked: list[bool] | None = None  # `tokens` drawn under their grammar's mask (none: all raw)
 
 
 @dataclass
@@ -190,9 +191,10 @@ def plain_commits(scored: Scored) -> list[Commit]:
     last with their KV kept (the last is the next step's tail)."""
     assert scored.tokens is not None
     lps = scored.logprobs or [[None] * len(t) for t in scored.tokens]
+    masked = scored.masked or [False] * len(scored.tokens)
     return [
-        Commit(t, lp, len(t) - 1, forward_passes=len(t), masked=False)
-        for t, lp in zip(scored.tokens, lps, strict=True)
+        Commit(t, lp, len(t) - 1, forward_passes=len(t), masked=m)
+        for t, lp, m in zip(scored.tokens, lps, masked, strict=True)
     ]
 
 

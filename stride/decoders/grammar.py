@@ -31,8 +31,10 @@ How every decoder keeps to it:
   committed (`sampling.drawn_then_checked`); its tokens are checked as they are committed
   (`EngineCore._apply`), and the first refused one is dropped with all after it, and with what
   launches still in flight made from it (`Batch.starts`, `Sequence.pending_in_vain`): the
-  sequence then takes one step on the host, where the mask draws that token again
-  (`refused`). Nothing constrained rides EAGLE's device cycles (`sampling.on_device`).
+  sequence then draws that token again under the mask (`refused`), filled at launch from its
+  committed state for a draw on the device where a launch kept in flight can take it
+  (`sampling.masked_on_device`), else on the host. Nothing constrained rides EAGLE's device
+  cycles (`sampling.on_device`).
 """
 
 from __future__ import annotations

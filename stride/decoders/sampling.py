@@ -330,6 +330,21 @@ def drawn_then_checked(seq: Sequence) -> bool:
     return grammar is not None and not grammar.refused and checked_alone(Row(seq))
 
 
+def masked_on_device(seq: Sequence) -> bool:
+    """Is this the draw after a refused token (the grammar's `refused`, nothing pending), one
+    the device can make under the mask of the sequence's committed state, filled at launch,
+    so that a launch kept in flight need not wait for it? As `drawn_then_checked` allows, but
+    without logprobs (they are the raw logits', which the device draw would not see)."""
+    grammar = seq.grammar
+    return (
+        grammar is not None
+        and grammar.refused
+        and not seq.pending
+        and seq.params.logprobs is None
+        and checked_alone(Row(seq))
+    )
+
+
 def sample(logits: torch.Tensor, rows: list[Row], eos_ids: set[int]) -> list[int]:
     if all(map(plain_greedy, rows)):  # the common serving case: one argmax, one sync
         return logits.argmax(-1).tolist()

@@ -35,7 +35,7 @@ from collections.abc import Iterator
 
 import torch
 
-from stride.decoders import draw_kernels, sampling
+from stride.decoders import draw_kernels, grammar, sampling
 from stride.decoders.base import Proposal
 from stride.decoders.draw_graphs import DrawGraphs
 from stride.decoders.drawn_logprobs import DrawnLogprobs
@@ -154,6 +154,7 @@ class Executor:
             draws = launch.draws = self._draw_settings(seqs, 1)
             logprobs = DrawnLogprobs.of(seqs)
             stacked = torch.cat([logits[i] for i in committing])
+            launch.masked = _mask_refused(stacked, seqs)
             if logprobs is None:
                 drawn = sampling.device_sample(stacked, draws)
             else:
@@ -241,6 +242,7 @@ class Executor:
         `MAX_BURST_BATCH` where nobody waits."""
         plan = batch.plan
         decodes = plain = True  # every row a plain decode row / every committing row plain
+        masked = False  # some row drawn under its grammar's mask (a forward, its mask at launch)
         promised = left = 1 << 30  # plain steps promised, tokens left, the least of any row
         made = 0  # the most tokens of any committing row (pending ones included)
         for item, prop in zip(plan, batch.proposals, strict=True):  # (every row, every step)
@@ -250,9 +252,11 @@ class Executor:
             seq = item.seq
             if prop is None or prop.tokens or prop.positions is not None:
                 return 0, False
-            device = sampling.on_device(seq) or sampling.drawn_then_checked(seq)
+            under_mask = sampling.masked_on_device(seq)  # (its mask filled at launch)
+            device = sampling.on_device(seq) or sampling.drawn_then_checked(seq) or under_mask
             if not item.fed and not device:  # (fed: checked at launch)
                 return 0, False
+            masked = masked or under_mask
             decodes = decodes and item.num_tail == 1
             count = len(seq.token_ids) + seq.pending
             made = max(made, count)
@@ -265,7 +269,7 @@ class Executor:
             return self.overlap and plain and promised > n and runner.can_feed(made + n)
 
         steps = 0
-        if decodes and (self.burst_steps > 1 or self.overlap):
+        if decodes and not masked and (self.burst_steps > 1 or self.overlap):
             burst = self.burst_steps if len(plan) <= MAX_BURST_BATCH and batch.alone else 1
             steps = max(0, min(burst, promised, left, self.engine.max_model_len - made))
         if steps <= 1:  # (one step that stays no launch in flight: a forward does as well)
@@ -345,6 +349,19 @@ class Executor:
             if len(failed) == len(spans):
                 raise
             return logits, failed
+
+
+def _mask_refused(logits: torch.Tensor, seqs: list[Sequence]) -> set[str]:
+    """Mask, in place, the rows of sequences whose last token drawn without the mask was
+    refused (`sampling.masked_on_device`): their draw now is under the mask of their committed
+    state, so their next tokens continue from it (the grammar no longer counts as refused).
+    Returns their request ids."""
+    rows = [i for i, seq in enumerate(seqs) if sampling.masked_on_device(seq)]
+    if rows:
+        grammar.mask_logits(logits, rows, [(seqs[i].grammar, []) for i in rows])
+        for i in rows:
+            seqs[i].grammar.refused = False
+    return {seqs[i].request_id for i in rows}
 
 
 def _prompt_rows(plan: list[Scheduled], spans: list[Span]) -> dict[int, tuple[int, int]]:

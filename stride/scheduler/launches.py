@@ -35,6 +35,7 @@ class Launch:
         self.sampling: list[Sequence] = []
         self.draws: sampling.DrawSettings | None = None  # their settings (the next may reuse)
         self.logprobs: DrawnLogprobs | None = None  # of their draws, where asked for
+        self.masked: set[str] = set()  # whose draws were under their grammar's mask, by id
 
     @cached_property
     def rows(self) -> dict[str, int]:
@@ -64,9 +65,11 @@ class ForwardLaunch(Launch):
             made = self.tokens.per_sequence()
             lps = None if self.logprobs is None else self.logprobs.per_sequence(made)
             for name, idx in decoders.live(self.batch).items():
-                rows = [self.rows[self.batch.plan[i].seq.request_id] for i in idx]
+                ids = [self.batch.plan[i].seq.request_id for i in idx]
+                rows = [self.rows[request_id] for request_id in ids]
                 picked = None if lps is None else [lps[r] for r in rows]
-                out[name] = Scored(tokens=[made[r] for r in rows], logprobs=picked)
+                masked = [request_id in self.masked for request_id in ids]
+                out[name] = Scored(tokens=[made[r] for r in rows], logprobs=picked, masked=masked)
             return out
         for name, idx in decoders.live(self.batch).items():
             out[name] = Scored(logits=[self.logits[i] for i in idx])

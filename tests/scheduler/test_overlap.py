@@ -396,17 +396,20 @@ def test_rows_under_a_grammar_stay_in_flight_and_change_no_output(
     """Rows under a grammar whose tokens can be checked as they commit (greedy, or sampled
     without truncation) are drawn on the device in launches kept in flight; a token the grammar
     refuses voids what the launch in flight made for its sequence, which sits out and then draws
-    that token on the host under the mask. A row with a top-k is drawn on the host every step.
-    Every output is what one launch at a time gives."""
+    that token under the mask, filled at launch, in a launch that stays in flight too. A row
+    with a top-k is drawn on the host every step. Every output is what one launch at a time
+    gives."""
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("no GPU")
     launches = []  # (kept in flight, whose rows it drew on the device)
+    under_mask = []  # whose rows launches kept in flight drew under their mask
     launch = executor_module.Executor._launch
 
     def recording(self, batch):
         made = launch(self, batch)
         if made is not None:
             launches.append((made.continuable, {seq.request_id for seq in made.sampling}))
+            under_mask.extend(made.masked if made.continuable else ())
         return made
 
     monkeypatch.setattr(executor_module.Executor, "_launch", recording)
@@ -431,8 +434,10 @@ def test_rows_under_a_grammar_stay_in_flight_and_change_no_output(
         assert bool({"r0", "r2", "r5"} & in_flight) == overlap  # constrained, drawn on the device
         assert "r7" not in set().union(*(drawn for _, drawn in launches))  # (its top-k)
         assert bool(in_vain) == overlap  # refused tokens with a launch in flight after them
+        assert bool(under_mask) == overlap
         launches.clear()
         in_vain.clear()
+        under_mask.clear()
     _same_mixed(*runs)
     ends = {request_id: r[3] for request_id, r in runs[0].items()}
     assert ends["r0"] == ends["r5"] == "stop"  # the grammar ended them
