@@ -325,7 +325,7 @@ def drawn_then_checked(seq: Sequence) -> bool:
     """May this constrained sequence's tokens be drawn on the device from the raw logits,
     several passes in a row and in launches kept in flight, and each checked when it is
     committed? What `checked_alone` allows, except right after a refused token (the grammar's
-    `refused`: that token is drawn again on the host, under the mask)."""
+    `refused`: that token is drawn again under the mask, `masked_on_device`)."""
     grammar = seq.grammar
     return grammar is not None and not grammar.refused and checked_alone(Row(seq))
 
