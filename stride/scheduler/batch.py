@@ -39,7 +39,7 @@ class Batch:
 
     def __post_init__(self) -> None:
         if not self.starts:
-            self.starts = [item.seq.num_tokens + item.seq.pending for item in self.plan]
+            self.starts = [len(item.seq.token_ids) + item.seq.pending for item in self.plan]
 
     @property
     def seqs(self) -> list[Sequence]:

@@ -171,8 +171,8 @@ class DecoderSet(Mapping[str, Decoder]):
         plan, starts = batch.plan, batch.starts
         out = {}
         for name, idx in batch.by_decoder.items():
-            idx = [i for i in idx if plan[i].seq.status is not Status.FINISHED
-                   and plan[i].seq.num_tokens == starts[i]]  # fmt: skip
+            idx = [i for i in idx if (seq := plan[i].seq).status is not Status.FINISHED
+                   and len(seq.token_ids) == starts[i]]  # fmt: skip
             if idx:
                 out[name] = idx
         return out

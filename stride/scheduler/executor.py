@@ -252,11 +252,14 @@ class Executor:
             seq = item.seq
             if prop is None or prop.tokens or prop.positions is not None:
                 return 0, False
-            under_mask = sampling.masked_on_device(seq)  # (its mask filled at launch)
-            device = sampling.on_device(seq) or sampling.drawn_then_checked(seq) or under_mask
-            if not item.fed and not device:  # (fed: checked at launch)
+            if seq.grammar is None:
+                device = item.fed or sampling.on_device(seq)  # (fed: checked at launch)
+            else:  # checked as it commits, or drawn under its mask (filled at launch)
+                under_mask = sampling.masked_on_device(seq)
+                device = item.fed or under_mask or sampling.drawn_then_checked(seq)
+                masked = masked or under_mask
+            if not device:
                 return 0, False
-            masked = masked or under_mask
             decodes = decodes and item.num_tail == 1
             count = len(seq.token_ids) + seq.pending
             made = max(made, count)
@@ -356,7 +359,8 @@ def _mask_refused(logits: torch.Tensor, seqs: list[Sequence]) -> set[str]:
     refused (`sampling.masked_on_device`): their draw now is under the mask of their committed
     state, so their next tokens continue from it (the grammar no longer counts as refused).
     Returns their request ids."""
-    rows = [i for i, seq in enumerate(seqs) if sampling.masked_on_device(seq)]
+    rows = [i for i, seq in enumerate(seqs)
+            if seq.grammar is not None and sampling.masked_on_device(seq)]  # fmt: skip
     if rows:
         grammar.mask_logits(logits, rows, [(seqs[i].grammar, []) for i in rows])
         for i in rows:

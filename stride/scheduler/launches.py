@@ -68,7 +68,7 @@ class ForwardLaunch(Launch):
                 ids = [self.batch.plan[i].seq.request_id for i in idx]
                 rows = [self.rows[request_id] for request_id in ids]
                 picked = None if lps is None else [lps[r] for r in rows]
-                masked = [request_id in self.masked for request_id in ids]
+                masked = [i in self.masked for i in ids] if self.masked else None
                 out[name] = Scored(tokens=[made[r] for r in rows], logprobs=picked, masked=masked)
             return out
         for name, idx in decoders.live(self.batch).items():
