@@ -112,12 +112,8 @@ class Digits:
 
     def fits(self, scan: Scan, token: int) -> bool:
         """Does `token` keep a number in state `scan` within its bounds (its bit in `allowed`)?"""
-        if scan.part == _MANTISSA:
-            return (
-                scan.digits + self._mantissa[token] <= MANTISSA_DIGITS
-                and self._into[token] <= EXPONENT_DIGITS
-            )
-        return scan.part == _OUTSIDE or scan.digits + self._exponent[token] <= EXPONENT_DIGITS
+        bits = self.allowed(scan)
+        return bits is None or bool(bits[token >> 5] >> (token & 31) & 1)
 
 
 def _pack(flags: np.ndarray) -> np.ndarray:
