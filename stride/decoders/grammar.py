@@ -30,11 +30,11 @@ How every decoder keeps to it:
   several passes in a row, the next launch continuing from its tokens before they are
   committed (`sampling.drawn_then_checked`); its tokens are checked as they are committed
   (`EngineCore._apply`), and the first refused one is dropped with all after it, and with what
-  launches still in flight made from it (`Batch.starts`, `Sequence.pending_in_vain`): the
-  sequence then draws that token again under the mask (`refused`), filled at launch from its
-  committed state for a draw on the device where a launch kept in flight can take it
-  (`sampling.masked_on_device`), else on the host. Nothing constrained rides EAGLE's device
-  cycles (`sampling.on_device`).
+  launches still in flight made from it (`Batch.starts`; they are `Sequence.void`, no longer
+  pending): the sequence then draws that token again under the mask (`refused`) in the next
+  launch, without waiting for those, its mask filled at launch from its committed state for a
+  draw on the device where a launch kept in flight can take it (`sampling.masked_on_device`),
+  else on the host. Nothing constrained rides EAGLE's device cycles (`sampling.on_device`).
 """
 
 from __future__ import annotations

@@ -152,6 +152,9 @@ class Sequence:
     # K/V slots are reserved), and the plain steps its decoder promised beyond them.
     pending: int = 0
     promised: int = 0
+    # Tokens that launches still in flight sample from a token its grammar refused since they
+    # were launched: dropped when those launches finish (`Batch.starts`), meanwhile not pending.
+    void: int = 0
     block_table: list[int] = field(default_factory=list)
     num_sealed: int = 0  # leading blocks of block_table that are full, committed and immutable
     block_hashes: list[bytes] = field(default_factory=list)  # of token_ids' full blocks, memo
@@ -198,13 +201,6 @@ class Sequence:
     def wants_prompt_rows(self) -> bool:
         """Prompt logprobs asked for and not all scored: its prompt is computed, not cached."""
         return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_ids)
-
-    @property
-    def pending_in_vain(self) -> bool:
-        """Do the launches still in flight continue from a token its grammar refused (drawn
-        without the mask, `grammar.Matcher.refuses`)? Their tokens for it are dropped, and it
-        sits out until they are done."""
-        return self.pending > 0 and self.grammar is not None and self.grammar.refused
 
     @property
     def fed_offset(self) -> int:

@@ -331,6 +331,8 @@ class EngineCore:
         for token in commit.tokens:
             if grammar is not None and not commit.masked and grammar.refuses(token):
                 seq.num_cached = len(token_ids) - 1  # (that token is drawn again, under the mask)
+                seq.void += seq.pending  # (what launches in flight continue from it)
+                seq.pending = 0
                 break
             token_ids.append(token)
             n += 1

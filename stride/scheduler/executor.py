@@ -207,10 +207,13 @@ class Executor:
             result.commits = decoders.commit(launch.batch, scored)
             return result
         finally:
-            if launch.sampled is not None:
+            if launch.sampled is not None:  # (launches finish in order: void tokens first)
                 for item in launch.batch.plan:
                     if item.completes_tail:
-                        item.seq.pending -= launch.passes
+                        seq = item.seq
+                        void = min(seq.void, launch.passes)
+                        seq.void -= void
+                        seq.pending -= launch.passes - void
 
     def _finish_loop(self, launch: LoopLaunch) -> None:
         result, plan = launch.result, launch.batch.plan

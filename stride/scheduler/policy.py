@@ -102,9 +102,11 @@ class Scheduler:
 
         A sequence with pending tokens (a launch still in flight samples them) runs as a fed
         row: one plain step from its last pending token, as its decoder promised. It is never
-        preempted (the launch in flight writes its blocks); where its row does not fit, or its
-        pending tokens follow one its grammar refused (`Sequence.pending_in_vain`), it sits
-        this step out."""
+        preempted (the launch in flight writes its blocks); where its row does not fit, it sits
+        this step out. Tokens in flight after one its grammar refused are not pending but void
+        (`Sequence.void`): the sequence is scheduled from its committed tokens meanwhile, and may
+        be preempted, since the void launch's K/V writes come first in stream order, into slots
+        that nothing reads before writing them again."""
         budget = self.config.max_num_batched_tokens
         max_seqs = self.config.max_num_seqs
         block_size = self.cache.block_size
@@ -113,7 +115,7 @@ class Scheduler:
 
         queue = [s for s in self.running if not s.pending]  # victims come from its end
         for seq in self.running if len(queue) < len(self.running) else ():
-            if not seq.pending or seq.pending_in_vain or budget <= 0 or len(plan) >= max_seqs:
+            if not seq.pending or budget <= 0 or len(plan) >= max_seqs:
                 continue
             # Its fed row, unless its pending tokens end it (max_tokens, the context) or the
             # row's K/V slot (the last of those tokens') cannot be had.
