@@ -202,6 +202,14 @@ class Sequence:
         """Prompt logprobs asked for and not all scored: its prompt is computed, not cached."""
         return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_ids)
 
+    def redraw(self) -> None:
+        """Its grammar refused the token drawn after its committed ones: that token is drawn
+        again, from its last committed token re-scored (the tail), and what launches in flight
+        made from the refused one is void."""
+        self.num_cached = len(self.token_ids) - 1
+        self.void += self.pending
+        self.pending = 0
+
     @property
     def fed_offset(self) -> int:
         """Where the next decode row sits past `num_cached`: at its last token, the last

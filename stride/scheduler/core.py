@@ -330,9 +330,7 @@ class EngineCore:
         n = 0
         for token in commit.tokens:
             if grammar is not None and not commit.masked and grammar.refuses(token):
-                seq.num_cached = len(token_ids) - 1  # (that token is drawn again, under the mask)
-                seq.void += seq.pending  # (what launches in flight continue from it)
-                seq.pending = 0
+                seq.redraw()  # (that token is drawn again, under the mask)
                 break
             token_ids.append(token)
             n += 1

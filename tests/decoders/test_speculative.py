@@ -583,15 +583,15 @@ def test_a_plain_steps_measured_cost_counts_its_own_forward(tiny_dir, monkeypatc
 def test_drafting_that_loses_on_the_clock_gives_way_to_plain_epochs(tiny_dir):
     """Whatever the policy's cost model says, adaptive requests drafted on the host draft only
     while drafting makes more tokens per second of wall time than plain steps (`payoff`): here
-    each step of a drafting epoch costs 50 ms more on the payoff's clock (work the policy does
-    not price; every step of the epoch, since whether prompt lookup finds a draft depends on the
-    text), so after the first epochs drafting is only tried now and then; the tokens are `ar`'s,
-    and a request of a fixed K still drafts."""
+    the payoff's clock is the test's, on which a commit costs 1 ms and each step of a drafting
+    epoch 50 ms more (work the policy does not price; every step of the epoch, since whether
+    prompt lookup finds a draft depends on the text), so after the first epochs drafting is only
+    tried now and then; the tokens are `ar`'s, and a request of a fixed K still drafts."""
     core = make(tiny_dir, fused_decode_steps=4)
     dec = core.decoders["speculative"]
     payoff = dec.payoffs[False]  # (the epochs of requests drafted on the host)
-    propose, commit, drafting, extra = dec.propose, dec.commit, [], [0.0]
-    payoff.clock = lambda: time.perf_counter() + extra[0]
+    propose, commit, drafting, now = dec.propose, dec.commit, [], [0.0]
+    payoff.clock = lambda: now[0]
 
     def proposed(seqs, ctx):
         out = propose(seqs, ctx)
@@ -599,8 +599,7 @@ def test_drafting_that_loses_on_the_clock_gives_way_to_plain_epochs(tiny_dir):
         return out
 
     def committed(seqs, proposals, scored, ctx):
-        if payoff.refining:
-            extra[0] += 0.05
+        now[0] += 0.051 if payoff.refining else 0.001
         return commit(seqs, proposals, scored, ctx)
 
     dec.propose, dec.commit = proposed, committed
