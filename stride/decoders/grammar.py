@@ -30,11 +30,13 @@ How every decoder keeps to it:
   several passes in a row, the next launch continuing from its tokens before they are
   committed (`sampling.drawn_then_checked`); its tokens are checked as they are committed
   (`EngineCore._apply`), and the first refused one is dropped with all after it, and with what
-  launches still in flight made from it (`Batch.starts`; they are `Sequence.void`, no longer
-  pending): the sequence then draws that token again under the mask (`refused`) in the next
-  launch, without waiting for those, its mask filled at launch from its committed state for a
-  draw on the device where a launch kept in flight can take it (`sampling.masked_on_device`),
-  else on the host. Nothing constrained rides EAGLE's device cycles (`sampling.on_device`).
+  launches still in flight made from it (they are `Sequence.void`, no longer pending). Where
+  the grammar forces text, the mask allows one token, which takes the refused one's place
+  (`Matcher.instead`); elsewhere the sequence draws that token again under the mask
+  (`refused`) in the next launch, without waiting for the void ones, its mask filled at launch
+  from its committed state for a draw on the device where a launch kept in flight can take it
+  (`sampling.masked_on_device`), else on the host. Nothing constrained rides EAGLE's device
+  cycles (`sampling.on_device`).
 """
 
 from __future__ import annotations
@@ -111,13 +113,14 @@ class Matcher:
     """One sequence's position in its grammar: after its committed output tokens (and, for a
     JSON grammar, where its text stands, so that numbers stay bounded: `numbers`)."""
 
-    __slots__ = ("ll", "digits", "scan", "refused", "__weakref__")
+    __slots__ = ("ll", "digits", "scan", "refused", "instead", "__weakref__")
 
     def __init__(self, ll: llguidance.LLMatcher, digits: Digits | None = None) -> None:
         self.ll = ll
         self.digits = digits
         self.scan = None if digits is None else Scan()
         self.refused = False  # a token drawn without the mask was refused here (`refuses`)
+        self.instead: int | None = None  # and the token the mask allows alone here, if any
 
     def scan_after(self, pending: list[int]) -> Scan | None:
         """The JSON text's state after the committed tokens and then `pending`."""
@@ -146,8 +149,14 @@ class Matcher:
 
     def refuses(self, token: int) -> bool:
         """Is `token`, drawn without the mask, one the mask might refuse (`allows`)? Then the
-        next draw is masked (`refused`, until a token is committed)."""
-        self.refused = not self.allows(token, self.forced())
+        next draw is masked (`refused`, until a token is committed), unless the grammar forces
+        text here: its mask then allows the forced text's first token alone, which is what any
+        draw under it gives (`instead`)."""
+        forced = self.forced()
+        self.refused = not self.allows(token, forced)
+        only = forced[0] if self.refused and forced else None
+        fits = only is not None and (self.scan is None or self.digits.fits(self.scan, only))
+        self.instead = only if fits else None
         return self.refused
 
     def advance(self, token: int) -> bool:

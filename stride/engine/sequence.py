@@ -153,8 +153,9 @@ class Sequence:
     pending: int = 0
     promised: int = 0
     # Tokens that launches still in flight sample from a token its grammar refused since they
-    # were launched: dropped when those launches finish (`Batch.starts`), meanwhile not pending.
+    # were launched: dropped when those launches finish (`DecoderSet.live`), not pending.
     void: int = 0
+    refusals: int = 0  # tokens its grammar refused when they were committed (`redraw`)
     block_table: list[int] = field(default_factory=list)
     num_sealed: int = 0  # leading blocks of block_table that are full, committed and immutable
     block_hashes: list[bytes] = field(default_factory=list)  # of token_ids' full blocks, memo
@@ -202,13 +203,18 @@ class Sequence:
         """Prompt logprobs asked for and not all scored: its prompt is computed, not cached."""
         return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_ids)
 
-    def redraw(self) -> None:
-        """Its grammar refused the token drawn after its committed ones: that token is drawn
-        again, from its last committed token re-scored (the tail), and what launches in flight
-        made from the refused one is void."""
-        self.num_cached = len(self.token_ids) - 1
+    def redraw(self) -> int | None:
+        """Its grammar refused the token drawn after its committed ones, and what launches in
+        flight made from that one is void. Returns the token a draw under the grammar's mask
+        gives there when the mask allows it alone (`Matcher.instead`; not where logprobs are
+        asked for, which are the raw logits'). Else None: that token is drawn again, from its
+        last committed token re-scored (the tail)."""
+        self.refusals += 1
         self.void += self.pending
         self.pending = 0
+        instead = None if self.params.logprobs is not None else self.grammar.instead
+        self.num_cached = len(self.token_ids) - (instead is None)
+        return instead
 
     @property
     def fed_offset(self) -> int:

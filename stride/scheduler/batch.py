@@ -32,14 +32,14 @@ class Batch:
     proposals: list[Proposal | None]
     alone: bool = False  # nobody waits to be scheduled and no model group runs beside it
     burst: Burst | None = None
-    # Each item's sequence length, committed and pending tokens, as the step was made: a row
-    # commits only where its sequence still has that many tokens when the launch is finished
-    # (a grammar may have refused a pending token it continued from: `DecoderSet.live`).
-    starts: list[int] = field(default_factory=list)
+    # Each item's sequence's count of refused tokens as the step was made: a row commits only
+    # where its grammar has refused nothing since, for a refused token voids every launch made
+    # after the one that drew it and before its commit (`DecoderSet.live`).
+    refusals: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        if not self.starts:
-            self.starts = [len(item.seq.token_ids) + item.seq.pending for item in self.plan]
+        if not self.refusals:
+            self.refusals = [item.seq.refusals for item in self.plan]
 
     @property
     def seqs(self) -> list[Sequence]:
@@ -60,7 +60,7 @@ class Batch:
             [self.plan[i] for i in kept],
             [self.proposals[i] for i in kept],
             self.alone,
-            starts=[self.starts[i] for i in kept],
+            refusals=[self.refusals[i] for i in kept],
         )
 
 

@@ -329,9 +329,9 @@ class EngineCore:
         stop_reason: str | int | None = None
         n = 0
         for token in commit.tokens:
-            if grammar is not None and not commit.masked and grammar.refuses(token):
-                seq.redraw()  # (that token is drawn again, under the mask)
-                break
+            refused = grammar is not None and not commit.masked and grammar.refuses(token)
+            if refused and (token := seq.redraw()) is None:
+                break  # (that token is drawn again, under the mask)
             token_ids.append(token)
             n += 1
             produced = len(token_ids) - num_prompt
@@ -347,7 +347,7 @@ class EngineCore:
                     reason, stop_reason = "stop", stop_string
             if reason is None and produced >= p.max_tokens:
                 reason = "length"
-            if reason is not None:
+            if reason is not None or refused:
                 break
         self.engine.cache.seal(seq)  # before a finish frees them: the next turn may use them
         if commit.per_pass is not None:  # a burst's passes, up to the tokens kept
@@ -365,7 +365,7 @@ class EngineCore:
             refining = proposed > 0 or seq.request_id in self._grouped
             now = time.monotonic()
             self._timelines[seq.request_id].committed(now, seq.stats, proposed, n, refining)
-        out = RequestOutput(seq.request_id, commit.tokens[:n], logprobs=commit.logprobs[:n])
+        out = RequestOutput(seq.request_id, token_ids[cached:], logprobs=commit.logprobs[:n])
         if first and seq.prompt_logprobs is not None:
             out.prompt_logprobs = seq.prompt_logprobs
         if reason is not None:

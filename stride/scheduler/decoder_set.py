@@ -166,13 +166,13 @@ class DecoderSet(Mapping[str, Decoder]):
     def live(self, batch: Batch) -> dict[str, list[int]]:
         """Each decoder's plan indices whose tail completes and whose sequence still runs
         (aborts and expired deadlines finish sequences between a launch and its commit) from
-        where the row started (`Batch.starts`: a token it continued from may have been refused
-        by the sequence's grammar since)."""
-        plan, starts = batch.plan, batch.starts
+        where the row started: its grammar has refused no token since the launch was made
+        (`Batch.refusals`: the row continued from that token)."""
+        plan, refusals = batch.plan, batch.refusals
         out = {}
         for name, idx in batch.by_decoder.items():
             idx = [i for i in idx if (seq := plan[i].seq).status is not Status.FINISHED
-                   and len(seq.token_ids) == starts[i]]  # fmt: skip
+                   and seq.refusals == refusals[i]]  # fmt: skip
             if idx:
                 out[name] = idx
         return out

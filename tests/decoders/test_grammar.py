@@ -463,7 +463,8 @@ def test_a_model_that_loves_digits_writes_a_bounded_number(tiny_dir, name):
 def test_a_token_the_matcher_allows_alone_is_one_the_mask_allows(tiny_dir):
     """`Matcher.allows` (a greedy draw's check of its argmax) never allows what the mask would
     not: every token, at every state of seeded walks through each kind of constraint, numbers
-    driven to their bound and past it where the grammar asks for that."""
+    driven to their bound and past it where the grammar asks for that. And where a refused
+    token names the token to take instead (`Matcher.instead`), the mask allows that one alone."""
     core = make(tiny_dir)
     vocab, eos = core.engine.hf_config.vocab_size, core.engine.eos_ids
     digits = {t for t in range(vocab) if core.engine.tokenizer.decode([t]).isdigit()}
@@ -475,7 +476,7 @@ def test_a_token_the_matcher_allows_alone_is_one_the_mask_allows(tiny_dir):
         Constraint("choice", '["yes", "no"]'),
     ]
     rng = np.random.default_rng(0)
-    surely = masked = 0
+    surely = masked = instead = 0
     for constraint in constraints:
         for _ in range(4):
             matcher = core.intake.grammars.matcher(constraint)
@@ -486,12 +487,17 @@ def test_a_token_the_matcher_allows_alone_is_one_the_mask_allows(tiny_dir):
                 allows = np.array([matcher.allows(t, forced) for t in range(vocab)])
                 assert not (allows & ~mask).any(), np.flatnonzero(allows & ~mask)
                 surely, masked = surely + allows.sum(), masked + mask.sum()
+                refused = int(np.flatnonzero(~allows)[0]) if not allows.all() else None
+                if refused is not None and matcher.refuses(refused) and matcher.instead is not None:
+                    assert np.flatnonzero(mask).tolist() == [matcher.instead]
+                    instead += 1
                 choices = np.flatnonzero(mask)
                 favoured = [t for t in choices if t in digits] or list(choices)
                 token = int(rng.choice(favoured if rng.random() < 0.7 else choices))
                 if token in eos or matcher.advance(token):
                     break
     assert surely > 0.9 * masked  # (the check is no mask: it allows nearly all the mask does)
+    assert instead > 0  # (the walks pass through forced text)
 
 
 def masked_rows(monkeypatch) -> list[int]:

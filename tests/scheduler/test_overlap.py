@@ -379,22 +379,23 @@ def test_overlap_changes_no_output_beside_sampled_rows(tiny_dir, device):
 
 def _constrained_requests() -> list[GenerateRequest]:
     """Rows under a JSON schema or a regex, greedy and seeded sampled (r7 with a top-k), one
-    with logprobs, beside free ones; r1 is aborted, r6 and r7 arrive late (`_run_mixed`)."""
+    with logprobs (r8, short: after it refuses a token, launches wait for the host), beside
+    free ones; r1 is aborted, r6 to r8 arrive late (`_run_mixed`)."""
     schema = {
         "type": "object",
         "properties": {"name": {"type": "string", "maxLength": 8}, "n": {"type": "integer"}},
         "required": ["name", "n"],
         "additionalProperties": False,
     }
-    json_schema = Constraint("json_schema", json.dumps(schema))
+    obj = Constraint("json_schema", json.dumps(schema))
     regex = Constraint("regex", r"(yes|no), [0-9]{3}!")
-    kinds = [json_schema, regex, json_schema, None, None, json_schema, json_schema, regex]
+    kinds = [obj, regex, obj, None, None, obj, obj, regex, obj]
     reqs = []
     for i, constraint in enumerate(kinds):
         params = SamplingParams(
-            max_tokens=40, temperature=0.9 if i in (2, 4, 7) else 0.0, seed=i,
+            max_tokens=12 if i == 8 else 40, temperature=0.9 if i in (2, 4, 7) else 0.0, seed=i,
             top_k=5 if i == 7 else 0, ignore_eos=constraint is None,
-            logprobs=2 if i == 5 else None, constraint=constraint,
+            logprobs=2 if i == 8 else None, constraint=constraint,
         )  # fmt: skip
         reqs.append(GenerateRequest(f"r{i}", [5 + i, 9, 12 + i, 7][: 2 + i % 3], params))
     return reqs
