@@ -13,9 +13,12 @@ count of tokens: output tok/s compares like with like. Two kinds of string:
 
 Free requests may take the device's bursts; constrained ones join them where their draws can
 be checked token by token as they commit (greedy, or sampled without truncation:
-`sampling.checked_alone`), each refused token costing a step on the host under the mask; a
-token that broke the grammar would fail its request, and the run. Grammars are compiled once,
-before timing (`compile_ms`).
+`sampling.checked_alone`), each refused token dropped with what launches in flight made from
+it, and replaced by the token the mask allows alone where the grammar forces text, else drawn
+again under the mask; a token that broke the grammar would fail its request, and the run.
+Grammars are compiled once, before timing (`compile_ms`). Each run also counts its engine steps
+(`<kind>_steps`, the last repeat's): what refused tokens cost in steps, apart from what each
+step costs the host.
 
     python bench/bench_constrained.py --model ./SmolLM2-135M-Instruct.Q4_1.gguf --json OUT
     python bench/bench_constrained.py --device cpu --concurrency 1,4 --new 16  # a quick check
@@ -89,6 +92,14 @@ def main() -> None:
     print(f"model {engine.name} on {engine.device} ({engine.dtype}), prompt {args.prompt}, "
           f"new {args.new}, grammars compiled in {compile_ms} ms")  # fmt: skip
 
+    steps = [0]  # engine steps so far: a refused token costs its row steps, not only time
+    step = core.step
+
+    def counted() -> list:
+        steps[0] += 1
+        return step()
+
+    core.step = counted
     results = []
     for temperature in temperatures:
         for c in concurrencies:
@@ -100,15 +111,18 @@ def main() -> None:
                 decode(core, batch[:2], replace(params, max_tokens=4))  # warm-up
                 best = None
                 for _ in range(args.repeats):
+                    before = steps[0]
                     tokens, seconds = decode(core, batch, params)
                     if tokens != c * args.new:
                         raise RuntimeError(f"{name}: {tokens} tokens, not {c * args.new}")
                     best = seconds if best is None else min(best, seconds)
                 row[f"{name}_tok_s"] = round(c * args.new / best, 1)
+                row[f"{name}_steps"] = steps[0] - before  # (the last repeat's)
             line = f"temperature {temperature:g}, concurrency {c:3d}: free {row['free_tok_s']:9.1f}"
             for kind in constraints:
                 row[f"{kind}_slowdown"] = round(row["free_tok_s"] / row[f"{kind}_tok_s"] - 1, 4)
-                line += f", {kind} {row[f'{kind}_tok_s']:9.1f} ({row[f'{kind}_slowdown']:+.1%})"
+                line += (f", {kind} {row[f'{kind}_tok_s']:9.1f} ({row[f'{kind}_slowdown']:+.1%}, "
+                         f"{row[f'{kind}_steps']} steps against {row['free_steps']})")  # fmt: skip
             results.append(row)
             print(line + " tok/s", flush=True)
 
