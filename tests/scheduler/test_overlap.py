@@ -447,6 +447,31 @@ def test_rows_under_a_grammar_stay_in_flight_and_change_no_output(
     assert ends["r0"] == ends["r5"] == "stop"  # the grammar ended them
 
 
+def test_a_sequence_whose_tokens_in_flight_are_void_may_be_preempted(tiny_dir, monkeypatch):
+    """A sequence whose grammar refused a token while a launch in flight continued from it is
+    scheduled from its committed tokens meanwhile, so it may be preempted (its blocks freed)
+    before that launch is done: its void writes come first in stream order. With KV for six
+    blocks, that happens, and every output is still what one launch at a time gives."""
+    preempted = []  # (request id, void tokens in flight) at each preemption
+    preempt = Scheduler._preempt
+
+    def noted(self, seq, decoders):
+        preempted.append((seq.request_id, seq.void))
+        return preempt(self, seq, decoders)
+
+    monkeypatch.setattr(Scheduler, "_preempt", noted)
+    config = EngineConfig(model=str(tiny_dir), device="cpu", dtype="float32",
+                          kv_cache_memory=60_000)  # fmt: skip
+    runs = []
+    for overlap in (True, False):
+        core = EngineCore(Engine(config), SchedulerConfig(max_num_seqs=8))
+        assert core.engine.cache.num_usable_blocks == 6
+        runs.append(_run_mixed(core, overlap, _constrained_requests()))
+        assert any(void for _, void in preempted) == overlap
+        preempted.clear()
+    _same_mixed(*runs)
+
+
 @pytest.fixture(scope="module")
 def draft_dir(tmp_path_factory) -> Path:
     return make_model_dir(tmp_path_factory.mktemp("draft") / "other", seed=1)
