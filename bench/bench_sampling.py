@@ -10,7 +10,8 @@ is measured is the draw's device time and the host's work per step around it.
 - `temperature`: temperature 1, seeded (Gumbel noise over the whole vocabulary);
 - `top-k-top-p`: temperature 1, top-k 50, top-p 0.95, seeded (the 50 best columns only);
 - `unseeded`: as `top-k-top-p`, unseeded (a random seed per sequence);
-- `top-p`: temperature 1, top-p 0.95, seeded (a full-vocabulary sort);
+- `top-p`: temperature 1, top-p 0.95, seeded (no top-k: what it keeps may go past the draw
+  kernels' candidates);
 - `logprobs`: as `top-k-top-p`, with 5 logprobs per token (taken with the draw).
 
     python bench/bench_sampling.py --device cuda --json OUT  # the default model

@@ -45,8 +45,9 @@ class DrawGraphs:
     def __call__(self, logits: torch.Tensor, s: DrawSettings, step: int) -> torch.Tensor:
         if logits.device.type != "cuda" or s.all_greedy or len(logits) > MAX_ROWS:
             return sampling.device_sample(logits, s, step)
-        shape = (s.any_greedy, s.k_max, s.any_top_p, s.any_top_k, s.any_min_p)
-        key = (logits.data_ptr(), *logits.shape, *shape)
+        ops = (sampling.kernel_route(logits, s), s.any_greedy, s.k_max, s.any_top_p, s.any_top_k,
+               s.any_min_p)  # fmt: skip
+        key = (logits.data_ptr(), *logits.shape, *ops)
         draw = self._draws.get(key)
         if draw is None:
             draw = self._draws[key] = self._capture(logits, s)

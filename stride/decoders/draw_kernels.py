@@ -8,6 +8,12 @@ its `TOP` largest logits (top-k, top-p, min-p and logprobs pick among those), it
 logit / T + Gumbel noise (a draw over the whole row), and its log-sum-exp terms (logprobs).
 `_row_kernel`, a program per row, merges a row's chunks, draws, and takes the logprobs.
 
+A row with a top-p or min-p and no top-k keeps every token above some point of its order, which
+may lie past its `TOP` candidates (a flat row keeps thousands). Its candidates are weighed
+against its whole row's mass (each chunk's sum of exp(logit / T - max)); where all of them are
+kept, its draw over the whole row stands if that token is kept, and else the draw is the best
+among the tokens above it: `_beyond` walks the row once per such refused draw, never sorting it.
+
 The arithmetic is the plain ops' (`sampling.ops_sample`): IEEE division by the temperature,
 `counter`'s hash and Gumbel transform (bit for bit), softmax and the mass before each candidate
 in rank order for top-p, and the first of equal values for an argmax. The sums (softmax,
@@ -48,16 +54,17 @@ def draw(
     floats: torch.Tensor,
     keys: torch.Tensor,
     top: bool,
+    whole: bool,
     top_p: bool,
-    min_p: bool,
 ) -> torch.Tensor:
     """Each row's token [B] (int64): greedy rows their argmax, sampled rows argmax(logits / T
     + Gumbel noise) over what they keep. `floats` [B, 5]: `DrawSettings.floats`; `keys` [B, 1]:
-    the rows' keys for this draw. `top`: every sampled row has a top-k of at most TOP_MAX (the
-    candidates are the row's TOP_MAX best), and `top_p`, `min_p` say whether some row has one;
-    else no row truncates (no top-k, top-p or min-p) and the draw is over the whole row. One
-    compiled variant per (`top`, `top_p`, `min_p`) whatever the k: `warm` compiles them."""
-    return _launch(logits, floats, keys, top, top_p, min_p, None)[0]
+    the rows' keys for this draw. `top`: the rows' TOP_MAX best are their candidates (every
+    top-k is at most TOP_MAX); `whole`: some sampled row has no top-k, and draws over its whole
+    row (with `top` too: over the part of it that its top-p and min-p keep); `top_p`: whether
+    some row has one (a row's min-p, -inf without one, is applied wherever there are candidates).
+    One compiled variant per flags whatever the k: `warm` compiles them."""
+    return _launch(logits, floats, keys, top, whole, top_p, None)[0]
 
 
 def draw_scored(
@@ -65,14 +72,14 @@ def draw_scored(
     floats: torch.Tensor,
     keys: torch.Tensor,
     top: bool,
+    whole: bool,
     top_p: bool,
-    min_p: bool,
     n: int,
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """`draw`, and in the same pass the drawn tokens' logprobs under log-softmax(logits): each
     row's [B], and its `n` (<= LOGPROBS_MAX) most likely tokens' [B, n] with their ids [B, n]
     (int64), most likely first."""
-    return _launch(logits, floats, keys, top, top_p, min_p, n)
+    return _launch(logits, floats, keys, top, whole, top_p, n)
 
 
 def _launch(
@@ -80,8 +87,8 @@ def _launch(
     floats: torch.Tensor,
     keys: torch.Tensor,
     top: bool,
+    whole: bool,
     top_p: bool,
-    min_p: bool,
     n: int | None,
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """Both kernels, with their buffers; `n` None: no logprobs (empty tensors in their place)."""
@@ -91,18 +98,20 @@ def _launch(
     device = logits.device
     tokens = torch.empty(rows, dtype=torch.int64, device=device)
     top_part = torch.empty(rows, chunks, max(width, 1), dtype=torch.int64, device=device)
-    best, peak, mass = torch.empty(3, rows, chunks, dtype=torch.float32, device=device).unbind()
+    sums = torch.empty(5, rows, chunks, dtype=torch.float32, device=device)
+    best, peak, mass, scaled_peak, scaled_mass = sums.unbind()
     at = torch.empty(rows, chunks, dtype=torch.int32, device=device)
     chosen = torch.empty(rows, dtype=torch.float32, device=device)
     vals = torch.empty(rows, n or 0, dtype=torch.float32, device=device)
     ids = torch.empty(rows, n or 0, dtype=torch.int64, device=device)
-    common = dict(WHOLE=not top, TOP=width, LOGPROBS=n is not None, MIX0=counter.MIX[0],
-                  MIX1=counter.MIX[1], SALT=counter.TOKEN, num_warps=4)  # fmt: skip
+    common = dict(WHOLE=whole, TOP=width, CANDIDATES=top, LOGPROBS=n is not None,
+                  MIX0=counter.MIX[0], MIX1=counter.MIX[1], SALT=counter.TOKEN,
+                  num_warps=4)  # fmt: skip
     args = (logits, logits.stride(0), floats, floats.stride(0), keys, keys.stride(0), vocab,
-            top_part, best, at, peak, mass)  # fmt: skip
+            top_part, best, at, peak, mass, scaled_peak, scaled_mass)  # fmt: skip
     _chunk_kernel[(rows, chunks)](*args, CHUNK=CHUNK, **common)
     _row_kernel[(rows,)](*args, chunks, tokens, chosen, vals, ids, n or 0,
-                         CHUNKS=triton.next_power_of_2(chunks), TOP_P=top_p, MIN_P=min_p,
+                         CHUNKS=triton.next_power_of_2(chunks), CHUNK=CHUNK, TOP_P=top_p,
                          **common)  # fmt: skip
     return tokens, (chosen, vals, ids)
 
@@ -113,10 +122,10 @@ def warm(device: torch.device, vocab: int) -> None:
     logits = torch.zeros(1, vocab, device=device)
     floats = torch.tensor([[1.0, 0.5, 0.0, 0.0, 1.0]], device=device)
     keys = torch.zeros(1, 1, dtype=torch.int64, device=device)
-    tops = [(True, top_p, min_p) for top_p in (False, True) for min_p in (False, True)]
-    for top, top_p, min_p in [(False, False, False), *tops]:
-        draw(logits, floats, keys, top, top_p, min_p)
-        draw_scored(logits, floats, keys, top, top_p, min_p, 1)
+    flags = [(True, whole, top_p) for whole in (False, True) for top_p in (False, True)]
+    for route in [(False, True, False), *flags]:
+        draw(logits, floats, keys, *route)
+        draw_scored(logits, floats, keys, *route, 1)
 
 
 if triton is not None:
@@ -174,13 +183,14 @@ if triton is not None:
     @triton.jit
     def _chunk_kernel(
         logits, logits_stride, floats, floats_stride, keys, keys_stride, vocab,
-        top_out, best_out, at_out, peak_out, mass_out,
-        CHUNK: tl.constexpr, TOP: tl.constexpr, WHOLE: tl.constexpr, LOGPROBS: tl.constexpr,
-        MIX0: tl.constexpr, MIX1: tl.constexpr, SALT: tl.constexpr,
+        top_out, best_out, at_out, peak_out, mass_out, scaled_peak_out, scaled_mass_out,
+        CHUNK: tl.constexpr, TOP: tl.constexpr, WHOLE: tl.constexpr, CANDIDATES: tl.constexpr,
+        LOGPROBS: tl.constexpr, MIX0: tl.constexpr, MIX1: tl.constexpr, SALT: tl.constexpr,
     ):  # fmt: skip
         """One (row, chunk): its TOP best logits as packed keys; with WHOLE its best draw
-        value and where (a greedy row's: the raw logit); with LOGPROBS its max logit and sum of
-        exp(logit - max)."""
+        value and where (a greedy row's: the raw logit), and with CANDIDATES too the max of
+        logit / T and the sum of exp(logit / T - max) (a whole row's mass, for top-p); with
+        LOGPROBS its max logit and sum of exp(logit - max)."""
         row, chunk = tl.program_id(0), tl.program_id(1)
         chunks = tl.num_programs(1)
         ids = chunk * CHUNK + tl.arange(0, CHUNK)
@@ -197,11 +207,16 @@ if triton is not None:
             greedy = tl.load(floats + row * floats_stride + 3) > 0
             key = tl.load(keys + row * keys_stride).to(tl.uint32)
             noise = _gumbel(key, ids, MIX0, MIX1, SALT)
-            noisy = tl.div_rn(x, tl.zeros_like(x) + temperature) + noise
-            value = tl.where(inside, tl.where(greedy, x, noisy), -float("inf"))
+            scaled = tl.div_rn(x, tl.zeros_like(x) + temperature)
+            value = tl.where(inside, tl.where(greedy, x, scaled + noise), -float("inf"))
             best = tl.max(value, 0)
             tl.store(best_out + here, best)
             tl.store(at_out + here, tl.min(tl.where(value == best, ids, vocab), 0))
+            if CANDIDATES:
+                scaled_peak = tl.max(scaled, 0)
+                tl.store(scaled_peak_out + here, scaled_peak)
+                shift = tl.where(scaled_peak == -float("inf"), 0.0, scaled_peak)
+                tl.store(scaled_mass_out + here, tl.sum(_exp(scaled - shift), 0))
         if LOGPROBS:
             peak = tl.max(x, 0)
             tl.store(peak_out + here, peak)
@@ -209,16 +224,64 @@ if triton is not None:
             tl.store(mass_out + here, tl.sum(_exp(x - shift), 0))
 
     @triton.jit
+    def _beyond(
+        logits, vocab, token, last, temperature, key, peak, total, top_p, floor,
+        CHUNK: tl.constexpr, TOP_P: tl.constexpr,
+        MIX0: tl.constexpr, MIX1: tl.constexpr, SALT: tl.constexpr,
+    ):  # fmt: skip
+        """The draw over what a row keeps where that may go past its candidates (whose lowest
+        packed key is `last`), from `token`, its draw over the whole row. What top-p and min-p
+        keep is every token above some key, so while the drawn token is not kept, the draw is
+        among the tokens above it: the best of those is drawn next, one pass over the row
+        each, which also sums the mass above the token drawn. A token among the candidates is
+        kept (all of them are)."""
+        x = tl.load(logits + token).to(tl.float32)
+        mark = _pack(x, token, vocab)
+        done = (mark >= last).to(tl.int32)
+        while done == 0:
+            above = 0.0
+            next_best = -float("inf")
+            next_at = vocab
+            start = 0
+            while start < vocab:  # (a `for` over a runtime range fails in the interpreter)
+                ids = start + tl.arange(0, CHUNK)
+                inside = ids < vocab
+                xs = tl.load(logits + ids, mask=inside, other=-float("inf")).to(tl.float32)
+                scaled = tl.div_rn(xs, tl.zeros_like(xs) + temperature)
+                higher = inside & (_pack(xs, ids, vocab) > mark)
+                if TOP_P:
+                    above += tl.sum(tl.where(higher, _exp(scaled - peak), 0.0), 0)
+                value = tl.where(higher, scaled + _gumbel(key, ids, MIX0, MIX1, SALT),
+                                 -float("inf"))  # fmt: skip
+                best = tl.max(value, 0)
+                at = tl.min(tl.where(value == best, ids, vocab), 0)
+                next_at = tl.where(best > next_best, at, next_at)
+                next_best = tl.maximum(best, next_best)
+                start += CHUNK
+            kept = tl.div_rn(x, temperature) >= floor
+            if TOP_P:
+                kept = kept & (tl.div_rn(above, total) < top_p)
+            if kept:
+                done = 1
+            else:
+                token = next_at
+                x = tl.load(logits + token).to(tl.float32)
+                mark = _pack(x, token, vocab)
+                done = (mark >= last).to(tl.int32)
+        return token
+
+    @triton.jit
     def _row_kernel(
         logits, logits_stride, floats, floats_stride, keys, keys_stride, vocab,
-        top_in, best_in, at_in, peak_in, mass_in,
+        top_in, best_in, at_in, peak_in, mass_in, scaled_peak_in, scaled_mass_in,
         chunks, tokens, chosen_out, vals_out, ids_out, n,
-        CHUNKS: tl.constexpr, TOP: tl.constexpr, WHOLE: tl.constexpr, TOP_P: tl.constexpr,
-        MIN_P: tl.constexpr, LOGPROBS: tl.constexpr,
+        CHUNKS: tl.constexpr, CHUNK: tl.constexpr, TOP: tl.constexpr, WHOLE: tl.constexpr,
+        CANDIDATES: tl.constexpr, TOP_P: tl.constexpr, LOGPROBS: tl.constexpr,
         MIX0: tl.constexpr, MIX1: tl.constexpr, SALT: tl.constexpr,
     ):  # fmt: skip
         """One row: merge its chunks into its token; with LOGPROBS, the token's logprob and the
-        `n` best."""
+        `n` best. With CANDIDATES the draw is among the TOP best; with WHOLE too, a row without
+        a top-k whose candidates are all kept draws past them (`_beyond`)."""
         row = tl.program_id(0)
         lane = tl.arange(0, CHUNKS)
         mine = lane < chunks
@@ -226,31 +289,48 @@ if triton is not None:
             place = tl.arange(0, CHUNKS * TOP)
             packed = tl.load(top_in + row * chunks * TOP + place, mask=place < chunks * TOP,
                              other=_LOWEST)  # fmt: skip
-            raw, ids = _unpack(tl.topk(packed, TOP), vocab)  # largest first
+            packed = tl.topk(packed, TOP)
+            raw, ids = _unpack(packed, vocab)  # largest first
             rank = tl.arange(0, TOP)
         if WHOLE:
             best = tl.load(best_in + row * chunks + lane, mask=mine, other=-float("inf"))
             at = tl.load(at_in + row * chunks + lane, mask=mine, other=vocab)
             token = tl.min(tl.where(best == tl.max(best, 0), at, vocab), 0)
-        else:
+        if CANDIDATES:
             temperature = tl.load(floats + row * floats_stride)
             greedy = tl.load(floats + row * floats_stride + 3) > 0
             top_k = tl.load(floats + row * floats_stride + 4)
             key = tl.load(keys + row * keys_stride).to(tl.uint32)
             scaled = tl.div_rn(raw, tl.zeros_like(raw) + temperature)
             keep = (rank.to(tl.float32) < top_k) & (rank < vocab)
+            peak = tl.max(tl.where(rank == 0, scaled, -float("inf")), 0)  # (the most likely)
+            total = 1.0
             if TOP_P:
                 kept = tl.where(keep, scaled, -float("inf"))
-                e = _exp(kept - tl.max(kept, 0))
-                p = tl.div_rn(e, tl.zeros_like(e) + tl.sum(e, 0))
+                e = _exp(kept - peak)
+                total = tl.sum(e, 0)
+                if WHOLE:  # a row without a top-k: the whole row's mass
+                    peaks = tl.load(scaled_peak_in + row * chunks + lane, mask=mine,
+                                    other=-float("inf"))  # fmt: skip
+                    masses = tl.load(scaled_mass_in + row * chunks + lane, mask=mine, other=0.0)
+                    whole_mass = tl.sum(masses * _exp(peaks - peak), 0)
+                    total = tl.where(top_k > TOP, whole_mass, total)
+                p = tl.div_rn(e, tl.zeros_like(e) + total)
                 keep = keep & (tl.cumsum(p, 0) - p < tl.load(floats + row * floats_stride + 1))
-            if MIN_P:
-                floor = tl.max(scaled, 0) + tl.load(floats + row * floats_stride + 2)
-                keep = keep & (scaled >= floor)
+            floor = peak + tl.load(floats + row * floats_stride + 2)  # (min-p; -inf without)
+            keep = keep & (scaled >= floor)
             value = tl.where(keep, scaled, -float("inf")) + _gumbel(key, ids, MIX0, MIX1, SALT)
             pick = tl.min(tl.where(value == tl.max(value, 0), rank, TOP), 0)
-            token = tl.where(greedy, tl.max(tl.where(rank == 0, ids, -1), 0),
-                             tl.max(tl.where(rank == pick, ids, -1), 0))  # fmt: skip
+            picked = tl.max(tl.where(rank == pick, ids, -1), 0)
+            if WHOLE:
+                # Every candidate kept and no top-k: what it keeps may go on past them.
+                beyond = (top_k > TOP) & (tl.sum(keep.to(tl.int32), 0) == TOP)
+                if beyond & ~greedy:
+                    picked = _beyond(logits + row.to(tl.int64) * logits_stride, vocab, token,
+                                     tl.min(packed, 0), temperature, key, peak, total,
+                                     tl.load(floats + row * floats_stride + 1), floor,
+                                     CHUNK, TOP_P, MIX0, MIX1, SALT)  # fmt: skip
+            token = tl.where(greedy, tl.max(tl.where(rank == 0, ids, -1), 0), picked)
         tl.store(tokens + row, token.to(tl.int64))
         if LOGPROBS:
             peak = tl.load(peak_in + row * chunks + lane, mask=mine, other=-float("inf"))

@@ -168,6 +168,7 @@ class DrawSettings:
     all_greedy: bool
     any_greedy: bool
     k_max: int  # > 0: every sampled row keeps at most its top_k, this the largest
+    k_cap: int  # the largest top-k of the sampled rows that have one (0: none has)
     any_top_p: bool
     any_top_k: bool  # some sampled row has a top-k (with k_max 0: not every one has)
     any_min_p: bool
@@ -195,6 +196,7 @@ def settings(
     floats_t = torch.from_numpy(rows.astype(np.float32)).to(device, non_blocking=True)
     keys_t = torch.from_numpy(counter.keys_at(bases, places)).to(device, non_blocking=True)
     top_k = sampled[:, 4].max(initial=0)
+    finite = sampled[:, 4][sampled[:, 4] < NO_TOP_K]
     return DrawSettings(
         seqs=seqs,
         bases=bases,
@@ -203,6 +205,7 @@ def settings(
         all_greedy=bool(greedy.all()),
         any_greedy=bool(greedy.any()),
         k_max=int(top_k) if top_k < NO_TOP_K else 0,
+        k_cap=int(finite.max(initial=0)),
         any_top_p=bool((sampled[:, 1] < 1.0).any()),
         any_top_k=bool((sampled[:, 4] < NO_TOP_K).any()),
         any_min_p=bool((sampled[:, 2] > -math.inf).any()),
@@ -234,15 +237,19 @@ def device_sample(logits: torch.Tensor, s: DrawSettings, step: int = 0) -> torch
 
 
 def kernel_route(logits: torch.Tensor, s: DrawSettings) -> tuple[bool, bool, bool] | None:
-    """`draw_kernels.draw`'s (top, top_p, min_p) for these rows, or None where it cannot draw
-    them: off the GPU, a top-k past its candidates, top-p or min-p on rows without a top-k."""
-    if not draw_kernels.available(logits):
-        return None
-    if 0 < s.k_max <= draw_kernels.TOP_MAX:
-        return True, s.any_top_p, s.any_min_p
+    """`draw_kernels.draw`'s flags for these rows, or None where it cannot draw them: off the
+    GPU (Triton's interpreter aside), or a top-k past its candidates."""
+    return kernel_flags(s) if draw_kernels.available(logits) else None
+
+
+def kernel_flags(s: DrawSettings) -> tuple[bool, bool, bool] | None:
+    """`draw_kernels.draw`'s (top, whole, top_p) for these rows wherever it runs, or None where
+    a top-k is past its candidates."""
     if s.all_greedy or not (s.any_top_k or s.any_top_p or s.any_min_p):
-        return False, False, False
-    return None
+        return False, True, False
+    if s.k_cap > draw_kernels.TOP_MAX:
+        return None
+    return True, s.k_max == 0, s.any_top_p
 
 
 def ops_sample(logits: torch.Tensor, s: DrawSettings, step: int = 0) -> torch.Tensor:

@@ -29,6 +29,8 @@ MIXES = {
     "top-k": [(1.0, 1.0, 0, 50), (0.8, 1.0, 0, 1), (1.3, 1.0, 0, 64), (0, 1.0, 0, 0)],
     "top-k top-p": [(1.0, 0.95, 0, 50), (0.5, 0.3, 0, 7), (1.0, 1.0, 0, 20), (2.0, 0.9, 0, 64)],
     "top-k min-p": [(1.0, 1.0, 0.05, 40), (1.0, 0.9, 0.2, 64), (0, 1.0, 0, 0)],
+    "top-p, min-p, no top-k": [(1.0, 0.95, 0, 0), (0.6, 0.5, 0.1, 0), (1.0, 1.0, 0.05, 0),
+                               (1.0, 1.0, 0, 0), (1.0, 0.9, 0, 30), (0, 1.0, 0, 0)],
 }
 
 
@@ -42,7 +44,7 @@ def check(device: str, quick: bool = False) -> None:
         draw_kernels.CHUNK = 256
     vocab = 5 * draw_kernels.CHUNK // 2  # three chunks, the last one half full
     gen = torch.Generator().manual_seed(0)
-    for i, ((name, rows), n) in enumerate(zip(MIXES.items(), (0, 5, 20, 1), strict=True)):
+    for i, ((name, rows), n) in enumerate(zip(MIXES.items(), (0, 5, 20, 1, 3), strict=True)):
         for seed in [1 + i % 2] if quick else range(4):
             logits = (torch.randn(len(rows), vocab, generator=gen) * 3).to(device)
             tied = seed == 1 and name == "whole rows"
@@ -51,7 +53,7 @@ def check(device: str, quick: bool = False) -> None:
             if seed == 2:
                 logits[:, : draw_kernels.CHUNK + 5] = -math.inf
             s = settings(rows, device, seed)
-            route = (s.k_max > 0, s.any_top_p, s.any_min_p)
+            route = sampling.kernel_flags(s)
             expected = sampling.ops_sample(logits, s).tolist()
             plain = draw_kernels.draw(logits, s.floats, s.keys[0], *route).tolist()
             assert plain == expected, (name, seed, plain, expected)
@@ -65,6 +67,7 @@ def check(device: str, quick: bool = False) -> None:
             if not tied:  # (tied logprobs may come in either order)
                 assert ids.tolist() == top_i.tolist()
     top_p_boundary(device, vocab, gen)
+    past_the_candidates(device, vocab, gen, rounds=3 if quick else 8)
 
 
 def top_p_boundary(device: str, vocab: int, gen: torch.Generator) -> None:
@@ -76,6 +79,25 @@ def top_p_boundary(device: str, vocab: int, gen: torch.Generator) -> None:
     logits[:, 7], logits[:, 11] = 10.0, 9.5
     s = settings(rows, device, seed=5)
     logits = logits.to(device)
-    got = draw_kernels.draw(logits, s.floats, s.keys[0], True, True, False).tolist()
+    got = draw_kernels.draw(logits, s.floats, s.keys[0], True, False, True).tolist()
     assert got == sampling.ops_sample(logits, s).tolist()
     assert {7, 11} <= set(got), got
+
+
+def past_the_candidates(device: str, vocab: int, gen: torch.Generator, rounds: int) -> None:
+    """Flat rows, whose top-p and min-p keep far more than the TOP_MAX candidates: rows without
+    a top-k draw past them (each drawn token not kept sends the draw among the tokens above it),
+    beside a row with a top-k and a greedy one, with the plain ops' tokens."""
+    truncated = [(1.0, 0.95, 0, 0), (0.8, 0.4, 0, 0), (1.0, 1.0, 0.3, 0), (1.2, 0.6, 0.2, 0)]
+    rows = [*truncated * 3, (1.0, 0.9, 0, 10), (0, 1.0, 0, 0)]
+    past = 0
+    for seed in range(rounds):
+        logits = (torch.randn(len(rows), vocab, generator=gen) * 0.5).to(device)
+        s = settings(rows, device, seed=10 + seed)
+        assert sampling.kernel_flags(s) == (True, True, True)
+        expected = sampling.ops_sample(logits, s)
+        got = draw_kernels.draw(logits, s.floats, s.keys[0], True, True, True)
+        assert got.tolist() == expected.tolist(), seed
+        rank = (logits > logits.gather(1, got[:, None])).sum(-1)
+        past += int((rank[: len(truncated) * 3] >= draw_kernels.TOP_MAX).sum())
+    assert past > 0  # (the draws that went past the candidates)
