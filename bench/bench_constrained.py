@@ -18,18 +18,24 @@ it, and replaced by the token the mask allows alone where the grammar forces tex
 again under the mask; a token that broke the grammar would fail its request, and the run.
 Grammars are compiled once, before timing (`compile_ms`). Each run also counts its engine steps
 (`<kind>_steps`, the last repeat's): what refused tokens cost in steps, apart from what each
-step costs the host.
+step costs the host. `--profile` runs each kind once more at the last concurrency under
+cProfile: its launches by kind (decode bursts, forwards) and its costliest functions by own
+time, where a GPU's wait for the device shows as the synchronising call's.
 
     python bench/bench_constrained.py --model ./SmolLM2-135M-Instruct.Q4_1.gguf --json OUT
     python bench/bench_constrained.py --device cpu --concurrency 1,4 --new 16  # a quick check
+    python bench/bench_constrained.py --device cuda --concurrency 64 --temperatures 0 --profile
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
+import pstats
 import sys
 import time
+from collections import Counter
 from dataclasses import replace
 from pathlib import Path
 
@@ -68,6 +74,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="timed runs of each; the best")
     parser.add_argument("--schemas", default=",".join(STRINGS), help="of: " + ", ".join(STRINGS))
     parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--profile", action="store_true", help="cProfile a run of each kind")
     args = parser.parse_args()
 
     engine = Engine(
@@ -125,6 +132,11 @@ def main() -> None:
                          f"{row[f'{kind}_steps']} steps against {row['free_steps']})")  # fmt: skip
             results.append(row)
             print(line + " tok/s", flush=True)
+        if args.profile:
+            for name, given in (("free", None), *constraints.items()):
+                params = SamplingParams(max_tokens=args.new, temperature=temperature, seed=0,
+                                        ignore_eos=True, constraint=given)  # fmt: skip
+                profile(core, batch, params, f"temperature {temperature:g}, {c} streams, {name}")
 
     if args.json:
         cuda = engine.device.type == "cuda"
@@ -143,6 +155,33 @@ def main() -> None:
             "results": results,
         }
         Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
+
+
+def profile(core: EngineCore, batch: list[list[int]], params: SamplingParams, label: str) -> None:
+    """One run of `batch` under cProfile: its launches by kind and sequences, and the 20
+    functions of most own time."""
+    runner = core.engine.runner
+    launches: Counter = Counter()
+    plain = {"decode_steps": runner.decode_steps, "forward": runner.forward}
+
+    def counting(kind: str):
+        def launch(rows, *args, **kwargs):
+            launches[kind] += 1
+            launches[f"{kind} sequences"] += len(rows)
+            return plain[kind](rows, *args, **kwargs)
+
+        return launch
+
+    runner.decode_steps, runner.forward = counting("decode_steps"), counting("forward")
+    profiler = cProfile.Profile()
+    try:
+        profiler.enable()
+        tokens, seconds = decode(core, batch, params)
+        profiler.disable()
+    finally:
+        runner.decode_steps, runner.forward = plain["decode_steps"], plain["forward"]
+    print(f"profile, {label}: {tokens} tokens in {seconds:.3f} s, launches {dict(launches)}")
+    pstats.Stats(profiler).sort_stats("tottime").print_stats(20)
 
 
 if __name__ == "__main__":
