@@ -12,7 +12,10 @@ is measured is the draw's device time and the host's work per step around it.
 - `unseeded`: as `top-k-top-p`, unseeded (a random seed per sequence);
 - `top-p`: temperature 1, top-p 0.95, seeded (no top-k: what it keeps may go past the draw
   kernels' candidates);
-- `logprobs`: as `top-k-top-p`, with 5 logprobs per token (taken with the draw).
+- `logprobs`: as `top-k-top-p`, with 5 logprobs per token (taken with the draw);
+- `penalties`: as `top-k-top-p`, with presence and frequency penalties of 0.5 (drawn on the
+  host: the penalties read the tokens before, which rows in flight do not have there);
+- `logit-bias`: as `top-k-top-p`, with 16 tokens' logits lowered by 5 (drawn on the host too).
 
     python bench/bench_sampling.py --device cuda --json OUT  # the default model
     python bench/bench_sampling.py --device cuda --shape smollm2-135m  # its shape, random weights
@@ -49,6 +52,8 @@ VARIANTS = {
     "unseeded": TOP,
     "top-p": {"temperature": 1.0, "top_p": 0.95, "seed": 0},
     "logprobs": {**TOP, "seed": 0, "logprobs": 5},
+    "penalties": {**TOP, "seed": 0, "presence_penalty": 0.5, "frequency_penalty": 0.5},
+    "logit-bias": {**TOP, "seed": 0, "logit_bias": {token: -5.0 for token in range(100, 116)}},
 }
 
 
