@@ -15,7 +15,8 @@ is measured is the draw's device time and the host's work per step around it.
 - `logprobs`: as `top-k-top-p`, with 5 logprobs per token (taken with the draw);
 - `penalties`: as `top-k-top-p`, with presence and frequency penalties of 0.5 (drawn on the
   host: the penalties read the tokens before, which rows in flight do not have there);
-- `logit-bias`: as `top-k-top-p`, with 16 tokens' logits lowered by 5 (drawn on the host too).
+- `logit-bias`: as `top-k-top-p`, with 16 tokens' logits lowered by 5 (added on the device
+  before the draw).
 
     python bench/bench_sampling.py --device cuda --json OUT  # the default model
     python bench/bench_sampling.py --device cuda --shape smollm2-135m  # its shape, random weights

@@ -111,13 +111,15 @@ class DrawnLogprobs:
 
     def draw(self, logits: torch.Tensor, s: DrawSettings, step: int) -> torch.Tensor:
         """`device_sample`, and this step's logprobs taken: on the GPU in the same two kernels
-        where they can draw these rows."""
+        where they can draw these rows. (A row with a logit bias asks for no logprobs, and the
+        rows that ask have none: their logprobs are the raw logits' either way.)"""
         route = sampling.kernel_route(logits, s)
         if route is None or self.k > draw_kernels.LOGPROBS_MAX:
             tokens = sampling.device_sample(logits, s, step)
             self.take(logits, tokens)
             return tokens
-        tokens, taken = draw_kernels.draw_scored(logits, s.floats, s.keys[step], *route, self.k)
+        drawn = sampling.biased(logits, s)
+        tokens, taken = draw_kernels.draw_scored(drawn, s.floats, s.keys[step], *route, self.k)
         self._steps.append(taken)
         return tokens
 

@@ -172,6 +172,10 @@ class DrawSettings:
     any_top_p: bool
     any_top_k: bool  # some sampled row has a top-k (with k_max 0: not every one has)
     any_min_p: bool
+    # Each row's logit bias as ([B, K] token ids, [B, K] values; rows with fewer: id 0, value
+    # 0), added before the draw (`biased`); None where no row has one, or the logits already
+    # hold it (the host's draws: `adjust`).
+    bias: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 def settings(
@@ -180,11 +184,13 @@ def settings(
     device: torch.device,
     steps: int = 1,
     last: DrawSettings | None = None,
+    bias: bool = False,
 ) -> DrawSettings:
     """The settings of rows drawing for `seqs`, whose first draws are the tokens at
     `positions`, and `steps` draws each (step s draws position + s): two host-to-device
     copies, the rest vectorised on the host. `last`: the previous launch's; where its rows are
-    the same sequences in the same order (most steps), only the keys are new: one copy."""
+    the same sequences in the same order (most steps), only the keys are new: one copy.
+    `bias`: the draws add the rows' logit biases (raw logits from the device's forward)."""
     places = np.asarray(positions, dtype=np.int64)[None, :] + np.arange(steps)[:, None]
     if last is not None and len(last.seqs) == len(seqs) and all(map(is_, last.seqs, seqs)):
         keys = counter.keys_at(last.bases, places)
@@ -209,7 +215,32 @@ def settings(
         any_top_p=bool((sampled[:, 1] < 1.0).any()),
         any_top_k=bool((sampled[:, 4] < NO_TOP_K).any()),
         any_min_p=bool((sampled[:, 2] > -math.inf).any()),
+        bias=_bias(seqs, device) if bias else None,
     )
+
+
+def _bias(seqs: list[Sequence], device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """`DrawSettings.bias` for these rows, or None where none has a logit bias."""
+    width = max((len(s.params.logit_bias) for s in seqs), default=0)
+    if not width:
+        return None
+    ids = np.zeros((len(seqs), width), dtype=np.int64)
+    values = np.zeros((len(seqs), width), dtype=np.float32)
+    for i, seq in enumerate(seqs):
+        bias = seq.params.logit_bias
+        ids[i, : len(bias)] = list(bias)
+        values[i, : len(bias)] = list(bias.values())
+    return (torch.from_numpy(ids).to(device, non_blocking=True),
+            torch.from_numpy(values).to(device, non_blocking=True))  # fmt: skip
+
+
+def biased(logits: torch.Tensor, s: DrawSettings) -> torch.Tensor:
+    """The logits with each row's logit bias added (a new tensor; the same addition as
+    `adjust`'s), or the logits themselves where no row has one."""
+    if s.bias is None:
+        return logits
+    ids, values = s.bias
+    return logits.scatter_add(1, ids, values.to(logits.dtype))
 
 
 def columns(floats: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -227,7 +258,9 @@ def columns(floats: torch.Tensor) -> dict[str, torch.Tensor]:
 def device_sample(logits: torch.Tensor, s: DrawSettings, step: int = 0) -> torch.Tensor:
     """Each row's token [B], left on the logits' device: greedy rows their argmax, sampled rows
     argmax(truncated logits / T + Gumbel noise keyed by their step `step` draw). On the GPU,
-    two fused kernels (`draw_kernels`) where the batch's truncation allows it, else `ops_sample`."""
+    two fused kernels (`draw_kernels`) where the batch's truncation allows it, else `ops_sample`.
+    Rows' logit biases (`DrawSettings.bias`) are added first."""
+    logits = biased(logits, s)
     if s.all_greedy:
         return logits.argmax(-1)
     route = kernel_route(logits, s)
@@ -304,12 +337,14 @@ def plain_greedy(row: Row) -> bool:
 
 def on_device(seq: Sequence) -> bool:
     """May this sequence's next tokens be drawn on the device (`device_sample`), several passes
-    in a row with no host in between? Nothing may need the host between two tokens: no logit
-    bias, penalties, pending min_tokens or grammar (logprobs are taken on the device too:
-    `drawn_logprobs`)."""
+    in a row with no host in between? Nothing may need the host between two tokens: no
+    penalties (they count the tokens before), pending min_tokens or grammar. Logprobs are taken
+    on the device (`drawn_logprobs`), and a logit bias is added there (`biased`), but not both
+    for one row: its logprobs are the raw logits', which the device's draw no longer holds."""
     p = seq.params
     return (
-        p.unbiased
+        not p.has_penalties
+        and not (p.logit_bias and p.logprobs is not None)
         and seq.grammar is None
         and (not p.min_tokens or len(seq.token_ids) - len(seq.prompt_ids) >= p.min_tokens)
     )

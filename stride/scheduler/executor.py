@@ -170,7 +170,7 @@ class Executor:
         ones (the in-flight launch's reused where its rows are the same)."""
         positions = [len(s.token_ids) + s.pending for s in seqs]
         last = None if self._in_flight is None else self._in_flight.draws
-        return sampling.settings(seqs, positions, self.engine.device, steps, last)
+        return sampling.settings(seqs, positions, self.engine.device, steps, last, bias=True)
 
     def _started(self, launch: Launch, steps: list[int]) -> None:
         """What a launch changes at once: prefill chunks are cached (their next chunk may run

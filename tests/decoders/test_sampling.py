@@ -112,8 +112,8 @@ def _generate(core, reqs):
 )
 def test_seeded_sampling_is_reproducible_whatever_the_batch(tiny_dir, params):
     """The same tokens alone or among many others (greedy, truncated, unseeded), on the host
-    (a logit bias of 0 takes that path) or on the device: in bursts of several steps, or in
-    one-step launches kept in flight (overlap, which the CPU can run too)."""
+    (a logit bias of 0 with logprobs takes that path) or on the device: in bursts of several
+    steps, or in one-step launches kept in flight (overlap, which the CPU can run too)."""
     prompt = [5, 6, 7, 8]
     alone = _generate(make_core(tiny_dir), [GenerateRequest("x", prompt, params)])["x"]
     others = [
@@ -129,7 +129,7 @@ def test_seeded_sampling_is_reproducible_whatever_the_batch(tiny_dir, params):
         )
         for i in range(12)
     ]
-    host = replace(params, logit_bias={3: 0.0})
+    host = replace(params, logit_bias={3: 0.0}, logprobs=1)
     for mine, steps, overlap in [(params, 4, False), (params, 1, True), (host, 4, True)]:
         for crowd in ([], others):
             core = make_core(tiny_dir, max_num_seqs=16, fused_decode_steps=steps)
@@ -138,6 +138,41 @@ def test_seeded_sampling_is_reproducible_whatever_the_batch(tiny_dir, params):
             assert _generate(core, reqs)["x"] == alone
     other_seed = replace(params, seed=99)
     assert _generate(make_core(tiny_dir), [GenerateRequest("x", prompt, other_seed)])["x"] != alone
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_a_logit_bias_is_added_on_the_device_as_the_host_adds_it(tiny_dir, temperature):
+    """A row with a logit bias and no logprobs is drawn on the device, in bursts and in
+    launches kept in flight, beside rows without one: the tokens the host's draw gives (with
+    logprobs a biased row is drawn there), and not the unbiased ones."""
+    plain = SamplingParams(max_tokens=12, temperature=temperature, seed=7, ignore_eos=True)
+    prompt = [5, 6, 7, 8]
+    unbiased = _generate(make_core(tiny_dir), [GenerateRequest("x", prompt, plain)])["x"]
+    bias = {unbiased[0]: -100.0, unbiased[4]: -2.0, 3: 2.5}  # (the first token banned)
+    params = replace(plain, logit_bias=bias)
+    scored = replace(params, logprobs=1)
+    host = _generate(make_core(tiny_dir), [GenerateRequest("x", prompt, scored)])["x"]
+    assert host[0] != unbiased[0]
+    others = [GenerateRequest(f"o{i}", [9 + i] * 3, replace(plain, seed=i)) for i in range(3)]
+    for steps, overlap in [(4, False), (1, True), (4, True)]:
+        core = make_core(tiny_dir, max_num_seqs=8, fused_decode_steps=steps)
+        core.executor.overlap = overlap
+        launched = _launches(core)
+        assert _generate(core, [GenerateRequest("x", prompt, params), *others])["x"] == host
+        assert "x" in launched  # (drawn on the device)
+
+
+def _launches(core) -> list[str]:
+    """The request ids of every row of the core's decode launches, as they launch."""
+    launched: list[str] = []
+    decode_steps = core.engine.runner.decode_steps
+
+    def counting(seqs, *args, **kwargs):
+        launched.extend(s.request_id for s in seqs)
+        return decode_steps(seqs, *args, **kwargs)
+
+    core.engine.runner.decode_steps = counting
+    return launched
 
 
 def test_stop_string_split_across_tokens(tiny_dir):
