@@ -13,8 +13,8 @@ is measured is the draw's device time and the host's work per step around it.
 - `top-p`: temperature 1, top-p 0.95, seeded (no top-k: what it keeps may go past the draw
   kernels' candidates);
 - `logprobs`: as `top-k-top-p`, with 5 logprobs per token (taken with the draw);
-- `penalties`: as `top-k-top-p`, with presence and frequency penalties of 0.5 (drawn on the
-  host: the penalties read the tokens before, which rows in flight do not have there);
+- `penalties`: as `top-k-top-p`, with presence and frequency penalties of 0.5 (added on the
+  device, each row's tokens counted there; no launch kept in flight);
 - `logit-bias`: as `top-k-top-p`, with 16 tokens' logits lowered by 5 (added on the device
   before the draw).
 

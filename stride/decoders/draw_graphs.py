@@ -43,8 +43,8 @@ class DrawGraphs:
         self._pool = None
 
     def __call__(self, logits: torch.Tensor, s: DrawSettings, step: int) -> torch.Tensor:
-        captured = not (s.all_greedy or len(logits) > MAX_ROWS or s.bias is not None)
-        if logits.device.type != "cuda" or not captured:  # (a logit bias is not captured)
+        captured = not (s.all_greedy or len(logits) > MAX_ROWS or s.adjustments is not None)
+        if logits.device.type != "cuda" or not captured:  # (nor biases and penalties)
             return sampling.device_sample(logits, s, step)
         ops = (sampling.kernel_route(logits, s), s.any_greedy, s.k_max, s.any_top_p, s.any_top_k,
                s.any_min_p)  # fmt: skip

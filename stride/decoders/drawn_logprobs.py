@@ -19,7 +19,7 @@ from typing import overload
 import numpy as np
 import torch
 
-from stride.decoders import draw_kernels, sampling
+from stride.decoders import adjustments, draw_kernels, sampling
 from stride.decoders.sampling import DrawSettings, TokenLogprob
 from stride.engine.sequence import Sequence
 
@@ -111,15 +111,16 @@ class DrawnLogprobs:
 
     def draw(self, logits: torch.Tensor, s: DrawSettings, step: int) -> torch.Tensor:
         """`device_sample`, and this step's logprobs taken: on the GPU in the same two kernels
-        where they can draw these rows. (A row with a logit bias asks for no logprobs, and the
-        rows that ask have none: their logprobs are the raw logits' either way.)"""
+        where they can draw these rows. (A row with a logit bias or penalties asks for no
+        logprobs, and the rows that ask have neither: theirs are the raw logits' either way.)"""
         route = sampling.kernel_route(logits, s)
         if route is None or self.k > draw_kernels.LOGPROBS_MAX:
             tokens = sampling.device_sample(logits, s, step)
             self.take(logits, tokens)
             return tokens
-        drawn = sampling.biased(logits, s)
+        drawn = adjustments.apply(logits, s.adjustments)
         tokens, taken = draw_kernels.draw_scored(drawn, s.floats, s.keys[step], *route, self.k)
+        adjustments.count(s.adjustments, tokens)
         self._steps.append(taken)
         return tokens
 

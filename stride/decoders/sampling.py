@@ -9,9 +9,10 @@ the sequence's seed, the position of the token being drawn and the token id, so 
 gives the same tokens whatever shares its batch, on the host or on the device, in a burst or
 not. One implementation serves both paths: `device_sample` takes per-row settings as tensors on
 the logits' device (`DrawSettings`, built once per launch), truncates (top-k, top-p, min-p) and
-takes argmax(logits / T + Gumbel noise), a few batched tensor ops with no host sync. The host
-path (`sample`) applies what needs the host first (bias, penalties, min_tokens, grammar masks:
-`adjust`) and then makes the same draw.
+takes argmax(logits / T + Gumbel noise), a few batched tensor ops with no host sync, after
+adding the rows' logit biases and penalties where the settings carry them (`adjustments`). The
+host path (`sample`) applies what needs the host first (bias, penalties, min_tokens, grammar
+masks: `adjust`, with the same arithmetic) and then makes the same draw.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from operator import is_
 import numpy as np
 import torch
 
-from stride.decoders import counter, draw_kernels, grammar
+from stride.decoders import adjustments, counter, draw_kernels, grammar
+from stride.decoders.adjustments import Adjustments
 from stride.engine.sequence import NO_TOP_K, SamplingParams, Sequence
 
 
@@ -172,10 +174,9 @@ class DrawSettings:
     any_top_p: bool
     any_top_k: bool  # some sampled row has a top-k (with k_max 0: not every one has)
     any_min_p: bool
-    # Each row's logit bias as ([B, K] token ids, [B, K] values; rows with fewer: id 0, value
-    # 0), added before the draw (`biased`); None where no row has one, or the logits already
-    # hold it (the host's draws: `adjust`).
-    bias: tuple[torch.Tensor, torch.Tensor] | None = None
+    # The rows' logit biases and penalties, added before each draw; None where no row has one,
+    # or the logits hold them already (the host's draws: `adjust`).
+    adjustments: Adjustments | None = None
 
 
 def settings(
@@ -184,15 +185,16 @@ def settings(
     device: torch.device,
     steps: int = 1,
     last: DrawSettings | None = None,
-    bias: bool = False,
+    vocab: int | None = None,
 ) -> DrawSettings:
     """The settings of rows drawing for `seqs`, whose first draws are the tokens at
     `positions`, and `steps` draws each (step s draws position + s): two host-to-device
     copies, the rest vectorised on the host. `last`: the previous launch's; where its rows are
     the same sequences in the same order (most steps), only the keys are new: one copy.
-    `bias`: the draws add the rows' logit biases (raw logits from the device's forward)."""
+    `vocab`: the logits' width, where the draws add the rows' logit biases and penalties (the
+    raw logits of the device's forward)."""
     places = np.asarray(positions, dtype=np.int64)[None, :] + np.arange(steps)[:, None]
-    if last is not None and len(last.seqs) == len(seqs) and all(map(is_, last.seqs, seqs)):
+    if last is not None and _reusable(last, seqs):
         keys = counter.keys_at(last.bases, places)
         return replace(last, keys=torch.from_numpy(keys)[..., None].to(device, non_blocking=True))
     rows = np.array([s.params.draw_row for s in seqs], dtype=np.float64)  # (cached tuples)
@@ -215,32 +217,8 @@ def settings(
         any_top_p=bool((sampled[:, 1] < 1.0).any()),
         any_top_k=bool((sampled[:, 4] < NO_TOP_K).any()),
         any_min_p=bool((sampled[:, 2] > -math.inf).any()),
-        bias=_bias(seqs, device) if bias else None,
+        adjustments=None if vocab is None else adjustments.build(seqs, vocab, device),
     )
-
-
-def _bias(seqs: list[Sequence], device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """`DrawSettings.bias` for these rows, or None where none has a logit bias."""
-    width = max((len(s.params.logit_bias) for s in seqs), default=0)
-    if not width:
-        return None
-    ids = np.zeros((len(seqs), width), dtype=np.int64)
-    values = np.zeros((len(seqs), width), dtype=np.float32)
-    for i, seq in enumerate(seqs):
-        bias = seq.params.logit_bias
-        ids[i, : len(bias)] = list(bias)
-        values[i, : len(bias)] = list(bias.values())
-    return (torch.from_numpy(ids).to(device, non_blocking=True),
-            torch.from_numpy(values).to(device, non_blocking=True))  # fmt: skip
-
-
-def biased(logits: torch.Tensor, s: DrawSettings) -> torch.Tensor:
-    """The logits with each row's logit bias added (a new tensor; the same addition as
-    `adjust`'s), or the logits themselves where no row has one."""
-    if s.bias is None:
-        return logits
-    ids, values = s.bias
-    return logits.scatter_add(1, ids, values.to(logits.dtype))
 
 
 def columns(floats: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -255,18 +233,28 @@ def columns(floats: torch.Tensor) -> dict[str, torch.Tensor]:
     )
 
 
+def _reusable(last: DrawSettings, seqs: list[Sequence]) -> bool:
+    """Are `last`'s settings those of `seqs` but for their keys: the same sequences in the same
+    order, and no token counts that its draws have moved on (penalties)?"""
+    counted = last.adjustments is not None and last.adjustments.counts is not None
+    return not counted and len(last.seqs) == len(seqs) and all(map(is_, last.seqs, seqs))
+
+
 def device_sample(logits: torch.Tensor, s: DrawSettings, step: int = 0) -> torch.Tensor:
     """Each row's token [B], left on the logits' device: greedy rows their argmax, sampled rows
     argmax(truncated logits / T + Gumbel noise keyed by their step `step` draw). On the GPU,
     two fused kernels (`draw_kernels`) where the batch's truncation allows it, else `ops_sample`.
-    Rows' logit biases (`DrawSettings.bias`) are added first."""
-    logits = biased(logits, s)
+    The rows' logit biases and penalties (`DrawSettings.adjustments`) are added first, and the
+    drawn tokens counted for the penalties of the next draw."""
+    logits = adjustments.apply(logits, s.adjustments)
     if s.all_greedy:
-        return logits.argmax(-1)
-    route = kernel_route(logits, s)
-    if route is None:
-        return ops_sample(logits, s, step)
-    return draw_kernels.draw(logits, s.floats, s.keys[step], *route)
+        tokens = logits.argmax(-1)
+    elif (route := kernel_route(logits, s)) is None:
+        tokens = ops_sample(logits, s, step)
+    else:
+        tokens = draw_kernels.draw(logits, s.floats, s.keys[step], *route)
+    adjustments.count(s.adjustments, tokens)
+    return tokens
 
 
 def kernel_route(logits: torch.Tensor, s: DrawSettings) -> tuple[bool, bool, bool] | None:
@@ -337,14 +325,13 @@ def plain_greedy(row: Row) -> bool:
 
 def on_device(seq: Sequence) -> bool:
     """May this sequence's next tokens be drawn on the device (`device_sample`), several passes
-    in a row with no host in between? Nothing may need the host between two tokens: no
-    penalties (they count the tokens before), pending min_tokens or grammar. Logprobs are taken
-    on the device (`drawn_logprobs`), and a logit bias is added there (`biased`), but not both
-    for one row: its logprobs are the raw logits', which the device's draw no longer holds."""
+    in a row with no host in between? Nothing may need the host between two tokens: no pending
+    min_tokens or grammar. Logprobs are taken on the device (`drawn_logprobs`), and a logit bias
+    and penalties are added there (`adjustments`), but not both for one row: its logprobs are
+    the raw logits', which the device's draw no longer holds."""
     p = seq.params
     return (
-        not p.has_penalties
-        and not (p.logit_bias and p.logprobs is not None)
+        (p.unbiased or p.logprobs is None)
         and seq.grammar is None
         and (not p.min_tokens or len(seq.token_ids) - len(seq.prompt_ids) >= p.min_tokens)
     )

@@ -170,7 +170,8 @@ class Executor:
         ones (the in-flight launch's reused where its rows are the same)."""
         positions = [len(s.token_ids) + s.pending for s in seqs]
         last = None if self._in_flight is None else self._in_flight.draws
-        return sampling.settings(seqs, positions, self.engine.device, steps, last, bias=True)
+        vocab = self.engine.hf_config.vocab_size  # (the draws add biases and penalties)
+        return sampling.settings(seqs, positions, self.engine.device, steps, last, vocab)
 
     def _started(self, launch: Launch, steps: list[int]) -> None:
         """What a launch changes at once: prefill chunks are cached (their next chunk may run
@@ -268,7 +269,8 @@ class Executor:
             made = max(made, count)
             promised = min(promised, prop.plain_steps)
             left = min(left, seq.params.max_tokens - (count - len(seq.prompt_ids)))
-            plain = plain and seq.prompt_logprobs is None
+            # (penalties count a row's tokens from the committed ones: nothing in flight)
+            plain = plain and seq.prompt_logprobs is None and not seq.params.has_penalties
         runner = self.engine.runner
 
         def continuable(n: int) -> bool:  # after a launch of n steps

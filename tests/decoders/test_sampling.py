@@ -140,26 +140,39 @@ def test_seeded_sampling_is_reproducible_whatever_the_batch(tiny_dir, params):
     assert _generate(make_core(tiny_dir), [GenerateRequest("x", prompt, other_seed)])["x"] != alone
 
 
-@pytest.mark.parametrize("temperature", [0.0, 0.9])
-def test_a_logit_bias_is_added_on_the_device_as_the_host_adds_it(tiny_dir, temperature):
-    """A row with a logit bias and no logprobs is drawn on the device, in bursts and in
-    launches kept in flight, beside rows without one: the tokens the host's draw gives (with
-    logprobs a biased row is drawn there), and not the unbiased ones."""
-    plain = SamplingParams(max_tokens=12, temperature=temperature, seed=7, ignore_eos=True)
-    prompt = [5, 6, 7, 8]
-    unbiased = _generate(make_core(tiny_dir), [GenerateRequest("x", prompt, plain)])["x"]
-    bias = {unbiased[0]: -100.0, unbiased[4]: -2.0, 3: 2.5}  # (the first token banned)
-    params = replace(plain, logit_bias=bias)
+ADJUSTMENTS = {
+    "bias": lambda first: {"logit_bias": {first: -100.0, 3: 2.5, 11: -2.0}},
+    "penalties": lambda first: {"presence_penalty": 1.5, "frequency_penalty": 1.0},
+    "repetition": lambda first: {"repetition_penalty": 1.8},
+    "all": lambda first: {"logit_bias": {first: -100.0}, "repetition_penalty": 1.3,
+                          "presence_penalty": 0.5, "frequency_penalty": 0.5},  # fmt: skip
+}
+
+
+@pytest.mark.parametrize("adjust", list(ADJUSTMENTS))
+@pytest.mark.parametrize("temperature", [0.0, 0.4])
+def test_biases_and_penalties_are_added_on_the_device_as_the_host_adds_them(
+    tiny_dir, temperature, adjust
+):
+    """A row with a logit bias or penalties and no logprobs is drawn on the device in bursts,
+    with a bias alone in one-step launches kept in flight too (penalties count from committed
+    tokens: none in flight), beside rows without: the tokens the host's draw gives (with
+    logprobs the row is drawn there), and not the unadjusted ones."""
+    plain = SamplingParams(max_tokens=24, temperature=temperature, seed=7, ignore_eos=True)
+    prompt = [5, 6, 7, 8, 5, 6]
+    unadjusted = _generate(make_core(tiny_dir), [GenerateRequest("x", prompt, plain)])["x"]
+    params = replace(plain, **ADJUSTMENTS[adjust](unadjusted[0]))
     scored = replace(params, logprobs=1)
     host = _generate(make_core(tiny_dir), [GenerateRequest("x", prompt, scored)])["x"]
-    assert host[0] != unbiased[0]
+    assert host != unadjusted
     others = [GenerateRequest(f"o{i}", [9 + i] * 3, replace(plain, seed=i)) for i in range(3)]
     for steps, overlap in [(4, False), (1, True), (4, True)]:
         core = make_core(tiny_dir, max_num_seqs=8, fused_decode_steps=steps)
         core.executor.overlap = overlap
         launched = _launches(core)
         assert _generate(core, [GenerateRequest("x", prompt, params), *others])["x"] == host
-        assert "x" in launched  # (drawn on the device)
+        # (one-step launches with penalties are forwards, drawn on the host: none in flight)
+        assert "x" in launched or steps == 1 and params.has_penalties
 
 
 def _launches(core) -> list[str]:

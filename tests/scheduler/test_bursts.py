@@ -31,25 +31,30 @@ def _requests() -> list[GenerateRequest]:
         )
         reqs.append(GenerateRequest(f"r{i}", [5 + i, 9, 12 + i, 7][: 1 + i % 4], params))
     # Sampled and seeded: drawn on the device, in bursts like the greedy ones, with a logit
-    # bias too (beside a row whose logprobs are taken with the draw); with a penalty: its draw
-    # needs the host between tokens, so while it runs there are no bursts.
+    # bias and penalties too (beside a row whose logprobs are taken with the draw); with a bias
+    # and logprobs: its draw needs the host between tokens, so while it runs there are no
+    # bursts.
     sampled = SamplingParams(max_tokens=9, temperature=0.8, top_k=20, seed=3, ignore_eos=True)
     reqs.append(GenerateRequest("sampled", [6, 7, 8], sampled))
     unbounded = SamplingParams(max_tokens=7, temperature=1.1, top_p=0.9, seed=4, ignore_eos=True)
     reqs.append(GenerateRequest("top-p", [8, 7], unbounded))
-    biased = SamplingParams(max_tokens=8, temperature=0.8, seed=6, logit_bias={9: 2.0, 4: -3.0})
+    biased = SamplingParams(max_tokens=8, temperature=0.8, seed=6, logit_bias={9: 2.0, 4: -3.0},
+                            presence_penalty=0.7)  # fmt: skip
     reqs.append(GenerateRequest("biased", [6, 9], biased))
+    penalized = SamplingParams(max_tokens=8, temperature=0.0, repetition_penalty=1.4,
+                               frequency_penalty=0.5)  # fmt: skip
+    reqs.append(GenerateRequest("penalized", [9, 6, 9], penalized))
     scored = SamplingParams(max_tokens=8, temperature=0.8, seed=7, logprobs=2)
     reqs.append(GenerateRequest("scored", [7, 9], scored))
-    penalized = SamplingParams(max_tokens=5, temperature=0.8, seed=5, presence_penalty=0.5)
-    reqs.append(GenerateRequest("penalized", [6, 7, 9], penalized))
+    host = SamplingParams(max_tokens=5, temperature=0.8, seed=5, logit_bias={9: 0.0}, logprobs=1)
+    reqs.append(GenerateRequest("host", [6, 7, 9], host))
     return reqs
 
 
 def _core(tiny_dir, device: str, steps: int) -> EngineCore:
     config = EngineConfig(model=str(tiny_dir), device=device, dtype="float32",
                           kv_cache_memory=16 << 20)  # fmt: skip
-    return EngineCore(Engine(config), SchedulerConfig(max_num_seqs=8, fused_decode_steps=steps))
+    return EngineCore(Engine(config), SchedulerConfig(max_num_seqs=12, fused_decode_steps=steps))
 
 
 def _run(core: EngineCore) -> tuple[dict[str, tuple], list[tuple[int, set[str]]]]:
@@ -89,8 +94,8 @@ def test_bursts_change_no_output(tiny_dir, device):
     assert fused == single  # seeded draws: the same on the host, and on the device in bursts
     assert any("sampled" in ids for _, ids in fused_calls)
     assert any("top-p" in ids for _, ids in fused_calls)
-    assert any({"biased", "scored"} <= ids for _, ids in fused_calls)
-    assert not any("penalized" in ids for _, ids in fused_calls)
+    assert any({"biased", "scored", "penalized"} <= ids for _, ids in fused_calls)
+    assert not any("host" in ids for _, ids in fused_calls)
     assert all(r[2] is not None and r[3] for r in fused.values())  # finished; passes counted
     assert {r[2] for r in fused.values()} >= {"length", "stop"}
 

@@ -78,10 +78,10 @@ def loop_shape(seq: Sequence, state: SeqState, eagle: EagleDrafter) -> TreeShape
 def runnable(seq: Sequence) -> bool:
     """Can the device loop run `seq` now? Only a row drawn on the device with nothing for the
     host between two tokens: the loop accepts on the device (the argmax, or the rejection rule
-    for sampled rows, from the model's own distribution: no logit bias) and hands nothing else
-    back (no logprobs)."""
+    for sampled rows, from the model's own distribution: no logit bias or penalties) and hands
+    nothing else back (no logprobs)."""
     p = seq.params
-    return p.logprobs is None and not p.logit_bias and sampling.on_device(seq)
+    return p.logprobs is None and p.unbiased and sampling.on_device(seq)
 
 
 def batch_menu(seqs: list[Sequence]) -> tuple[TreeShape, ...] | None:
