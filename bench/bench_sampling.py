@@ -14,7 +14,7 @@ is measured is the draw's device time and the host's work per step around it.
   kernels' candidates);
 - `logprobs`: as `top-k-top-p`, with 5 logprobs per token (taken with the draw);
 - `penalties`: as `top-k-top-p`, with presence and frequency penalties of 0.5 (added on the
-  device, each row's tokens counted there; no launch kept in flight);
+  device, each row's tokens counted there);
 - `logit-bias`: as `top-k-top-p`, with 16 tokens' logits lowered by 5 (added on the device
   before the draw).
 

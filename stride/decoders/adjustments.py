@@ -9,8 +9,9 @@ draws brings up to date on the device (`count`). The arithmetic is `adjust`'s, e
 element, so a seeded row draws the same tokens either way; a row without an adjustment is left
 as it is (a bias of 0 at token 0, a repetition penalty of 1, frequency and presence of 0).
 
-Counts start from the tokens the host has committed, so a row with penalties never starts a
-launch with tokens still in flight (`Executor._shape`: such a launch is waited for).
+Counts start from the tokens the host has committed; a row whose tokens are still in flight
+(the launch before this one, not committed yet) has those counted on the device, from that
+launch's samples (`count_row`, `Executor._draw_settings`).
 """
 
 from __future__ import annotations
@@ -100,6 +101,13 @@ def apply(logits: torch.Tensor, a: Adjustments | None) -> torch.Tensor:
         logits = torch.where(seen, repeated, logits)
         logits = logits - (frequency * a.counts + presence * present.to(logits.dtype))
     return logits
+
+
+def count_row(a: Adjustments, row: int, tokens: torch.Tensor) -> None:
+    """`tokens` (on the device) counted for `row`: its tokens in flight when the launch starts."""
+    assert a.counts is not None
+    ones = torch.ones(len(tokens), dtype=a.counts.dtype, device=tokens.device)
+    a.counts[row].index_put_((tokens,), ones, accumulate=True)
 
 
 def count(a: Adjustments | None, tokens: torch.Tensor) -> None:

@@ -35,7 +35,7 @@ from collections.abc import Iterator
 
 import torch
 
-from stride.decoders import draw_kernels, grammar, sampling
+from stride.decoders import adjustments, draw_kernels, grammar, sampling
 from stride.decoders.base import Proposal
 from stride.decoders.draw_graphs import DrawGraphs
 from stride.decoders.drawn_logprobs import DrawnLogprobs
@@ -167,11 +167,20 @@ class Executor:
 
     def _draw_settings(self, seqs: list[Sequence], steps: int) -> sampling.DrawSettings:
         """`seqs`' settings for `steps` draws on the device, from the token after their pending
-        ones (the in-flight launch's reused where its rows are the same)."""
+        ones (the in-flight launch's reused where its rows are the same). Rows with penalties
+        count their pending tokens too, on the device, from the launch in flight."""
         positions = [len(s.token_ids) + s.pending for s in seqs]
-        last = None if self._in_flight is None else self._in_flight.draws
+        flight = self._in_flight
+        last = None if flight is None else flight.draws
         vocab = self.engine.hf_config.vocab_size  # (the draws add biases and penalties)
-        return sampling.settings(seqs, positions, self.engine.device, steps, last, vocab)
+        draws = sampling.settings(seqs, positions, self.engine.device, steps, last, vocab)
+        adjusted = draws.adjustments
+        if adjusted and adjusted.counts is not None and flight and flight.tokens is not None:
+            made = flight.tokens.on_device
+            for i, seq in enumerate(seqs):
+                if seq.pending and seq.params.has_penalties:
+                    adjustments.count_row(adjusted, i, made[:, flight.rows[seq.request_id]])
+        return draws
 
     def _started(self, launch: Launch, steps: list[int]) -> None:
         """What a launch changes at once: prefill chunks are cached (their next chunk may run
@@ -269,8 +278,7 @@ class Executor:
             made = max(made, count)
             promised = min(promised, prop.plain_steps)
             left = min(left, seq.params.max_tokens - (count - len(seq.prompt_ids)))
-            # (penalties count a row's tokens from the committed ones: nothing in flight)
-            plain = plain and seq.prompt_logprobs is None and not seq.params.has_penalties
+            plain = plain and seq.prompt_logprobs is None
         runner = self.engine.runner
 
         def continuable(n: int) -> bool:  # after a launch of n steps

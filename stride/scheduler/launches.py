@@ -30,9 +30,11 @@ class Launch:
         self.continuable = continuable  # may stay in flight (see the module docstring)
         self.result = StepResult(batch, passes=passes)
         # The last token each committing row samples, on the device (a continuable launch), and
-        # whose each of them is (in `sampled`'s order): what the next launch's fed rows read.
+        # whose each of them is (in `sampled`'s order): what the next launch's fed rows read;
+        # `tokens`: all of their samples, [steps, B] (rows with penalties count them).
         self.sampled: torch.Tensor | None = None
         self.sampling: list[Sequence] = []
+        self.tokens: SampledTokens | None = None
         self.draws: sampling.DrawSettings | None = None  # their settings (the next may reuse)
         self.logprobs: DrawnLogprobs | None = None  # of their draws, where asked for
         self.masked: set[str] = set()  # whose draws were under their grammar's mask, by id
@@ -56,7 +58,6 @@ class ForwardLaunch(Launch):
     def __init__(self, batch: Batch, logits: list[torch.Tensor], continuable: bool) -> None:
         super().__init__(batch, 1, continuable)
         self.logits = logits
-        self.tokens: SampledTokens | None = None  # drawn on the device (a continuable launch)
         self.decode_only = all(item.completes_tail and item.num_tail == 1 for item in batch.plan)
 
     def scored(self, decoders: DecoderSet) -> dict[str, Scored]:
@@ -85,6 +86,7 @@ class BurstLaunch(Launch):
         self.decode_only = True
 
     def scored(self, decoders: DecoderSet) -> dict[str, Scored]:
+        assert self.tokens is not None
         made = self.tokens.per_sequence()
         lps = None if self.logprobs is None else self.logprobs.per_sequence(made)
         return {
