@@ -11,7 +11,7 @@ as it is (a bias of 0 at token 0, a repetition penalty of 1, frequency and prese
 
 Counts start from the tokens the host has committed; a row whose tokens are still in flight
 (the launch before this one, not committed yet) has those counted on the device, from that
-launch's samples (`count_row`, `Executor._draw_settings`).
+launch's samples (`count_rows`, `Executor._draw_settings`).
 """
 
 from __future__ import annotations
@@ -103,11 +103,13 @@ def apply(logits: torch.Tensor, a: Adjustments | None) -> torch.Tensor:
     return logits
 
 
-def count_row(a: Adjustments, row: int, tokens: torch.Tensor) -> None:
-    """`tokens` (on the device) counted for `row`: its tokens in flight when the launch starts."""
+def count_rows(a: Adjustments, rows: list[int], tokens: torch.Tensor) -> None:
+    """`tokens` [steps, len(rows)] (on the device) counted for `rows`: their tokens still in
+    flight when the launch starts, in one scatter."""
     assert a.counts is not None
-    ones = torch.ones(len(tokens), dtype=a.counts.dtype, device=tokens.device)
-    a.counts[row].index_put_((tokens,), ones, accumulate=True)
+    at = _to(np.tile(np.array(rows, dtype=np.int64), len(tokens)), tokens.device)
+    ones = torch.ones(tokens.numel(), dtype=a.counts.dtype, device=tokens.device)
+    a.counts.index_put_((at, tokens.flatten()), ones, accumulate=True)
 
 
 def count(a: Adjustments | None, tokens: torch.Tensor) -> None:

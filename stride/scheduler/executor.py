@@ -176,10 +176,12 @@ class Executor:
         draws = sampling.settings(seqs, positions, self.engine.device, steps, last, vocab)
         adjusted = draws.adjustments
         if adjusted and adjusted.counts is not None and flight and flight.tokens is not None:
-            made = flight.tokens.on_device
-            for i, seq in enumerate(seqs):
-                if seq.pending and seq.params.has_penalties:
-                    adjustments.count_row(adjusted, i, made[:, flight.rows[seq.request_id]])
+            rows = [i for i, s in enumerate(seqs) if s.pending and s.params.has_penalties]
+            if rows:
+                made = flight.tokens.on_device
+                cols = torch.tensor([flight.rows[seqs[i].request_id] for i in rows])
+                cols = cols.to(made.device, non_blocking=True)
+                adjustments.count_rows(adjusted, rows, made[:, cols])
         return draws
 
     def _started(self, launch: Launch, steps: list[int]) -> None:

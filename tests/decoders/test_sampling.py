@@ -154,24 +154,30 @@ ADJUSTMENTS = {
 def test_biases_and_penalties_are_added_on_the_device_as_the_host_adds_them(
     tiny_dir, temperature, adjust
 ):
-    """A row with a logit bias or penalties and no logprobs is drawn on the device, in bursts
-    and in launches kept in flight (its penalties count the tokens of the launch before, still
-    in flight, on the device), beside rows without: the tokens the host's draw gives (with
-    logprobs the row is drawn there), and not the unadjusted ones."""
+    """Rows with a logit bias or penalties and no logprobs are drawn on the device, in bursts
+    and in launches kept in flight (their penalties count the tokens of the launch before,
+    still in flight, on the device), beside rows without: the tokens the host's draw gives
+    (with logprobs a row is drawn there), and not the unadjusted ones."""
     plain = SamplingParams(max_tokens=24, temperature=temperature, seed=7, ignore_eos=True)
-    prompt = [5, 6, 7, 8, 5, 6]
-    unadjusted = _generate(make_core(tiny_dir), [GenerateRequest("x", prompt, plain)])["x"]
+    prompts = {"x": [5, 6, 7, 8, 5, 6], "y": [8, 7, 8, 7]}
+    unadjusted = _generate(make_core(tiny_dir), [GenerateRequest("x", prompts["x"], plain)])["x"]
     params = replace(plain, **ADJUSTMENTS[adjust](unadjusted[0]))
-    scored = replace(params, logprobs=1)
-    host = _generate(make_core(tiny_dir), [GenerateRequest("x", prompt, scored)])["x"]
-    assert host != unadjusted
+    mine = {"x": params, "y": replace(params, seed=8)}
+    host = {
+        name: _generate(make_core(tiny_dir), [GenerateRequest(name, prompts[name],
+                                                              replace(p, logprobs=1))])[name]
+        for name, p in mine.items()
+    }  # fmt: skip
+    assert host["x"] != unadjusted
     others = [GenerateRequest(f"o{i}", [9 + i] * 3, replace(plain, seed=i)) for i in range(3)]
     for steps, overlap in [(4, False), (1, True), (4, True)]:
         core = make_core(tiny_dir, max_num_seqs=8, fused_decode_steps=steps)
         core.executor.overlap = overlap
         launched = _launches(core)
-        assert _generate(core, [GenerateRequest("x", prompt, params), *others])["x"] == host
-        assert "x" in launched  # (drawn on the device)
+        reqs = [GenerateRequest(name, prompts[name], p) for name, p in mine.items()]
+        made = _generate(core, [reqs[0], *others[:2], reqs[1], *others[2:]])
+        assert {name: made[name] for name in mine} == host
+        assert {"x", "y"} <= set(launched)  # (drawn on the device)
 
 
 def _launches(core) -> list[str]:
