@@ -11,7 +11,9 @@ as it is (a bias of 0 at token 0, a repetition penalty of 1, frequency and prese
 
 Counts start from the tokens the host has committed; a row whose tokens are still in flight
 (the launch before this one, not committed yet) has those counted on the device, from that
-launch's samples (`count_rows`, `Executor._draw_settings`).
+launch's samples (`count_rows`, `Executor._draw_settings`). A launch of the same rows as the
+one in flight shares its adjustments, counts included: that launch's draws, queued first,
+count its tokens before this launch's draws read them.
 """
 
 from __future__ import annotations

@@ -235,9 +235,9 @@ def columns(floats: torch.Tensor) -> dict[str, torch.Tensor]:
 
 def _reusable(last: DrawSettings, seqs: list[Sequence]) -> bool:
     """Are `last`'s settings those of `seqs` but for their keys: the same sequences in the same
-    order, and no token counts that its draws have moved on (penalties)?"""
-    counted = last.adjustments is not None and last.adjustments.counts is not None
-    return not counted and len(last.seqs) == len(seqs) and all(map(is_, last.seqs, seqs))
+    order? (Its token counts, for penalties, are then this launch's too: its draws, queued
+    before this launch's, count the tokens it makes.)"""
+    return len(last.seqs) == len(seqs) and all(map(is_, last.seqs, seqs))
 
 
 def device_sample(logits: torch.Tensor, s: DrawSettings, step: int = 0) -> torch.Tensor:

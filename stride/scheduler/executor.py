@@ -168,14 +168,16 @@ class Executor:
     def _draw_settings(self, seqs: list[Sequence], steps: int) -> sampling.DrawSettings:
         """`seqs`' settings for `steps` draws on the device, from the token after their pending
         ones (the in-flight launch's reused where its rows are the same). Rows with penalties
-        count their pending tokens too, on the device, from the launch in flight."""
+        count their pending tokens too: those settings' counts go on from its draws, and new
+        ones count them on the device from its samples."""
         positions = [len(s.token_ids) + s.pending for s in seqs]
         flight = self._in_flight
         last = None if flight is None else flight.draws
         vocab = self.engine.hf_config.vocab_size  # (the draws add biases and penalties)
         draws = sampling.settings(seqs, positions, self.engine.device, steps, last, vocab)
         adjusted = draws.adjustments
-        if adjusted and adjusted.counts is not None and flight and flight.tokens is not None:
+        fresh = last is None or adjusted is not last.adjustments
+        if fresh and adjusted and adjusted.counts is not None and flight and flight.tokens:
             rows = [i for i, s in enumerate(seqs) if s.pending and s.params.has_penalties]
             if rows:
                 made = flight.tokens.on_device
