@@ -1,13 +1,13 @@
-"""A launch's logit biases and penalties as per-row tensors, added to the logits on the device.
+"""A launch's logit biases and penalties as per-row tensors, added to the logits (`apply`).
 
-The host's draw (`sampling.adjust`) changes each row's logits in a loop over rows, with the
-row's whole history at hand. A draw on the device (bursts, launches kept in flight) has no host
-between its steps, so what a row adds to its logits travels with the launch's settings
-(`sampling.DrawSettings.adjustments`), built once at launch: its logit bias as (ids, values),
-and for rows with penalties the counts of their output tokens so far, which each of the launch's
-draws brings up to date on the device (`count`). The arithmetic is `adjust`'s, element for
-element, so a seeded row draws the same tokens either way; a row without an adjustment is left
-as it is (a bias of 0 at token 0, a repetition penalty of 1, frequency and presence of 0).
+Both ways of drawing add them here, so a seeded row draws the same tokens either way: the
+host's (`sampling.adjust`), from each row's whole history, and a draw on the device (bursts,
+launches kept in flight), which has no host between its steps: what a row adds to its logits
+travels with the launch's settings (`sampling.DrawSettings.adjustments`), built once at launch,
+its logit bias as (ids, values) and for rows with penalties the counts of their output tokens so
+far, which each of the launch's draws brings up to date on the device (`count`). A row without
+an adjustment is left as it is (a bias of 0 at token 0, a repetition penalty of 1, frequency and
+presence of 0).
 
 Counts start from the tokens the host has committed; a row whose tokens are still in flight
 (the launch before this one, not committed yet) has those counted on the device, from that
@@ -36,9 +36,15 @@ class Adjustments:
     penalties: torch.Tensor | None  # [3, B, 1] float32: repetition, frequency, presence
 
 
-def build(seqs: list[Sequence], vocab: int, device: torch.device) -> Adjustments | None:
+def build(
+    seqs: list[Sequence],
+    vocab: int,
+    device: torch.device,
+    pending: list[list[int]] | None = None,
+) -> Adjustments | None:
     """The adjustments of rows drawing for `seqs` over logits of `vocab` columns, or None where
-    no row has a logit bias or a penalty."""
+    no row has a logit bias or a penalty. `pending`: each row's tokens past its committed ones
+    that its penalties count too (the host's draws: drafts, tokens it drew before)."""
     bias = _bias(seqs, device)
     penalized = [i for i, s in enumerate(seqs) if s.params.has_penalties]
     if bias is None and not penalized:
@@ -48,7 +54,7 @@ def build(seqs: list[Sequence], vocab: int, device: torch.device) -> Adjustments
     rows, ids, prompt_rows, prompt_ids = [], [], [], []
     for i in penalized:
         seq = seqs[i]
-        output = [t for t in seq.output_ids if t < vocab]
+        output = [t for t in seq.output_ids + (pending[i] if pending else []) if t < vocab]
         rows += [i] * len(output)
         ids += output
         if seq.params.repetition_penalty != 1.0:
@@ -88,8 +94,8 @@ def _bias(seqs: list[Sequence], device: torch.device) -> tuple[torch.Tensor, tor
 
 
 def apply(logits: torch.Tensor, a: Adjustments | None) -> torch.Tensor:
-    """The logits with the rows' bias, then their penalties (`adjust`'s order and arithmetic):
-    a new tensor, or the logits themselves where there is nothing to add."""
+    """The logits with the rows' bias, then their penalties (OpenAI's and vLLM's order): a new
+    tensor, or the logits themselves where there is nothing to add."""
     if a is None:
         return logits
     if a.bias is not None:

@@ -69,18 +69,17 @@ class TokenLogprob:
 def adjust(logits: torch.Tensor, rows: list[Row], eos_ids: set[int]) -> torch.Tensor:
     """Apply logit_bias, penalties, min_tokens and grammars to raw logits; returns a new tensor.
 
-    A constrained row (its sequence has a grammar) gets the grammar's mask; min_tokens does not
-    hold it open: where the grammar ends, it ends.
+    Biases and penalties are the device draw's (`adjustments`), each row's history its
+    committed tokens and its pending ones. A constrained row (its sequence has a grammar) gets
+    the grammar's mask; min_tokens does not hold it open: where the grammar ends, it ends.
     """
-    logits = logits.clone()
+    seqs, pending = [r.seq for r in rows], [r.pending for r in rows]
+    adjusted = adjustments.build(seqs, logits.shape[-1], logits.device, pending)
+    logits = adjustments.apply(logits, adjusted)
+    logits = logits.clone() if adjusted is None else logits  # (apply made a new one)
     constrained: list[int] = []
     for i, row in enumerate(rows):
         p = row.params
-        if p.logit_bias:
-            ids = torch.tensor(list(p.logit_bias), device=logits.device)
-            logits[i, ids] += torch.tensor(list(p.logit_bias.values()), device=logits.device)
-        if p.has_penalties:
-            _penalize(logits[i], row)
         if row.seq.grammar is not None:
             constrained.append(i)
         elif p.min_tokens and row.seq.num_output_tokens + len(row.pending) < p.min_tokens:
@@ -91,21 +90,6 @@ def adjust(logits: torch.Tensor, rows: list[Row], eos_ids: set[int]) -> torch.Te
         jobs = [(rows[i].seq.grammar, rows[i].pending) for i in constrained]
         grammar.mask_logits(logits, constrained, jobs)
     return logits
-
-
-def _penalize(logits: torch.Tensor, row: Row) -> None:
-    p, seq = row.params, row.seq
-    vocab = logits.shape[-1]
-    output = torch.tensor(seq.output_ids + row.pending, dtype=torch.long, device=logits.device)
-    output = output[output < vocab]
-    counts = torch.bincount(output, minlength=vocab).to(logits.dtype)
-    if p.repetition_penalty != 1.0:
-        seen = counts > 0
-        prompt = torch.tensor(seq.prompt_ids, dtype=torch.long, device=logits.device)
-        seen[prompt[prompt < vocab]] = True
-        r = p.repetition_penalty
-        logits[seen] = torch.where(logits[seen] > 0, logits[seen] / r, logits[seen] * r)
-    logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
 
 
 def probabilities(logits: torch.Tensor, rows: list[Row]) -> torch.Tensor:
