@@ -105,14 +105,16 @@ def _launch(
     vals = torch.empty(rows, n or 0, dtype=torch.float32, device=device)
     ids = torch.empty(rows, n or 0, dtype=torch.int64, device=device)
     common = dict(WHOLE=whole, TOP=width, CANDIDATES=top, LOGPROBS=n is not None,
-                  MIX0=counter.MIX[0], MIX1=counter.MIX[1], SALT=counter.TOKEN,
-                  num_warps=4)  # fmt: skip
+                  MIX0=counter.MIX[0], MIX1=counter.MIX[1], SALT=counter.TOKEN)  # fmt: skip
     args = (logits, logits.stride(0), floats, floats.stride(0), keys, keys.stride(0), vocab,
             top_part, best, at, peak, mass, scaled_peak, scaled_mass)  # fmt: skip
-    _chunk_kernel[(rows, chunks)](*args, CHUNK=CHUNK, **common)
+    _chunk_kernel[(rows, chunks)](*args, CHUNK=CHUNK, num_warps=4, **common)
+    # One program per row merges its chunks and, where top-p refuses a draw, walks the whole
+    # row alone: sixteen warps walk it four times as wide (and at one stream that walk is the
+    # draw's critical path).
     _row_kernel[(rows,)](*args, chunks, tokens, chosen, vals, ids, n or 0,
                          CHUNKS=triton.next_power_of_2(chunks), CHUNK=CHUNK, TOP_P=top_p,
-                         **common)  # fmt: skip
+                         num_warps=16, **common)  # fmt: skip
     return tokens, (chosen, vals, ids)
 
 
