@@ -17,6 +17,9 @@ the argmax, sampled ones by the speculative rejection rule (`speculative.verify`
 distributions the proposals were drawn from, the slots' of the previous pass. Then the real row
 after the accepted prefix gives one more token, and the slot set after that row gives the next
 proposals. Slots' KV is never kept: the accepted proposals' rows lie right after the tail.
+
+A request with default options is adaptive, as Jacobi's are: it makes passes only while they
+pay on this hardware and at this batch size (`payoff`), and takes plain steps otherwise.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from stride.decoders.base import (
     parse_options,
 )
 from stride.decoders.catalog import INTROSPECTIVE
+from stride.decoders.payoff import Adaptive, Payoff
 from stride.decoders.speculative.drafters import Draft
 from stride.decoders.speculative.tree import Tree
 from stride.decoders.speculative.verify import verify_greedy, verify_sampled
@@ -62,7 +66,7 @@ class IntrospectiveState:
     slots: int = 0  # slots per set this step
 
 
-class Introspective(Decoder):
+class Introspective(Adaptive, Decoder):
     """MASK-slot proposals verified by the next pass; needs a `MaskAdapter` for the model."""
 
     name = INTROSPECTIVE
@@ -70,10 +74,14 @@ class Introspective(Decoder):
 
     def __init__(self, adapter: MaskAdapter) -> None:
         self.adapter = adapter
+        # (adaptive requests have the adapter's slots: a pass commits at most those proposals
+        # and the token after them)
+        self.payoff = Payoff(most=adapter.config.slots + 1)
 
     def validate(self, params: SamplingParams, options: dict[str, Any]) -> dict[str, Any]:
         slots = parse_options(IntrospectiveOptions, options, "refine method 'introspective'").slots
-        return {"slots": self.adapter.config.slots if slots is None else slots}
+        slots = self.adapter.config.slots if slots is None else slots
+        return {"slots": slots, "adaptive": not options}  # default options: see `payoff`
 
     def state(self, seq: Sequence) -> IntrospectiveState:
         if seq.decoder_state is None:
@@ -84,12 +92,15 @@ class Introspective(Decoder):
         """m proposals and m + 1 sets of k slots; under a tighter `cap` (a request's last tokens,
         a full step) the proposals first, which pay now, then as many slots as fit."""
         st = self.state(seq)
+        if self.plain(seq):  # (proposals from before the plain steps are stale)
+            st.proposals, st.q, st.drafts, st.slots = [], None, 0, 0
+            return 0
         st.drafts = min(len(st.proposals), cap)
         st.slots = min(seq.decoder_options["slots"], (cap - st.drafts) // (st.drafts + 1))
         return st.drafts + (st.drafts + 1) * st.slots
 
     def propose(self, seqs: list[Sequence], ctx: StepContext) -> list[Proposal]:
-        return [self._proposal(s) for s in seqs]
+        return [self.plain_proposal() if self.plain(s) else self._proposal(s) for s in seqs]
 
     def _proposal(self, seq: Sequence) -> Proposal:
         st = self.state(seq)
@@ -114,8 +125,10 @@ class Introspective(Decoder):
         scored: Scored,
         ctx: StepContext,
     ) -> list[Commit]:
+        if scored.tokens is not None:
+            return self.commit_plain(scored, ctx)
         logits = scored.logits
-        assert logits is not None  # (it always proposes slots: never a plain step)
+        assert logits is not None
         states = [self.state(s) for s in seqs]
         drafts = [Draft(st.proposals[: st.drafts], _rows(st.q, st.drafts)) for st in states]
         real = torch.cat([lg[: st.drafts + 1] for lg, st in zip(logits, states, strict=True)])
@@ -145,6 +158,7 @@ class Introspective(Decoder):
             chosen.append(lg[start : start + st.slots])
             commits.append(Commit(tokens, lps, kv_keep=n_acc))
         self._next_proposals(seqs, states, chosen, [c.tokens for c in commits], ctx.eos_ids)
+        self.measure(seqs, proposals, commits, ctx)
         return commits
 
     def _next_proposals(

@@ -27,10 +27,9 @@ from stride.decoders.base import (
     Scored,
     StepContext,
     parse_options,
-    plain_commits,
 )
 from stride.decoders.catalog import JACOBI
-from stride.decoders.payoff import Payoff
+from stride.decoders.payoff import Adaptive, Payoff
 from stride.engine.sequence import SamplingParams, Sequence
 
 MAX_WINDOW = 64
@@ -124,7 +123,7 @@ class JacobiState:
     size: int = 0  # window size reserved this step
 
 
-class Jacobi(Decoder):
+class Jacobi(Adaptive, Decoder):
     """Jacobi iteration over a window of `window` guesses (option), greedy only. A request with
     default options is adaptive: it refines only while refining pays (`payoff`)."""
 
@@ -143,10 +142,6 @@ class Jacobi(Decoder):
         window = parse_options(JacobiOptions, options, "refine method 'jacobi'").window
         window = self.default_window if window is None else window
         return {"window": window, "adaptive": not options}  # default options: see `payoff`
-
-    def plain(self, seq: Sequence) -> bool:
-        """Does `seq` take a plain step (its method measured that refining does not pay)?"""
-        return seq.decoder_options.get("adaptive", False) and not self.payoff.refining
 
     def state(self, seq: Sequence) -> JacobiState:
         if seq.decoder_state is None:
@@ -172,10 +167,6 @@ class Jacobi(Decoder):
         pad = guesses[-1] if guesses else seq.token_ids[-1]
         return guesses + [pad] * (st.size - len(guesses))
 
-    def plain_proposal(self) -> Proposal:
-        """An adaptive sequence in a plain epoch decodes as `ar` until refining is tried again."""
-        return Proposal(plain_steps=self.payoff.plain_steps())
-
     def propose(self, seqs: list[Sequence], ctx: StepContext) -> list[Proposal]:
         return [self.plain_proposal() if self.plain(s) else Proposal(self.window(s)) for s in seqs]
 
@@ -196,32 +187,6 @@ class Jacobi(Decoder):
             commits.append(Commit(v.tokens, lp, kv_keep=v.accepted))
         self.measure(seqs, proposals, commits, ctx)
         return commits
-
-    def commit_plain(self, scored: Scored, ctx: StepContext) -> list[Commit]:
-        """Plain steps of adaptive sequences, sampled on the device: counted for `payoff`."""
-        commits = plain_commits(scored)
-        steps = max(c.forward_passes for c in commits)
-        made = sum(len(c.tokens) for c in commits)
-        self.payoff.record(len(commits), made, ctx.timing, False, steps)
-        return commits
-
-    def measure(
-        self,
-        seqs: list[Sequence],
-        proposals: list[Proposal],
-        commits: list[Commit],
-        ctx: StepContext,
-    ) -> None:
-        """The step's tokens of adaptive sequences, for `payoff`: a step that refined any is a
-        refining step (its time is a refining pass's), and counts those that refined."""
-        adaptive = [(bool(p.tokens), len(c.tokens))
-                    for s, p, c in zip(seqs, proposals, commits, strict=True)
-                    if s.decoder_options.get("adaptive") and c.tokens]  # fmt: skip
-        if not adaptive:
-            return
-        refining = any(refined for refined, _ in adaptive)
-        made = [n for refined, n in adaptive if refined == refining]
-        self.payoff.record(len(made), sum(made), ctx.timing, refining)
 
     def refine(self, seq: Sequence, prop: Proposal, v: Verdict) -> None:
         """Keep the window's predictions past the committed tokens as the next guesses."""

@@ -1,16 +1,16 @@
-"""Does refining pay? `jacobi` and `lookahead` with default options choose by measurement between
-refining passes and plain steps.
+"""Does refining pay? `jacobi`, `lookahead` and `introspective` with default options choose by
+measurement between refining passes and plain steps (`Adaptive`, their side of it).
 
-A model that was not trained to guess its future accepts few guesses (Jacobi about 1.05 tokens
-per pass on the default model), and a refining pass costs more than a plain step: more rows to
-score, and no greedy bursts on the device. Refining can then be slower than `ar`, and a request
-that named a method without tuning it should not pay for that. So a method's adaptive sequences
-run in epochs of `EPOCH` steps, all in one mode: plain (they decode as `ar` does, greedy bursts
-included) or refining. Each epoch measures what its mode delivered, tokens committed per second
-per sequence, at its batch-size bucket; the faster mode runs next, refining only if it beats
-plain by `MIN_GAIN`. The other mode is tried again later, since what it measured goes stale
-(the batch changes, the text gets more predictable). What a try of a losing mode costs is kept
-to a small share of the time, however slow that mode is:
+A model that was not trained to guess its future accepts few guesses (Jacobi on the default
+model barely more than one token per pass: docs/BENCHMARKS.md), and a refining pass costs more
+than a plain step: more rows to score, and no greedy bursts on the device. Refining can then be
+slower than `ar`, and a request that named a method without tuning it should not pay for that.
+So a method's adaptive sequences run in epochs of `EPOCH` steps, all in one mode: plain (they
+decode as `ar` does, greedy bursts included) or refining. Each epoch measures what its mode
+delivered, tokens committed per second per sequence, at its batch-size bucket; the faster mode
+runs next, refining only if it beats plain by `MIN_GAIN`. The other mode is tried again later,
+since what it measured goes stale (the batch changes, the text gets more predictable). What a
+try of a losing mode costs is kept to a small share of the time, however slow that mode is:
   - a try ends after `PROBE` steps if it is already losing, and a try of refining after its
     first step if even the most tokens a refining step can commit (`most`) would lose at the
     time that step took;
@@ -41,7 +41,9 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+from stride.decoders.base import Commit, Proposal, Scored, StepContext, plain_commits
 from stride.decoders.rates import MIN_GAIN, bucket, ema
+from stride.engine.sequence import Sequence
 
 EPOCH = 16  # steps per measured epoch
 PROBE = 4  # steps after which a probe of the mode out of favour may end, already losing
@@ -185,6 +187,48 @@ class Payoff:
             self._since_explore, self._probing = 0, True
             return other
         return faster
+
+
+class Adaptive:
+    """A refine method's side of the choice: its adaptive requests (default options, flagged
+    `adaptive` in them) take plain steps while its `payoff` (set by the method) says refining
+    does not pay, and every step of theirs is measured for it."""
+
+    payoff: Payoff
+
+    def plain(self, seq: Sequence) -> bool:
+        """Does `seq` take a plain step (its method measured that refining does not pay)?"""
+        return seq.decoder_options.get("adaptive", False) and not self.payoff.refining
+
+    def plain_proposal(self) -> Proposal:
+        """An adaptive sequence in a plain epoch decodes as `ar` until refining is tried again."""
+        return Proposal(plain_steps=self.payoff.plain_steps())
+
+    def commit_plain(self, scored: Scored, ctx: StepContext) -> list[Commit]:
+        """Plain steps of adaptive sequences, sampled on the device: counted for `payoff`."""
+        commits = plain_commits(scored)
+        steps = max(c.forward_passes for c in commits)
+        made = sum(len(c.tokens) for c in commits)
+        self.payoff.record(len(commits), made, ctx.timing, False, steps)
+        return commits
+
+    def measure(
+        self,
+        seqs: list[Sequence],
+        proposals: list[Proposal],
+        commits: list[Commit],
+        ctx: StepContext,
+    ) -> None:
+        """The step's tokens of adaptive sequences, for `payoff`: a step that refined any is a
+        refining step (its time is a refining pass's), and counts those that refined."""
+        adaptive = [(bool(p.tokens), len(c.tokens))
+                    for s, p, c in zip(seqs, proposals, commits, strict=True)
+                    if s.decoder_options.get("adaptive") and c.tokens]  # fmt: skip
+        if not adaptive:
+            return
+        refining = any(refined for refined, _ in adaptive)
+        made = [n for refined, n in adaptive if refined == refining]
+        self.payoff.record(len(made), sum(made), ctx.timing, refining)
 
 
 def _refining_wins(rates: dict[bool, float]) -> bool:

@@ -20,7 +20,8 @@ from stride.scheduler.outputs import GenerateRequest
 from tests.helpers.adapters import SLOTS, introspective_core, random_adapter
 from tests.helpers.cores import PROMPTS, chi2_pvalue, greedy, run
 
-INTRO = {"type": "refine", "method": "introspective"}
+# Slots named: a pass every step (default options are adaptive: tests/decoders/test_payoff.py).
+INTRO = {"type": "refine", "method": "introspective", "slots": SLOTS}
 
 
 @pytest.fixture(scope="module")
@@ -229,7 +230,10 @@ def test_bad_requests_are_refused(core, tiny_dir):
     with pytest.raises(DecoderError, match="no option 'window'"):
         refine.validate(greedy(4), {"method": "introspective", "window": 2})
     assert refine.validate(greedy(4), {"method": "introspective"}) == {
-        "method": "introspective", "slots": SLOTS
+        "method": "introspective", "slots": SLOTS, "adaptive": True
+    }  # fmt: skip
+    assert refine.validate(greedy(4), {"method": "introspective", "slots": 2}) == {
+        "method": "introspective", "slots": 2, "adaptive": False
     }  # fmt: skip
     with pytest.raises(DecoderError, match="--mask-adapter"):
         Refine().validate(greedy(4), {"method": "introspective"})

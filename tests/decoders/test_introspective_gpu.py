@@ -14,11 +14,11 @@ from stride.engine.sequence import SamplingParams, Sequence
 from stride.engine.spans import Span, prepare
 from stride.scheduler.core import EngineCore
 from stride.scheduler.outputs import GenerateRequest
-from tests.helpers.adapters import random_adapter
+from tests.helpers.adapters import SLOTS, random_adapter
 from tests.helpers.cores import PROMPTS, greedy, run
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-INTRO = {"method": "introspective"}
+INTRO = {"method": "introspective", "slots": SLOTS}  # every step a pass: not adaptive
 
 
 def cuda_core(model_dir, dtype: str) -> EngineCore:

@@ -1,5 +1,6 @@
 """Does refining pay? The measured choice between refining and plain steps (`payoff`), and
-adaptive Jacobi and lookahead, whose outputs stay greedy AR's whichever mode they run in."""
+adaptive Jacobi, lookahead and introspective, whose outputs stay greedy AR's whichever mode they
+run in."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import pytest
 from stride.decoders import payoff
 from stride.decoders.payoff import EPOCH, EXPLORE_EVERY, MAX_WAIT, PROBE, Payoff
 from stride.decoders.rates import bucket
+from tests.helpers.adapters import introspective_core
 from tests.helpers.cores import run
 from tests.helpers.refine import make_refine_core, reqs
 
@@ -149,14 +151,17 @@ def test_a_pause_is_not_measured(at):
 
 
 @pytest.mark.parametrize("bursts", [None, 3], ids=["steps", "bursts"])
-@pytest.mark.parametrize("method", ["jacobi", "lookahead"])
+@pytest.mark.parametrize("method", ["jacobi", "lookahead", "introspective"])
 def test_adaptive_methods_match_greedy_across_mode_switches(tiny_dir, method, bursts, monkeypatch):
     """Default options: the method measures (here a clock on which refining looks slow) and
     switches to plain steps, greedy bursts of them too, and back; every token is still greedy
     AR's."""
     monkeypatch.setattr(payoff, "EPOCH", 4)
     monkeypatch.setattr(payoff, "EXPLORE_EVERY", 2)
-    core = make_refine_core(tiny_dir, fused_decode_steps=bursts)
+    if method == "introspective":  # (a random MASK-slot adapter)
+        core = introspective_core(tiny_dir, fused_decode_steps=bursts)
+    else:
+        core = make_refine_core(tiny_dir, fused_decode_steps=bursts)
     decoder = core.decoders["refine"].causal[method]
     decoder.payoff = clocked(refine_s=3.0, plain_s=1.0)
     ar, _ = run(core, reqs(core, "ar", {}, n=48))
