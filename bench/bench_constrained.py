@@ -16,7 +16,9 @@ be checked token by token as they commit (greedy, or sampled without truncation:
 `sampling.checked_alone`), each refused token dropped with what launches in flight made from
 it, and replaced by the token the mask allows alone where the grammar forces text, else drawn
 again under the mask; a token that broke the grammar would fail its request, and the run.
-Grammars are compiled once, before timing (`compile_ms`). Each run also counts its engine steps
+Grammars are compiled once, before timing (`compile_ms`); the repeats take the kinds in turn,
+so that a machine that drifts (single runs here last a fraction of a second) slows every kind
+alike, and each kind's best run is reported. Each run also counts its engine steps
 (`<kind>_steps`, the last repeat's): what refused tokens cost in steps, apart from what each
 step costs the host. `--profile` runs each kind once more at the last concurrency under
 cProfile: its launches by kind (decode bursts, forwards) and its costliest functions by own
@@ -112,19 +114,22 @@ def main() -> None:
         for c in concurrencies:
             batch = prompts(c, args.prompt, vocab, seed=c)
             row = {"concurrency": c, "temperature": temperature}
-            for name, given in (("free", None), *constraints.items()):
-                params = SamplingParams(max_tokens=args.new, temperature=temperature, seed=0,
-                                        ignore_eos=True, constraint=given)  # fmt: skip
+            kinds = {name: SamplingParams(max_tokens=args.new, temperature=temperature, seed=0,
+                                          ignore_eos=True, constraint=given)
+                     for name, given in (("free", None), *constraints.items())}  # fmt: skip
+            for params in kinds.values():
                 decode(core, batch[:2], replace(params, max_tokens=4))  # warm-up
-                best = None
-                for _ in range(args.repeats):
+            best: dict[str, float] = {}
+            for _ in range(args.repeats):  # the kinds in turn: a drift of the machine hits all
+                for name, params in kinds.items():
                     before = steps[0]
                     tokens, seconds = decode(core, batch, params)
                     if tokens != c * args.new:
                         raise RuntimeError(f"{name}: {tokens} tokens, not {c * args.new}")
-                    best = seconds if best is None else min(best, seconds)
-                row[f"{name}_tok_s"] = round(c * args.new / best, 1)
-                row[f"{name}_steps"] = steps[0] - before  # (the last repeat's)
+                    best[name] = min(best.get(name, seconds), seconds)
+                    row[f"{name}_steps"] = steps[0] - before  # (the last repeat's)
+            for name, seconds in best.items():
+                row[f"{name}_tok_s"] = round(c * args.new / seconds, 1)
             line = f"temperature {temperature:g}, concurrency {c:3d}: free {row['free_tok_s']:9.1f}"
             for kind in constraints:
                 row[f"{kind}_slowdown"] = round(row["free_tok_s"] / row[f"{kind}_tok_s"] - 1, 4)
