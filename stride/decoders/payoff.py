@@ -15,7 +15,9 @@ try of a losing mode costs is kept to a small share of the time, however slow th
     first step if even the most tokens a refining step can commit (`most`) would lose at the
     time that step took;
   - the wait until the next try, in epochs, is at least `EXPLORE_EVERY` times how many times
-    slower the mode measured, and doubles each time it loses again, up to `MAX_WAIT`;
+    slower the mode measured (so that a try of one step takes about 1/(`EXPLORE_EVERY` ×
+    `EPOCH`) of the time, a try of `PROBE` steps a few times that, however slow the mode), and
+    doubles each time it loses again, the doubling up to `MAX_WAIT`;
   - a bucket that has measured one mode and not the other borrows the other's rate from the
     nearest bucket that measured both (scaled by the ratio there), instead of trying it at once:
     a batch that shrinks as its requests finish passes through every bucket below it.
@@ -48,7 +50,7 @@ from stride.engine.sequence import Sequence
 EPOCH = 16  # steps per measured epoch
 PROBE = 4  # steps after which a probe of the mode out of favour may end, already losing
 EXPLORE_EVERY = 8  # epochs of the faster mode before a slower one is tried again (at least)
-MAX_WAIT = 64  # the longest that wait grows to, in epochs
+MAX_WAIT = 64  # the longest that doubling makes the wait, in epochs
 PAUSE = 20.0  # records this many times a step's time apart: the epoch is dropped
 
 
@@ -175,8 +177,8 @@ class Payoff:
         if tried and faster == other:  # the try lost (again): wait longer before the next
             self._losses += 1
             slower = rates[other] / rates[self.refining]
-            wait = max(EXPLORE_EVERY << (self._losses - 1), round(EXPLORE_EVERY * slower))
-            self._wait = min(wait, MAX_WAIT)
+            doubled = min(EXPLORE_EVERY << (self._losses - 1), MAX_WAIT)
+            self._wait = max(doubled, round(EXPLORE_EVERY * slower))
         elif tried:  # it won: its epoch is the first of the mode now in favour
             self._losses, self._wait = 0, EXPLORE_EVERY
         if faster != self.refining:

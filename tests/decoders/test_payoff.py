@@ -65,11 +65,13 @@ E, W = EXPLORE_EVERY, MAX_WAIT
 @pytest.mark.parametrize(
     "refine_s, probe, tries",
     [
-        # 2x slower: a try of PROBE steps; waits of 2E (twice as slow), 2E, then doubling.
-        (2.0, PROBE, [1, 2 + 2 * E, 3 + 4 * E, 4 + 8 * E]),
+        # 2x slower: a try of PROBE steps; waits of 2E (twice as slow), 2E, then doubling up
+        # to the longest.
+        (2.0, PROBE, [1, 2 + 2 * E, 3 + 4 * E, 4 + 8 * E, 5 + 8 * E + W, 6 + 8 * E + 2 * W]),
         # 40x (far more than PAUSE plain steps): could not win with MOST tokens a step, so a
-        # try ends after its first step; the waits start at the longest.
-        (40.0, 1, [1, 2 + W, 3 + 2 * W]),
+        # try ends after its first step; the waits are 40E, past the longest doubling (a try's
+        # share of the time stays about 1 / (E * EPOCH) however slow refining is).
+        (40.0, 1, [1, 2 + 40 * E, 3 + 80 * E]),
     ],
 )
 def test_refining_that_does_not_pay_gives_way_to_plain_steps_and_is_tried_ever_less_often(
