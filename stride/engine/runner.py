@@ -17,7 +17,8 @@ the general path. All write disjoint KV slots, so the split is invisible to call
 
 A span may hold MASK slots (`adapter.MASK_TOKEN`, the `introspective` refine method): with a
 `MaskAdapter` attached, a pass that has any runs the module forward with the adapter gated to
-their rows (never the graphs or the fused kernels, which know nothing of it).
+their rows (never the graphs or the fused kernels, which know nothing of it); on a GPU such a
+span, short as it is, runs as decode rows of that eager pass (`_forward_rows`).
 
 A sequence whose `features` list is set (an EAGLE-drafted one) also gets, for every token this
 pass scores, the residual stream after the layers `capture_features` named, appended to that
@@ -263,16 +264,15 @@ class ModelRunner:
 
     def _as_rows(self, c: Span) -> bool:
         """A short masked span that the graphs cannot take (its context is longer than their
-        block tables) runs as decode rows of an eager pass (`_forward_rows`); long ones, a
-        prompt with a proposal riding along, stay on the general path, which reads a context
-        once."""
+        block tables, or it holds MASK slots) runs as decode rows of an eager pass
+        (`_forward_rows`); long ones, a prompt with a proposal riding along, stay on the
+        general path, which reads a context once."""
         n = len(c.token_ids)
         context = c.seq.num_cached + c.offset + n
         return (
-            c.mask is not None
+            (c.mask is not None or MASK_TOKEN in c.token_ids)
             and n <= MAX_GRAPH_QUERY
             and n * context * self._kv_bytes_per_token <= GRAPH_KV_READ
-            and MASK_TOKEN not in c.token_ids
         )
 
     def _forward_rows(self, spans: list[Span]) -> list[torch.Tensor]:
@@ -282,7 +282,9 @@ class ModelRunner:
         blocks: no padded gather of every context, no dense mask, no per-layer SDPA of a dozen
         kernels (the general path's cost, which made a lookahead step 20 plain ones)."""
         meta, ids, at, logit_rows = decode_rows(spans, self.cache.block_size, self.device)
-        hidden = self._layers(self.forward_fn, spans, ids, at, meta, None)
+        forward_fn, ids, gate = self._with_adapter(spans, ids)
+        with gate:
+            hidden = self._layers(forward_fn, spans, ids, at, meta, None)
         logits = self.model.logits(hidden[logit_rows])
         return list(logits.split([c.num_logits for c in spans]))
 
@@ -306,16 +308,21 @@ class ModelRunner:
             pairs = torch.tensor(feeds).to(self.device, non_blocking=True)
             tokens = tokens.clone()
             tokens[pairs[:, 0]] = fed[pairs[:, 1]]
-        masked = _mask_rows(spans) if self.adapter is not None else []
-        forward_fn, gate = self.forward_fn, contextlib.nullcontext()
-        if masked:  # the slots' embedding comes from the adapter: any id will do for the lookup
-            tokens = tokens.clamp(min=0)
-            forward_fn = self.model
-            gate = self.adapter.on_rows(torch.tensor(masked).to(self.device, non_blocking=True))
+        forward_fn, tokens, gate = self._with_adapter(spans, tokens)
         with gate:
             hidden = self._layers(forward_fn, spans, tokens, positions, meta, num_layers)
         logits = self.model.logits(hidden[rows])
         return list(logits.split([c.num_logits for c in spans]))
+
+    def _with_adapter(self, spans: list[Span], tokens: torch.Tensor):
+        """The forward for these spans' packed rows (`tokens`), and the context it runs in: the
+        module forward with the adapter gated to their MASK slots' rows, if they hold any."""
+        masked = _mask_rows(spans) if self.adapter is not None else []
+        if not masked:
+            return self.forward_fn, tokens, contextlib.nullcontext()
+        # The slots' embedding comes from the adapter: any id will do for the lookup.
+        rows = torch.tensor(masked).to(self.device, non_blocking=True)
+        return self.model, tokens.clamp(min=0), self.adapter.on_rows(rows)
 
     def _layers(self, forward_fn, spans, tokens, positions, meta, num_layers) -> torch.Tensor:
         """The layers over the spans' packed rows; their sequences that collect features get

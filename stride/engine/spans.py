@@ -93,16 +93,17 @@ def decode_rows(spans: list[Span], bs: int, dev: torch.device):
     own slot and that sees, of the slots its span's mask covers, what the mask allows
     (`DecodeMetadata.tree_mask`): the paged decode kernel reads each row's keys from its blocks,
     with no padded gather of every context and no dense mask."""
-    width = max(c.mask.shape[1] for c in spans)
+    masks_of = [_causal(len(c.token_ids)) if c.mask is None else c.mask for c in spans]
+    width = max(m.shape[1] for m in masks_of)
     tokens: list[int] = []
     positions: list[int] = []
     ends: list[int] = []  # each row's context length (its own slot is the last)
     firsts: list[int] = []  # where its span's mask starts in its context
     masks = torch.zeros(sum(len(c.token_ids) for c in spans), width, dtype=torch.bool)
     logit_rows: list[int] = []
-    for c in spans:
-        start, n, w = c.seq.num_cached + c.offset, len(c.token_ids), c.mask.shape[1]
-        masks[len(tokens) : len(tokens) + n, :w] = c.mask.cpu()
+    for c, mask in zip(spans, masks_of, strict=True):
+        start, n, w = c.seq.num_cached + c.offset, len(c.token_ids), mask.shape[1]
+        masks[len(tokens) : len(tokens) + n, :w] = mask.cpu()
         logit_rows += range(len(tokens) + n - c.num_logits, len(tokens) + n)
         tokens += c.token_ids
         positions += c.positions or range(start, start + n)
@@ -127,3 +128,8 @@ def decode_rows(spans: list[Span], bs: int, dev: torch.device):
     ids = torch.tensor(tokens, dtype=torch.long).to(dev, non_blocking=True)
     at = torch.tensor(positions, dtype=torch.long).to(dev, non_blocking=True)
     return meta, ids, at, torch.tensor(logit_rows, device=dev)
+
+
+def _causal(n: int) -> torch.Tensor:
+    """The mask of a span without one: each of its n tokens sees those before it and itself."""
+    return torch.ones(n, n, dtype=torch.bool).tril()

@@ -115,6 +115,41 @@ def test_each_slot_set_sees_the_tail_and_the_proposals_before_it(tiny_dir):
         torch.testing.assert_close(tree[: a + 1], plain[: a + 1], atol=1e-5, rtol=1e-5)
 
 
+def test_slot_spans_as_decode_rows_score_what_the_padded_path_does(tiny_dir):
+    """A pass's spans after a prefill (a tail, proposals and slot sets under their mask; a tail
+    and one set of slots, plainly causal) beside a lookahead-like masked span, scored as decode
+    rows (`_forward_rows`, the GPU's path for them) and on the padded path: the same logits in
+    fp32, the adapter on the slots' rows in both."""
+    core = introspective_core(tiny_dir)
+    engine, decoder = core.engine, core.decoders["refine"].causal["introspective"]
+    runner, k = engine.runner, SLOTS
+    spans = []
+    for i, (prompt, drafts) in enumerate(zip(PROMPTS, ([3, 9, 27], [], [5]), strict=False)):
+        seq = Sequence(
+            f"s{i}", prompt, greedy(8), "refine", {"method": "introspective", "slots": k}
+        )
+        engine.cache.reserve(seq, len(prompt) + 32)
+        runner.forward([Span(seq, prompt[:-1], num_logits=0)])
+        seq.num_cached = len(prompt) - 1
+        seq.decoder_state = IntrospectiveState(proposals=drafts)
+        extra = decoder.extra_tokens(seq, 64)
+        prop = decoder.propose([seq], StepContext(set(), engine.device))[0]
+        positions = [seq.num_cached] + prop.positions if prop.positions else None
+        spans.append(Span(seq, prompt[-1:] + prop.tokens, 1 + extra, positions, prop.mask))
+    assert spans[1].mask is None and MASK_TOKEN in spans[1].token_ids  # (the plain causal case)
+    other = Sequence("o", PROMPTS[3], greedy(8))
+    engine.cache.reserve(other, len(PROMPTS[3]) + 8)
+    runner.forward([Span(other, PROMPTS[3][:-1], num_logits=0)])
+    other.num_cached = len(PROMPTS[3]) - 1
+    branchy = torch.ones(5, 5, dtype=torch.bool).tril()
+    branchy[3:, 1:3] = False  # rows 3-4 see the tail and themselves, not rows 1-2
+    spans.append(Span(other, PROMPTS[3][-1:] + [5, 6, 7, 8], 5, mask=branchy))
+    padded = runner._forward_eager(spans, None)
+    rows = runner._forward_rows(spans)
+    for a, b in zip(padded, rows, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
 def test_commit_keeps_the_accepted_prefix_and_proposes_from_the_set_after_it(tiny_dir):
     """Crafted logits: the real rows accept d1, d2 and reject d3; the commit keeps their KV,
     adds the bonus, and the next proposals are set 2's argmax (not set 0's, not set 3's)."""
