@@ -16,7 +16,8 @@ try of a losing mode costs is kept to a small share of the time, however slow th
     time that step took;
   - the wait until the next try, in epochs, is at least `EXPLORE_EVERY` times how many times
     slower the mode measured (so that a try of one step takes about 1/(`EXPLORE_EVERY` ×
-    `EPOCH`) of the time, a try of `PROBE` steps a few times that, however slow the mode), and
+    `EPOCH`) of the time, a try of `PROBE` steps a few times that, however slow the mode), up
+    to `LONGEST_WAIT` (a measure that far off may have timed a one-off, such as a compile), and
     doubles each time it loses again, the doubling up to `MAX_WAIT`;
   - a bucket that has measured one mode and not the other borrows the other's rate from the
     nearest bucket that measured both (scaled by the ratio there), instead of trying it at once:
@@ -51,6 +52,7 @@ EPOCH = 16  # steps per measured epoch
 PROBE = 4  # steps after which a probe of the mode out of favour may end, already losing
 EXPLORE_EVERY = 8  # epochs of the faster mode before a slower one is tried again (at least)
 MAX_WAIT = 64  # the longest that doubling makes the wait, in epochs
+LONGEST_WAIT = 1024  # the longest wait, in epochs, however much slower the mode measured
 PAUSE = 20.0  # records this many times a step's time apart: the epoch is dropped
 
 
@@ -178,7 +180,7 @@ class Payoff:
             self._losses += 1
             slower = rates[other] / rates[self.refining]
             doubled = min(EXPLORE_EVERY << (self._losses - 1), MAX_WAIT)
-            self._wait = max(doubled, round(EXPLORE_EVERY * slower))
+            self._wait = max(doubled, min(round(EXPLORE_EVERY * slower), LONGEST_WAIT))
         elif tried:  # it won: its epoch is the first of the mode now in favour
             self._losses, self._wait = 0, EXPLORE_EVERY
         if faster != self.refining:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from stride.decoders import payoff
-from stride.decoders.payoff import EPOCH, EXPLORE_EVERY, MAX_WAIT, PROBE, Payoff
+from stride.decoders.payoff import EPOCH, EXPLORE_EVERY, LONGEST_WAIT, MAX_WAIT, PROBE, Payoff
 from stride.decoders.rates import bucket
 from tests.helpers.adapters import introspective_core
 from tests.helpers.cores import run
@@ -59,7 +59,7 @@ def modes(p: Payoff, epochs: int, tokens: dict[bool, int], batch: int = 4):
     return seen
 
 
-E, W = EXPLORE_EVERY, MAX_WAIT
+E, W, L = EXPLORE_EVERY, MAX_WAIT, LONGEST_WAIT
 
 
 @pytest.mark.parametrize(
@@ -72,6 +72,9 @@ E, W = EXPLORE_EVERY, MAX_WAIT
         # try ends after its first step; the waits are 40E, past the longest doubling (a try's
         # share of the time stays about 1 / (E * EPOCH) however slow refining is).
         (40.0, 1, [1, 2 + 40 * E, 3 + 80 * E]),
+        # 400x: the waits are the longest there is, not 400E (a measure that far off may have
+        # timed a one-off).
+        (400.0, 1, [1, 2 + L, 3 + 2 * L]),
     ],
 )
 def test_refining_that_does_not_pay_gives_way_to_plain_steps_and_is_tried_ever_less_often(
