@@ -11,7 +11,8 @@ launch that has finished. A batch runs one of three ways:
   tokens. Every row must be a plain step sampled on the device (`sampling.on_device`: greedy
   or sampled, with the rows' settings as tensors, `sampling.DrawSettings`; logprobs taken
   beside, `drawn_logprobs`; or under a grammar that checks each token as it is committed,
-  `sampling.drawn_then_checked`)
+  `sampling.drawn_then_checked`; or, in a launch of one step, drawn under its grammar's mask
+  after a refused token, `sampling.masked_on_device`)
   whose decoder promised that many plain steps (`Proposal.plain_steps`), and nobody may wait.
   Several steps only for batches up to `MAX_BURST_BATCH`, where host work is a large share of a
   step: a request arriving meanwhile waits up to `steps - 1` steps longer, and a sequence that
@@ -116,7 +117,11 @@ class Executor:
         graphed = self.engine.runner.decodes_in_graphs(seqs)  # (then its draws are graphed too)
         draw = self._draw_graphs if graphed else sampling.device_sample
 
+        masked: set[str] = set()
+
         def sample(logits: torch.Tensor, step: int) -> torch.Tensor:
+            if step == 0:  # (a launch with rows after a refusal is one step: see `_shape`)
+                masked.update(_mask_refused(logits[: len(seqs)], seqs))
             if logprobs is not None:  # (with logprobs, the draws are not graphed)
                 return logprobs.draw(logits, draws, step)
             return draw(logits, draws, step)
@@ -124,6 +129,7 @@ class Executor:
         made = self.engine.runner.decode_steps(seqs, tokens, steps, sample, offsets)
         self.load.add_decode_steps(seqs, steps, offsets)
         launch = BurstLaunch(batch, made, continuable)
+        launch.masked = masked
         launch.logprobs = logprobs and logprobs.copied()
         launch.sampled, launch.sampling, launch.draws = made.on_device[-1], seqs, draws
         self._started(launch, [steps] * len(plan))
@@ -256,10 +262,11 @@ class Executor:
         launch, and its next row one the decode graphs can feed. A burst needs every row to be
         such a decode row (a constrained one too, whose tokens are checked as they are
         committed: `sampling.drawn_then_checked`); several steps only for batches up to
-        `MAX_BURST_BATCH` where nobody waits."""
+        `MAX_BURST_BATCH` where nobody waits, and one where a row draws under its grammar's
+        mask after a refusal (`sampling.masked_on_device`: only its first token is)."""
         plan = batch.plan
         decodes = plain = True  # every row a plain decode row / every committing row plain
-        masked = False  # some row drawn under its grammar's mask (a forward, its mask at launch)
+        masked = False  # some row drawn under its grammar's mask (one step, its mask at launch)
         promised = left = 1 << 30  # plain steps promised, tokens left, the least of any row
         made = 0  # the most tokens of any committing row (pending ones included)
         for item, prop in zip(plan, batch.proposals, strict=True):  # (every row, every step)
@@ -289,8 +296,9 @@ class Executor:
             return self.overlap and plain and promised > n and runner.can_feed(made + n)
 
         steps = 0
-        if decodes and not masked and (self.burst_steps > 1 or self.overlap):
-            burst = self.burst_steps if len(plan) <= MAX_BURST_BATCH and batch.alone else 1
+        if decodes and (self.burst_steps > 1 or self.overlap):
+            alone = len(plan) <= MAX_BURST_BATCH and batch.alone and not masked
+            burst = self.burst_steps if alone else 1
             steps = max(0, min(burst, promised, left, self.engine.max_model_len - made))
         if steps <= 1:  # (one step that stays no launch in flight: a forward does as well)
             return (1, True) if steps and continuable(1) else (0, continuable(1))

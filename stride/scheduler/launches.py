@@ -89,11 +89,13 @@ class BurstLaunch(Launch):
         assert self.tokens is not None
         made = self.tokens.per_sequence()
         lps = None if self.logprobs is None else self.logprobs.per_sequence(made)
-        return {
-            name: Scored(tokens=[made[i] for i in idx],
-                         logprobs=None if lps is None else [lps[i] for i in idx])  # fmt: skip
-            for name, idx in decoders.live(self.batch).items()
-        }
+        plan, out = self.batch.plan, {}
+        for name, idx in decoders.live(self.batch).items():
+            masked = [plan[i].seq.request_id in self.masked for i in idx] if self.masked else None
+            out[name] = Scored(tokens=[made[i] for i in idx],
+                               logprobs=None if lps is None else [lps[i] for i in idx],
+                               masked=masked)  # fmt: skip
+        return out
 
 
 class LoopLaunch(Launch):

@@ -409,12 +409,14 @@ def test_rows_under_a_grammar_stay_in_flight_and_change_no_output(
     without truncation) are drawn on the device in launches kept in flight; a token the grammar
     refuses voids what the launch in flight made for its sequence, which draws that token again
     under the mask in the next launch, without waiting for the void one, its mask filled at
-    launch, in a launch that stays in flight too. A row with a top-k is drawn on the host every
-    step. Every output is what one launch at a time gives."""
+    launch, in a launch that stays in flight too (a decode step of the graphs where every row is
+    one). A row with a top-k is drawn on the host every step. Every output is what one launch
+    at a time gives."""
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("no GPU")
     launches = []  # (kept in flight, whose rows it drew on the device)
     under_mask = []  # whose rows launches kept in flight drew under their mask
+    masked_by = set()  # the kinds of launch that drew them
     while_void = []  # whose rows launched while a launch in flight made void tokens for them
     launch = executor_module.Executor._launch
 
@@ -424,6 +426,7 @@ def test_rows_under_a_grammar_stay_in_flight_and_change_no_output(
         if made is not None:
             launches.append((made.continuable, {seq.request_id for seq in made.sampling}))
             under_mask.extend(made.masked if made.continuable else ())
+            masked_by.update([type(made).__name__] if made.masked else [])
         return made
 
     monkeypatch.setattr(executor_module.Executor, "_launch", recording)
@@ -439,9 +442,11 @@ def test_rows_under_a_grammar_stay_in_flight_and_change_no_output(
         assert "r7" not in set().union(*(drawn for _, drawn in launches))  # (its top-k)
         assert bool(while_void) == overlap  # refused tokens with a launch in flight after them
         assert bool(under_mask) == overlap
+        assert ("BurstLaunch" in masked_by) == overlap  # (a step of decode rows only)
         launches.clear()
         while_void.clear()
         under_mask.clear()
+        masked_by.clear()
     _same_mixed(*runs)
     ends = {request_id: r[3] for request_id, r in runs[0].items()}
     assert ends["r0"] == ends["r5"] == "stop"  # the grammar ended them
