@@ -117,11 +117,15 @@ class Executor:
         graphed = self.engine.runner.decodes_in_graphs(seqs)  # (then its draws are graphed too)
         draw = self._draw_graphs if graphed else sampling.device_sample
 
+        refused = any(sampling.masked_on_device(s) for s in seqs)  # (then one step: `_shape`)
         masked: set[str] = set()
 
         def sample(logits: torch.Tensor, step: int) -> torch.Tensor:
-            if step == 0:  # (a launch with rows after a refusal is one step: see `_shape`)
-                masked.update(_mask_refused(logits[: len(seqs)], seqs))
+            if refused:  # masked in a copy: the graphs' logits buffer is theirs
+                logits = logits.clone()
+                masked.update(_mask_refused(logits, seqs))
+                if logprobs is None:
+                    return sampling.device_sample(logits, draws, step)
             if logprobs is not None:  # (with logprobs, the draws are not graphed)
                 return logprobs.draw(logits, draws, step)
             return draw(logits, draws, step)
