@@ -117,7 +117,8 @@ class Executor:
         graphed = self.engine.runner.decodes_in_graphs(seqs)  # (then its draws are graphed too)
         draw = self._draw_graphs if graphed else sampling.device_sample
 
-        refused = any(sampling.masked_on_device(s) for s in seqs)  # (then one step: `_shape`)
+        refused = any(sampling.masked_on_device(s) for s in seqs)
+        assert steps == 1 or not refused  # (`_shape`: only a row's first draw is under its mask)
         masked: set[str] = set()
 
         def sample(logits: torch.Tensor, step: int) -> torch.Tensor:
