@@ -314,7 +314,9 @@ class ModelRunner:
         logits = self.model.logits(hidden[rows])
         return list(logits.split([c.num_logits for c in spans]))
 
-    def _with_adapter(self, spans: list[Span], tokens: torch.Tensor):
+    def _with_adapter(
+        self, spans: list[Span], tokens: torch.Tensor
+    ) -> tuple[Callable, torch.Tensor, contextlib.AbstractContextManager]:
         """The forward for these spans' packed rows (`tokens`), and the context it runs in: the
         module forward with the adapter gated to their MASK slots' rows, if they hold any."""
         masked = _mask_rows(spans) if self.adapter is not None else []

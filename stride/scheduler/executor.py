@@ -122,14 +122,13 @@ class Executor:
         masked: set[str] = set()
 
         def sample(logits: torch.Tensor, step: int) -> torch.Tensor:
-            if refused:  # masked in a copy: the graphs' logits buffer is theirs
-                logits = logits.clone()
+            drawing = draw
+            if refused:  # masked in a copy (the graphs' logits buffer is theirs), drawn from it
+                logits, drawing = logits.clone(), sampling.device_sample
                 masked.update(_mask_refused(logits, seqs))
-                if logprobs is None:
-                    return sampling.device_sample(logits, draws, step)
             if logprobs is not None:  # (with logprobs, the draws are not graphed)
                 return logprobs.draw(logits, draws, step)
-            return draw(logits, draws, step)
+            return drawing(logits, draws, step)
 
         made = self.engine.runner.decode_steps(seqs, tokens, steps, sample, offsets)
         self.load.add_decode_steps(seqs, steps, offsets)
