@@ -77,6 +77,7 @@ DECODERS = {
     "introspective": ("refine", {"method": "introspective"}),  # the adapter's k slots
     "introspective-k2": ("refine", {"method": "introspective", "slots": 2}),  # fewer rows a pass
     "introspective-k3": ("refine", {"method": "introspective", "slots": 3}),
+    "introspective-k4": ("refine", {"method": "introspective", "slots": 4}),
 }
 
 

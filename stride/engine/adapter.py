@@ -66,6 +66,10 @@ class LowRank(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return (x @ self.lora_a.T.to(x.dtype)) @ self.lora_b.T.to(x.dtype)
 
+    def delta(self) -> torch.Tensor:
+        """B A [out, in], fp32: what the adapter adds to its projection's weight."""
+        return self.lora_b.float() @ self.lora_a.float()
+
 
 class MaskAdapter(nn.Module):
     """The adapter's parameters, and the hooks that apply them to one model's MASK rows."""
@@ -132,6 +136,20 @@ class MaskAdapter(nn.Module):
         )
         config = {**asdict(self.config), "projections": list(self.config.projections)}
         (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+    def merged(self, layer: int, projections: tuple[str, ...], model: nn.Module) -> torch.Tensor:
+        """Layer `layer`'s `projections` of `model` stacked (as a fused QKV stacks them), each
+        with its low-rank product added: the weight a MASK row sees, for the fused kernels
+        (their results differ from the hooks' by rounding alone)."""
+        by_path = dict(zip(self.paths, self.low_rank, strict=True))
+        modules = dict(model.named_modules())
+        weights = []
+        for name in projections:
+            path = f"model.layers.{layer}.{name}"
+            weight = modules[path].weight
+            delta = by_path[path].delta().to(weight.device) if path in by_path else 0.0
+            weights.append(weight.float() + delta)
+        return torch.cat(weights).to(modules[path].weight.dtype)
 
     def attach(self, model: nn.Module) -> MaskAdapter:
         """Hook the adapter into `model` (once); the hooks are inert outside `on_rows`."""

@@ -16,6 +16,8 @@ after a prefix cache hit, a speculative or Jacobi proposal at batch 1) runs them
 row by row each would read it whole. Every layout's graphs are captured at start-up with the
 plain ones: one captured when a step first needed it stalled that step (kernels compiled, a
 warm-up, the capture), and the request that first used lookahead or a one-span tree paid it.
+Where a MASK-slot adapter is attached (`capture_adapted`), masked replays whose MASK slots run
+it (`run(..., adapted=True)`: `introspective`'s passes) have graphs of their own.
 """
 
 from __future__ import annotations
@@ -37,7 +39,9 @@ log = logging.getLogger(__name__)
 # Columns of the packed input array; block tables follow from column TABLE on.
 TOKEN, POSITION, SLOT, LENGTH, START, TABLE = range(6)
 MASK_WIDTH = 64  # the slots a masked replay's rows have masks over (runner.MAX_GRAPH_QUERY)
-Layout = Literal["rows", "masked", "one_span"]  # how a replay's rows attend (module docstring)
+# How a replay's rows attend, and whether MASK slots among them run the adapter (module
+# docstring); LAYOUTS are captured at start-up, "adapted" by `capture_adapted`.
+Layout = Literal["rows", "masked", "one_span", "adapted"]
 LAYOUTS: tuple[Layout, ...] = ("rows", "masked", "one_span")
 
 
@@ -86,7 +90,15 @@ class DecodeGraphs:
         # (bucket, with aux, layout) -> graph
         self._graphs: dict[tuple[int, bool, Layout], torch.cuda.CUDAGraph] = {}
         self._pool = None
-        self._capture()
+        self.adapted = False  # graphs for `run(..., adapted=True)` captured?
+        variants = (False, True) if self._aux_layers else (False,)
+        self._capture([
+            (b, with_aux, layout)
+            for b in reversed(self.buckets)  # largest first, so smaller ones reuse its memory
+            for with_aux in variants
+            for layout in LAYOUTS
+            if layout != "one_span" or 1 < b <= MASK_WIDTH
+        ])  # fmt: skip
 
     @property
     def max_batch(self) -> int:
@@ -113,22 +125,30 @@ class DecodeGraphs:
         if with_aux:
             hidden, aux = self.forward(tokens, positions, kv, meta, aux=self._aux_layers)
             self.aux[:batch].copy_(aux)
+        elif layout == "adapted":
+            hidden = self.forward(tokens, positions, kv, meta, adapted=True)
         else:
             hidden = self.forward(tokens, positions, kv, meta)
         self._logits[:batch].copy_(self.model.logits(hidden))
 
+    def capture_adapted(self) -> None:
+        """Capture the graphs of `run(..., adapted=True)`, once `forward` runs MASK slots with
+        an adapter (`FusedForward.adapt`). The buffers are reset to padding first: the warm-up
+        steps then write only block 0, whatever a replay left in them."""
+        self._copied.synchronize()
+        self._host_np[:] = 0
+        self._host_np[:, LENGTH] = 1
+        self._inputs.copy_(self._host)
+        self._masks_host[:] = False
+        self._masks_host[:, 0] = True
+        self._masks.copy_(self._masks_host)
+        self._capture([(b, False, "adapted") for b in reversed(self.buckets)])
+        self.adapted = True
+
     @torch.inference_mode()
-    def _capture(self) -> None:
-        """Every graph a replay may ask for; padding rows (block 0, a mask of their own slot)
-        make the warm-up steps harmless. A one-span replay has 2 to MASK_WIDTH rows."""
-        variants = (False, True) if self._aux_layers else (False,)
-        shapes = [
-            (b, with_aux, layout)
-            for b in reversed(self.buckets)  # largest first, so smaller ones reuse its memory
-            for with_aux in variants
-            for layout in LAYOUTS
-            if layout != "one_span" or 1 < b <= MASK_WIDTH
-        ]
+    def _capture(self, shapes: list[tuple[int, bool, Layout]]) -> None:
+        """Capture `shapes`; padding rows (block 0, a mask of their own slot) make the warm-up
+        steps harmless. A one-span replay has 2 to MASK_WIDTH rows."""
         for shape in shapes:  # compile kernels, create library handles, outside any capture
             self._step(*shape)
         torch.cuda.synchronize()
@@ -154,6 +174,7 @@ class DecodeGraphs:
         fed: tuple[list[tuple[int, int]], torch.Tensor] | None = None,
         masks: tuple[list[int], torch.Tensor] | None = None,
         one_span: bool = False,
+        adapted: bool = False,
     ) -> torch.Tensor:
         """One decode step for len(tokens) sequences; returns their [B, vocab] fp32 logits.
 
@@ -166,10 +187,14 @@ class DecodeGraphs:
         `one_span`: the rows are one sequence's, their masks over its span (all of them then
         start where the span does): its context is read once for them all. The padding rows
         join that tree: its block table and start, a context reaching its first slot.
+        `adapted`: MASK slots among the rows run the adapter (`capture_adapted`; needs masks).
         """
         n = len(tokens)
         bucket = self._bucket(n)
         layout: Layout = "rows" if masks is None else "one_span" if one_span else "masked"
+        if adapted:
+            assert masks is not None and not one_span, "an adapted replay is a masked one"
+            layout = "adapted"
         graph = self._graphs[bucket, aux, layout]
         self._copied.synchronize()  # the previous step's copy has left the pinned buffers
         self._pack(self._host_np, tokens, positions, lengths, tables, bucket)

@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from stride.engine.adapter import MASK_TOKEN, MaskAdapter
 from stride.engine.attention import AttentionMetadata, attend
 from stride.engine.collectives import PeerSum
 from stride.engine.eagle import EagleHead
@@ -93,6 +94,9 @@ class FusedForward:
             )
         self.rope_table = _rope_table(model)
         self.few_rows = few_rows(model)
+        # Per layer: QKV, O, gate/up and down with a MASK-slot adapter merged in (`adapt`).
+        self.adapted: list[tuple[torch.Tensor, ...]] = []
+        self.mask_embedding: torch.Tensor | None = None
         # Split over ranks (`parallel`): the O and down products are partial sums, all-reduced
         # before they join the residual stream.
         self.parallel = isinstance(model.model.layers[0].mlp.down_proj, RowParallelLinear)
@@ -100,6 +104,25 @@ class FusedForward:
         if self.parallel:
             weight = model.lm_head.weight
             self.peer = PeerSum.setup(weight.device, weight.dtype, weight.shape[1], all_reduce)
+
+    def adapt(self, adapter: MaskAdapter) -> None:
+        """Let calls with `adapted=True` run MASK slots (`adapter.MASK_TOKEN` rows) as the
+        adapter's hooks run them on the module forward: their input the MASK embedding, their
+        products through a second copy of each layer's weights with the low-rank products
+        merged in, picked per row (a copy of the layers' weights: for small models)."""
+        if self.parallel:
+            raise ValueError("a MASK-slot adapter runs on an unsplit model")
+        names = (
+            ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+            ("self_attn.o_proj",),
+            ("mlp.gate_proj", "mlp.up_proj"),
+            ("mlp.down_proj",),
+        )
+        model = self.model
+        self.adapted = [
+            tuple(adapter.merged(i, n, model) for n in names) for i in range(model.num_layers)
+        ]
+        self.mask_embedding = adapter.mask_embedding.detach().to(model.lm_head.weight.dtype)
 
     def __call__(
         self,
@@ -109,10 +132,19 @@ class FusedForward:
         meta: AttentionMetadata | DecodeMetadata,
         num_layers: int | None = None,
         aux: tuple[int, ...] = (),
+        adapted: bool = False,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """`CausalLM.forward`; `adapted`: MASK slots among the rows run the adapter (`adapt`),
+        on the many-rows kernels whatever the number of rows."""
         model = self.model
         layers = model.model.layers[:num_layers]
-        residual = model.model.embed_tokens(token_ids)
+        slots = None  # MASK rows, [rows, 1]
+        if adapted:
+            slots = (token_ids == MASK_TOKEN)[:, None]
+            residual = model.model.embed_tokens(token_ids.clamp(min=0))
+            residual = torch.where(slots, self.mask_embedding, residual)
+        else:
+            residual = model.model.embed_tokens(token_ids)
         if self.rope_table is not None:
             cos, sin = self.rope_table
         else:  # rope types whose angles depend on the sequence, not on the position alone
@@ -121,7 +153,7 @@ class FusedForward:
             positions = torch.arange(len(positions), device=positions.device)
         rope = (cos, sin, positions)
         captured: dict[int, torch.Tensor] = {}  # the residual stream after the `aux` layers
-        if residual.shape[0] <= self.few_rows:
+        if residual.shape[0] <= self.few_rows and slots is None:
             for i, layer in enumerate(layers):
                 self._few_rows_layer(i, layer, residual, rope, kv, meta)
                 if i in aux:
@@ -133,14 +165,16 @@ class FusedForward:
         for i, layer in enumerate(layers):
             a = layer.self_attn
             k_cache, v_cache = kv[0][a.layer], kv[1][a.layer]
-            qkv = F.linear(h, *self.qkv[i])
+            alt = self.adapted[i] if slots is not None else _UNADAPTED
+            qkv = _linear(h, *self.qkv[i], alt[0], slots)
             q = rope_and_cache(qkv, *rope, k_cache, v_cache, meta.slot_mapping, a)
             o = attend(q, k_cache, v_cache, meta)
             o = o.view(o.shape[0], -1)
-            h = self._add_norm(o, a.o_proj.weight, residual, layer.post_attention_layernorm, 0)
-            up = silu_and_mul(F.linear(h, self.gate_up[i]))
+            h = self._add_norm(o, a.o_proj.weight, residual, layer.post_attention_layernorm, 0,
+                               alt[1], slots)  # fmt: skip
+            up = silu_and_mul(_linear(h, self.gate_up[i], None, alt[2], slots))
             after = layers[i + 1].input_layernorm if i + 1 < len(layers) else model.model.norm
-            h = self._add_norm(up, layer.mlp.down_proj.weight, residual, after, 1)
+            h = self._add_norm(up, layer.mlp.down_proj.weight, residual, after, 1, alt[3], slots)
             if i in aux:
                 captured[i] = residual.clone()
         captured[len(model.model.layers)] = h
@@ -183,16 +217,33 @@ class FusedForward:
         residual: torch.Tensor,
         norm: torch.nn.Module,
         half: int,
+        alt: torch.Tensor | None = None,
+        slots: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """norm(residual += x @ weight^T), the product summed over ranks if split (see
-        `_add_product`)."""
+        `_add_product`); MASK rows (`slots`) take `alt` for `weight` (`adapt`)."""
         if self.peer is not None and self.peer.fits(len(x)):
             torch.mm(x, weight.t(), out=self.peer.stage(len(x), half))
             return self.peer.add(residual, half, norm)
-        product = F.linear(x, weight)
+        product = _linear(x, weight, None, alt, slots)
         if self.parallel:
             dist.all_reduce(product)
         return rms_norm(product, norm, residual)
+
+
+_UNADAPTED = (None, None, None, None)
+
+
+def _linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    alt: torch.Tensor | None,
+    slots: torch.Tensor | None,
+) -> torch.Tensor:
+    """x @ weight^T + bias; the rows `slots` marks ([rows, 1] bool) x @ alt^T + bias instead."""
+    out = F.linear(x, weight, bias)
+    return out if slots is None else torch.where(slots, F.linear(x, alt, bias), out)
 
 
 def few_rows(model: CausalLM) -> int:

@@ -17,8 +17,9 @@ the general path. All write disjoint KV slots, so the split is invisible to call
 
 A span may hold MASK slots (`adapter.MASK_TOKEN`, the `introspective` refine method): with a
 `MaskAdapter` attached, a pass that has any runs the module forward with the adapter gated to
-their rows (never the graphs or the fused kernels, which know nothing of it); on a GPU such a
-span, short as it is, runs as decode rows of that eager pass (`_forward_rows`).
+their rows; where the fused kernels run, the adapter is merged into them too
+(`FusedForward.adapt`) and such spans replay as rows of graphs of their own
+(`DecodeGraphs.capture_adapted`), else as decode rows of an eager pass (`_forward_rows`).
 
 A sequence whose `features` list is set (an EAGLE-drafted one) also gets, for every token this
 pass scores, the residual stream after the layers `capture_features` named, appended to that
@@ -40,7 +41,7 @@ from stride.engine.kernels.decode_attention import decode_kernel_supported
 from stride.engine.kv_cache import KVCache
 from stride.engine.model import CausalLM
 from stride.engine.sequence import Sequence
-from stride.engine.spans import Span, decode_rows, prepare
+from stride.engine.spans import Span, decode_rows, graph_masks, prepare, span_mask
 
 # A span replays as rows of the decode graph (no per-kernel launches: a prefill's host work
 # falls from ~20 ms to one replay) while it has at most MAX_GRAPH_QUERY tokens and its rows read
@@ -126,6 +127,7 @@ class ModelRunner:
             self.graphs = DecodeGraphs(
                 self.model, self.forward_fn, self.cache, *self._graph_args, aux=self.aux_layers
             )
+            self._adapt_graphs()
 
     def release_graphs(self) -> None:
         """Drop the decode graphs (and any collectives they captured: a tensor-parallel group
@@ -138,6 +140,16 @@ class ModelRunner:
     def attach_adapter(self, adapter: MaskAdapter) -> None:
         """From now on, MASK slots in spans run `adapter` (on their rows only)."""
         self.adapter = adapter.attach(self.model)
+        fast = self.forward_fn
+        if isinstance(fast, fused.FusedForward) and not fast.parallel:
+            fast.adapt(adapter)
+            self._adapt_graphs()
+
+    def _adapt_graphs(self) -> None:
+        """Capture the graphs for spans with MASK slots, where the fused kernels run them."""
+        fast = self.forward_fn
+        if self.graphs is not None and isinstance(fast, fused.FusedForward) and fast.adapted:
+            self.graphs.capture_adapted()
 
     def can_feed(self, slots: int) -> bool:
         """Can a decode row whose context holds `slots` slots take its token from the device
@@ -161,20 +173,22 @@ class ModelRunner:
         if len(spans) == 1 and self._one_span(spans[0]):
             self._forward_graph(spans, [0], out, fed, one_span=True)
             return out  # type: ignore[return-value]
-        group: list[int] = []
-        rows = 0
+        groups: dict[bool, list[int]] = {False: [], True: []}  # by: holds MASK slots?
+        rows = {False: 0, True: 0}
         for i, c in enumerate(spans):
             if not self._graphable(c):
                 if c.fed is not None:
                     raise ValueError(f"a fed span of {c.seq.request_id} does not fit the graphs")
                 continue
-            if rows + len(c.token_ids) > graphs.max_batch:
-                self._forward_graph(spans, group, out, fed)
-                group, rows = [], 0
-            group.append(i)
-            rows += len(c.token_ids)
-        if group:
-            self._forward_graph(spans, group, out, fed)
+            adapted = MASK_TOKEN in c.token_ids
+            if rows[adapted] + len(c.token_ids) > graphs.max_batch:
+                self._forward_graph(spans, groups[adapted], out, fed, adapted=adapted)
+                groups[adapted], rows[adapted] = [], 0
+            groups[adapted].append(i)
+            rows[adapted] += len(c.token_ids)
+        for adapted, group in groups.items():
+            if group:
+                self._forward_graph(spans, group, out, fed, adapted=adapted)
         rows = [i for i, o in enumerate(out) if o is None and self._as_rows(spans[i])]
         if rows:
             for i, logits in zip(rows, self._forward_rows([spans[i] for i in rows]), strict=True):
@@ -250,16 +264,21 @@ class ModelRunner:
     def _one_span(self, c: Span) -> bool:
         """Does a step of this span alone replay as one tree (`ONE_SPAN_READ`)?"""
         n = len(c.token_ids)
-        return n > 1 and n * (c.seq.num_cached + c.offset) >= ONE_SPAN_READ and self._fits_graphs(c)
+        return (
+            n > 1
+            and n * (c.seq.num_cached + c.offset) >= ONE_SPAN_READ
+            and self._fits_graphs(c)
+            and MASK_TOKEN not in c.token_ids
+        )
 
     def _fits_graphs(self, c: Span) -> bool:
         """Can the decode graphs' buffers hold this span's rows: their count, mask width and
-        block table (MASK slots need the adapter's eager pass)?"""
+        block table (MASK slots: and graphs that run the adapter)?"""
         return (
             len(c.token_ids) <= MAX_GRAPH_QUERY
             and (c.mask is None or c.mask.shape[1] <= MASK_WIDTH)
             and len(c.seq.block_table) <= self.graphs.max_blocks
-            and MASK_TOKEN not in c.token_ids
+            and (self.graphs.adapted or MASK_TOKEN not in c.token_ids)
         )
 
     def _as_rows(self, c: Span) -> bool:
@@ -346,9 +365,10 @@ class ModelRunner:
         out: list[torch.Tensor | None],
         fed: torch.Tensor | None,
         one_span: bool = False,
+        adapted: bool = False,
     ) -> None:
         """Replay the decode graph with one row per token of the grouped spans (`one_span`:
-        one span, its rows one tree: `_one_span`).
+        one span, its rows one tree: `_one_span`; `adapted`: their MASK slots run the adapter).
 
         Token i of a span is a decode row whose context ends at itself: every layer writes all
         rows' K/V before any row attends, so row i sees rows 0..i-1 of its span, which is
@@ -373,11 +393,11 @@ class ModelRunner:
         features = self._wants_features([spans[i] for i in group])
         fed_rows = (feeds, fed) if feeds else None
         if one_span:
-            masks = _span_mask(spans[group[0]], lengths)
+            masks = span_mask(spans[group[0]], lengths)
         else:
-            masks = _graph_masks([spans[i] for i in group], lengths)
+            masks = graph_masks([spans[i] for i in group], lengths, always=adapted)
         logits = self.graphs.run(
-            tokens, positions, lengths, tables, features, fed_rows, masks, one_span
+            tokens, positions, lengths, tables, features, fed_rows, masks, one_span, adapted
         )
         if features:
             _hand_out(spans, group, self.graphs.aux[: len(tokens)])
@@ -386,37 +406,6 @@ class ModelRunner:
             c = spans[i]
             offset += len(c.token_ids)
             out[i] = logits[offset - c.num_logits : offset]
-
-
-def _graph_masks(spans: list[Span], lengths: list[int]) -> tuple[list[int], torch.Tensor] | None:
-    """The rows' tree starts and masks for a graph replay (`DecodeGraphs.run`), or None when
-    no span is masked. A masked span of n tokens whose mask covers w slots starts its rows'
-    masks at its last w slots; any other row starts at its own slot, which it sees."""
-    if all(c.mask is None for c in spans):
-        return None
-    starts = [length - 1 for length in lengths]
-    masks = torch.zeros(len(lengths), max(1 if c.mask is None else c.mask.shape[1] for c in spans),
-                        dtype=torch.bool)  # fmt: skip
-    masks[:, 0] = True
-    row = 0
-    for c in spans:
-        n = len(c.token_ids)
-        if c.mask is not None:
-            w = c.mask.shape[1]
-            end = lengths[row + n - 1]  # the span's context, its last token included
-            starts[row : row + n] = [end - w] * n
-            masks[row : row + n] = False
-            masks[row : row + n, :w] = c.mask.cpu()
-        row += n
-    return starts, masks
-
-
-def _span_mask(c: Span, lengths: list[int]) -> tuple[list[int], torch.Tensor]:
-    """One span's rows as one tree: all start where its mask does (its last w slots; a causal
-    span's own n), each row's mask over them."""
-    mask = c.mask.cpu() if c.mask is not None else torch.ones(len(lengths), len(lengths),
-                                                              dtype=torch.bool).tril()  # fmt: skip
-    return [lengths[-1] - mask.shape[1]] * len(lengths), mask
 
 
 def _mask_rows(spans: list[Span]) -> list[int]:

@@ -1,7 +1,8 @@
 """A span, one sequence's share of a ragged batch, and the two attention layouts a batch of
 spans takes outside the decode graphs: padded, for one masked SDPA call per layer (`prepare`:
 prefill chunks, anything long), and as decode rows for the paged decode kernel (`decode_rows`:
-short masked spans, lookahead's branches)."""
+short masked spans, lookahead's branches); and the masks of spans replayed as rows of the
+decode graphs (`graph_masks`, `span_mask`)."""
 
 from __future__ import annotations
 
@@ -128,6 +129,40 @@ def decode_rows(spans: list[Span], bs: int, dev: torch.device):
     ids = torch.tensor(tokens, dtype=torch.long).to(dev, non_blocking=True)
     at = torch.tensor(positions, dtype=torch.long).to(dev, non_blocking=True)
     return meta, ids, at, torch.tensor(logit_rows, device=dev)
+
+
+def graph_masks(
+    spans: list[Span], lengths: list[int], always: bool = False
+) -> tuple[list[int], torch.Tensor] | None:
+    """The rows' tree starts and masks for a graph replay (`DecodeGraphs.run`), or None when
+    no span is masked (unless `always`). A masked span of n tokens whose mask covers w slots
+    starts its rows' masks at its last w slots; any other row starts at its own slot, which
+    it sees."""
+    if not always and all(c.mask is None for c in spans):
+        return None
+    starts = [length - 1 for length in lengths]
+    masks = torch.zeros(len(lengths), max(1 if c.mask is None else c.mask.shape[1] for c in spans),
+                        dtype=torch.bool)  # fmt: skip
+    masks[:, 0] = True
+    row = 0
+    for c in spans:
+        n = len(c.token_ids)
+        if c.mask is not None:
+            w = c.mask.shape[1]
+            end = lengths[row + n - 1]  # the span's context, its last token included
+            starts[row : row + n] = [end - w] * n
+            masks[row : row + n] = False
+            masks[row : row + n, :w] = c.mask.cpu()
+        row += n
+    return starts, masks
+
+
+def span_mask(c: Span, lengths: list[int]) -> tuple[list[int], torch.Tensor]:
+    """One span's rows as one tree: all start where its mask does (its last w slots; a causal
+    span's own n), each row's mask over them."""
+    mask = c.mask.cpu() if c.mask is not None else torch.ones(len(lengths), len(lengths),
+                                                              dtype=torch.bool).tril()  # fmt: skip
+    return [lengths[-1] - mask.shape[1]] * len(lengths), mask
 
 
 def _causal(n: int) -> torch.Tensor:

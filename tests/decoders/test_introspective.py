@@ -17,7 +17,7 @@ from stride.engine.adapter import MASK_TOKEN
 from stride.engine.sequence import Constraint, SamplingParams, Sequence
 from stride.engine.spans import Span
 from stride.scheduler.outputs import GenerateRequest
-from tests.helpers.adapters import SLOTS, introspective_core, random_adapter
+from tests.helpers.adapters import SLOTS, introspective_core, pass_spans, random_adapter
 from tests.helpers.cores import PROMPTS, chi2_pvalue, greedy, run
 
 # Slots named: a pass every step (default options are adaptive: tests/decoders/test_payoff.py).
@@ -121,29 +121,9 @@ def test_slot_spans_as_decode_rows_score_what_the_padded_path_does(tiny_dir):
     rows (`_forward_rows`, the GPU's path for them) and on the padded path: the same logits in
     fp32, the adapter on the slots' rows in both."""
     core = introspective_core(tiny_dir)
-    engine, decoder = core.engine, core.decoders["refine"].causal["introspective"]
-    runner, k = engine.runner, SLOTS
-    spans = []
-    for i, (prompt, drafts) in enumerate(zip(PROMPTS, ([3, 9, 27], [], [5]), strict=False)):
-        seq = Sequence(
-            f"s{i}", prompt, greedy(8), "refine", {"method": "introspective", "slots": k}
-        )
-        engine.cache.reserve(seq, len(prompt) + 32)
-        runner.forward([Span(seq, prompt[:-1], num_logits=0)])
-        seq.num_cached = len(prompt) - 1
-        seq.decoder_state = IntrospectiveState(proposals=drafts)
-        extra = decoder.extra_tokens(seq, 64)
-        prop = decoder.propose([seq], StepContext(set(), engine.device))[0]
-        positions = [seq.num_cached] + prop.positions if prop.positions else None
-        spans.append(Span(seq, prompt[-1:] + prop.tokens, 1 + extra, positions, prop.mask))
+    runner = core.engine.runner
+    spans = pass_spans(core)
     assert spans[1].mask is None and MASK_TOKEN in spans[1].token_ids  # (the plain causal case)
-    other = Sequence("o", PROMPTS[3], greedy(8))
-    engine.cache.reserve(other, len(PROMPTS[3]) + 8)
-    runner.forward([Span(other, PROMPTS[3][:-1], num_logits=0)])
-    other.num_cached = len(PROMPTS[3]) - 1
-    branchy = torch.ones(5, 5, dtype=torch.bool).tril()
-    branchy[3:, 1:3] = False  # rows 3-4 see the tail and themselves, not rows 1-2
-    spans.append(Span(other, PROMPTS[3][-1:] + [5, 6, 7, 8], 5, mask=branchy))
     padded = runner._forward_eager(spans, None)
     rows = runner._forward_rows(spans)
     for a, b in zip(padded, rows, strict=True):

@@ -1,6 +1,7 @@
-"""Introspective refinement on the GPU: its passes run eagerly on the module forward beside
-plain rows on CUDA graphs and fused kernels, and decode exactly what plain decoding does in
-fp32; in bf16 the adapter still leaves real rows bit for bit alone."""
+"""Introspective refinement on the GPU: its passes replay graphs of their own, the adapter merged
+into the fused kernels for the MASK slots' rows, beside plain rows on the plain graphs; they
+score what the adapter's hooks on the module forward score and decode exactly what plain
+decoding does in fp32; in bf16 the adapter still leaves real rows bit for bit alone."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from stride.engine.sequence import SamplingParams, Sequence
 from stride.engine.spans import Span, prepare
 from stride.scheduler.core import EngineCore
 from stride.scheduler.outputs import GenerateRequest
-from tests.helpers.adapters import SLOTS, random_adapter
+from tests.helpers.adapters import SLOTS, pass_spans, random_adapter
 from tests.helpers.cores import PROMPTS, greedy, run
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
@@ -49,6 +50,21 @@ def test_greedy_equals_plain_decoding_on_the_gpu(tiny_dir):
     tokens, _ = run(core, batch)
     for i in range(len(PROMPTS)):
         assert tokens[f"a{i}"] == tokens[f"i{i}"] == ref[i]
+
+
+def test_slot_spans_replay_what_the_hooks_score(tiny_dir):
+    """A pass's spans (slots under a mask, slots plainly causal, a masked span without slots
+    beside them) through the graphs, the slots' spans on the adapted ones, against decode rows
+    of the module forward with the adapter's hooks: the same logits in fp32, every row."""
+    core = cuda_core(tiny_dir, "float32")
+    runner = core.engine.runner
+    assert runner.graphs.adapted
+    spans = pass_spans(core)
+    assert all(runner._graphable(c) for c in spans)
+    graphed = runner.forward(spans)
+    hooked = runner._forward_rows(spans)
+    for a, b in zip(graphed, hooked, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
 
 
 def test_real_rows_are_untouched_in_bf16(tiny_dir):
