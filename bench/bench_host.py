@@ -12,11 +12,14 @@ the host overhead alone.
     python bench/bench_host.py --concurrency 64 --model default --schema bounded
     python bench/bench_host.py --concurrency 256 --temperature 1 --top-k 50 --top-p 0.95
     python bench/bench_host.py --concurrency 256 --logprobs 5
+    python bench/bench_host.py --concurrency 1 --decoder refine:introspective --k 3
 
 `--schema` constrains every request to one of bench_constrained's JSON schemas; the token
 masks' cost depends on the vocabulary, so it wants the default model (its 49,152 tokens).
 `--temperature` (with `--top-k`, `--top-p`) samples: the draw's tensor ops run on the CPU
-here, where a GPU would only launch their kernels.
+here, where a GPU would only launch their kernels. `refine:introspective` runs with a random
+MASK-slot adapter, its passes packed for the adapted graphs as on a GPU (`--k`: its slots, a
+pass every step).
 
 With several decoders, each runs in turn on a fresh engine and a table compares their host µs
 per step. Speculative runs use the adaptive policy with a GPU's saturation (256 tokens) unless
@@ -41,7 +44,7 @@ import pstats
 import sys
 import tempfile
 import time
-from collections import Counter
+from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
 
@@ -51,9 +54,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench_constrained import STRINGS, schema  # noqa: E402
 
+from stride.decoders.refine import Refine  # noqa: E402
 from stride.decoders.registry import build_decoders  # noqa: E402
 from stride.decoders.speculative import Speculative  # noqa: E402
 from stride.engine.config import EngineConfig  # noqa: E402
+from stride.engine.adapter import MaskAdapter  # noqa: E402
 from stride.engine.cuda_graphs import MASK_WIDTH, TABLE, DecodeGraphs  # noqa: E402
 from stride.engine.engine import Engine  # noqa: E402
 from stride.engine.runner import MAX_GRAPH_QUERY  # noqa: E402
@@ -82,12 +87,10 @@ class HostGraphs(DecodeGraphs):
         steps = torch.zeros(MAX_FUSED_STEPS * max_batch, width, dtype=torch.int32)
         self._steps_host, self._steps_inputs = steps, steps.clone()
         self._copied = _NoEvent()
-        self._graphs = {(b, False, "rows"): _NoGraph() for b in self.buckets}
+        self._graphs = defaultdict(_NoGraph)  # every (bucket, aux, layout), none replayed
+        self.adapted = True  # spans with MASK slots are packed as rows too
         self._masks_host = torch.zeros(max_batch, MASK_WIDTH, dtype=torch.bool)
         self._masks = self._masks_host.clone()
-
-    def _graph(self, bucket: int, with_aux: bool, layout: str) -> _NoGraph:
-        return _NoGraph()
 
 
 class _NoEvent:
@@ -113,13 +116,17 @@ def run(args: argparse.Namespace, decoder: str) -> dict[str, Any]:
     engine.runner.graphs = HostGraphs(engine.cache, vocab, rows)
     decoders = build_decoders(engine)
     decoders["speculative"] = Speculative(engine, saturation_tokens=args.saturation)
-    core = EngineCore(engine, decoders=decoders)
     name, _, variant = decoder.partition(":")
+    if variant == "introspective":
+        adapter = MaskAdapter.new(engine.model, rank=8, slots=4)
+        engine.runner.attach_adapter(adapter)
+        decoders["refine"] = Refine(adapter=adapter)
+    core = EngineCore(engine, decoders=decoders)
     options: dict[str, Any] = {}
     if name == "refine":
         options = {"method": variant}  # (a window given: no payoff, always refining)
         if args.k is not None:
-            options["window"] = args.k
+            options["slots" if variant == "introspective" else "window"] = args.k
     elif variant:
         options = {"draft": variant, "adaptive": args.k is None}
         if args.k is not None:
@@ -210,10 +217,10 @@ def main() -> None:
         nargs="+",
         default=["ar"],
         help="ar | speculative:ngram | speculative:early_exit | refine:jacobi | refine:lookahead "
-        "(several: a comparison table)",
+        "| refine:introspective (several: a comparison table)",
     )
     parser.add_argument("--k", type=int, help="speculative: fixed K (default: adaptive); refine: "
-                        "the window (default: the method's, with payoff)")
+                        "the window, introspective's slots (default: the method's, with payoff)")
     parser.add_argument(
         "--saturation", type=float, default=256.0, help="speculative: the policy's saturation"
     )
