@@ -30,6 +30,10 @@ step. Apart from the fused GEMV's norm (see `gemv`), each kernel rounds where th
 rounds (bf16 after every op).
 An EAGLE-3 head's one layer runs on the same kernels (`FusedHead`, in the speculation loop's
 graphs), for the same reason: about fifteen launches a row instead of forty.
+A MASK-slot adapter (`adapt`: the `introspective` method) is merged into a second copy of each
+layer's weights, which the slots' rows take: in the fused GEMV each such row reads the other
+weights (`kernels.layer.Alt`), up to ADAPTED_FEW_ROWS rows; past that each product runs twice
+and every row keeps its own.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ from stride.engine.collectives import PeerSum
 from stride.engine.eagle import EagleHead
 from stride.engine.kernels.decode_attention import DecodeMetadata
 from stride.engine.kernels.layer import (
+    Alt,
     gemv,
     qkv_rope_cache,
     rms_norm,
@@ -58,6 +63,11 @@ from stride.engine.parallel import RowParallelLinear
 # faster (SmolLM2 on an H200: a chain of 4 or 5 drafts verifies its 5 or 6 rows faster here,
 # 8 rows are faster on cuBLAS; docs/BENCHMARKS.md).
 FEW_ROWS = 6
+# Rows up to which a call with MASK slots among them (`adapt`) takes the fused GEMV too, each
+# slot's row reading the merged weights: one stream's pass of up to 4 slots (25 rows) then runs
+# a plain decode step's six kernels a layer, where the many-rows kernels run each product
+# twice and pick rows after it.
+ADAPTED_FEW_ROWS = 32
 
 
 def supported(model: CausalLM, device: torch.device) -> bool:
@@ -135,7 +145,7 @@ class FusedForward:
         adapted: bool = False,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """`CausalLM.forward`; `adapted`: MASK slots among the rows run the adapter (`adapt`),
-        on the many-rows kernels whatever the number of rows."""
+        on the fused GEMV up to ADAPTED_FEW_ROWS rows."""
         model = self.model
         layers = model.model.layers[:num_layers]
         slots = None  # MASK rows, [rows, 1]
@@ -153,9 +163,11 @@ class FusedForward:
             positions = torch.arange(len(positions), device=positions.device)
         rope = (cos, sin, positions)
         captured: dict[int, torch.Tensor] = {}  # the residual stream after the `aux` layers
-        if residual.shape[0] <= self.few_rows and slots is None:
+        few = self.few_rows if slots is None or self.few_rows == 1 else ADAPTED_FEW_ROWS
+        if residual.shape[0] <= few:
+            picks = None if slots is None else slots[:, 0].to(torch.int32)
             for i, layer in enumerate(layers):
-                self._few_rows_layer(i, layer, residual, rope, kv, meta)
+                self._few_rows_layer(i, layer, residual, rope, kv, meta, picks)
                 if i in aux:
                     captured[i] = residual.clone()
             out = rms_norm(residual, model.model.norm, None)
@@ -181,27 +193,44 @@ class FusedForward:
         return (h, torch.cat([captured[i] for i in aux], -1)) if aux else h
 
     def _few_rows_layer(
-        self, i: int, layer: torch.nn.Module, residual: torch.Tensor, rope, kv, meta
+        self,
+        i: int,
+        layer: torch.nn.Module,
+        residual: torch.Tensor,
+        rope,
+        kv,
+        meta,
+        picks: torch.Tensor | None,
     ) -> None:
-        """A few rows' layer in six kernels; `residual` is updated in place."""
+        """A few rows' layer in six kernels; `residual` is updated in place. `picks` [rows]
+        int32: 1 for a MASK slot's row, which takes the merged weights (`adapt`)."""
         a = layer.self_attn
         k_cache, v_cache = kv[0][a.layer], kv[1][a.layer]
         weight, bias = self.qkv[i]
+        qkv, o_alt, gate_up, down = (
+            (None,) * 4 if picks is None else (Alt(w, picks) for w in self.adapted[i])
+        )
         q = qkv_rope_cache(residual, weight, bias, layer.input_layernorm, rope, k_cache, v_cache,
-                           meta.slot_mapping, a)  # fmt: skip
+                           meta.slot_mapping, a, qkv)  # fmt: skip
         o = attend(q, k_cache, v_cache, meta)
-        self._add_product(o.view(o.shape[0], -1), a.o_proj.weight, residual, 0)
-        act = gemv(residual, self.gate_up[i], norm=layer.post_attention_layernorm, silu_mul=True)
-        self._add_product(act, layer.mlp.down_proj.weight, residual, 1)
+        self._add_product(o.view(o.shape[0], -1), a.o_proj.weight, residual, 0, o_alt)
+        act = gemv(residual, self.gate_up[i], norm=layer.post_attention_layernorm, silu_mul=True,
+                   alt=gate_up)  # fmt: skip
+        self._add_product(act, layer.mlp.down_proj.weight, residual, 1, down)
 
     def _add_product(
-        self, x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, half: int
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        residual: torch.Tensor,
+        half: int,
+        alt: Alt | None = None,
     ) -> None:
         """residual += x @ weight^T (in the GEMV's epilogue; summed over ranks if split: in
         the peer sum's `half`, 0 after attention and 1 after the MLP, so consecutive sums
-        alternate)."""
+        alternate); rows `alt` picks take its weight (never split: `adapt`)."""
         if not self.parallel:
-            gemv(x, weight, add_to=residual)
+            gemv(x, weight, add_to=residual, alt=alt)
         elif self.peer is not None and self.peer.fits(len(x)):
             gemv(x, weight, out=self.peer.stage(len(x), half), push=self.peer.push(half))
             self.peer.add(residual, half, pushed=True)

@@ -4,7 +4,7 @@
   residual add after it folded in; `qkv_rope_cache` adds rotary and the KV-cache write after the
   QKV product. Each row is its own programs' work, so a row's result does not depend on the
   rows beside it; the programs of different rows read the same weight tiles, from L2 after the
-  first.
+  first. Rows an `Alt` picks read a second set of weights instead (a MASK-slot adapter's).
 - `rms_norm` (with the residual add), `rope_and_cache`, `silu_and_mul`: the elementwise work
   around the cuBLAS GEMMs of more rows.
 
@@ -13,6 +13,8 @@ norm (see `gemv`). CPU-only installs have no Triton (`triton` is None then).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -27,6 +29,16 @@ except ImportError:
     triton = None
 
 
+@dataclass
+class Alt:
+    """Weights that some rows of a few-row product take instead of the layer's: `weight`, laid
+    out as the layer's (the MASK-slot adapter merged in: `fused.FusedForward.adapt`), and
+    `rows` [M] int32, 1 where a row takes it."""
+
+    weight: torch.Tensor
+    rows: torch.Tensor
+
+
 def gemv(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -37,6 +49,7 @@ def gemv(
     out: torch.Tensor | None = None,
     tile: dict[str, int] | None = None,
     push: Push | None = None,
+    alt: Alt | None = None,
 ) -> torch.Tensor:
     """x [M, K] @ weight[N, K]^T for a few rows, with what surrounds it fused in.
 
@@ -48,6 +61,7 @@ def gemv(
     and 1/rms on the output, so in bf16 the result differs from the module forward's (which
     rounds the normalised input) by rounding.
     `tile` overrides the tile shape (bench/bench_kernels.py sweeps it).
+    `alt`: the rows it picks take its weight instead (laid out as `weight` is).
     """
     m, k = x.shape
     n = weight.shape[0] // 2 if silu_mul else weight.shape[0]
@@ -57,7 +71,7 @@ def gemv(
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     tile = tile or _gemv_tile(n, k, silu_mul, norm is not None)
     _launch_gemv(x, weight, bias, norm, out, n, triton.cdiv(n, tile["BN"]), tile, silu_mul,
-            add=add_to is not None, push=push)  # fmt: skip
+            add=add_to is not None, push=push, alt=alt)  # fmt: skip
     return out
 
 
@@ -71,17 +85,19 @@ def qkv_rope_cache(
     v_cache: torch.Tensor,
     slots: torch.Tensor,
     attn: torch.nn.Module,
+    alt: Alt | None = None,
 ) -> torch.Tensor:
     """A few rows' RMSNorm, QKV product, rotary and KV-cache write in one kernel; returns q
     [M, H, D]. Each program computes output columns in rotary pairs (d, d + D/2) of a head, so it
-    holds both halves that rotating needs; the rounding is `rope_and_cache`'s."""
+    holds both halves that rotating needs; the rounding is `rope_and_cache`'s. `alt`: as
+    `gemv`'s."""
     n, k = weight.shape
     q = torch.empty(len(x), attn.num_heads, attn.head_dim, dtype=x.dtype, device=x.device)
     tile = _gemv_tile(n, k, False, True)
     tile["BN"] = max(1, tile["BN"] // 2)  # pairs of columns
     cos, sin, positions = rope
     _launch_gemv(x, weight, bias, norm, q, n, triton.cdiv(n // 2, tile["BN"]), tile,
-            rope=(cos, sin, positions, slots, k_cache, v_cache), attn=attn)  # fmt: skip
+            rope=(cos, sin, positions, slots, k_cache, v_cache), attn=attn, alt=alt)  # fmt: skip
     return q
 
 
@@ -99,12 +115,17 @@ def _launch_gemv(
     rope: tuple[torch.Tensor, ...] | None = None,
     attn: torch.nn.Module | None = None,
     push: Push | None = None,
+    alt: Alt | None = None,
 ) -> None:
     """Launch `_gemv_row_kernel` (`programs` per row of x, which must be contiguous, as `out`
     is); operands a variant does not use get `weight` as a pointer."""
     m, k = x.shape
     assert x.is_contiguous() and out.is_contiguous()
     assert push is None or not (silu_mul or add or rope), "a pushed product is a plain one"
+    if alt is not None:
+        assert alt.weight.shape == weight.shape and alt.weight.dtype == weight.dtype
+        apart = alt.weight.data_ptr() - weight.data_ptr()  # (the allocator aligns both)
+        assert apart % weight.element_size() == 0
     _gemv_row_kernel[(m, programs)](
         x,
         weight,
@@ -118,9 +139,12 @@ def _launch_gemv(
         rope[2].stride(0) if rope else 0,  # positions: a column of the CUDA graphs' inputs
         push.inbox_ptrs if push else weight,
         push.at if push else 0,
+        alt.rows if alt is not None else weight,
+        apart // weight.element_size() if alt is not None else 0,
         PUSH_RANK=push.rank if push else 0,
         PUSH_WORLD=push.world if push else 0,
         EMPTY=push.empty if push else 0,
+        ALT=alt is not None,
         NORM=norm is not None,
         BIAS=bias is not None,
         SILU_MUL=silu_mul,
@@ -346,9 +370,12 @@ if triton is not None:
         stride_pos,
         push_ptrs,
         push_at,
+        alt_rows_ptr,
+        alt_apart,
         PUSH_RANK: tl.constexpr,
         PUSH_WORLD: tl.constexpr,
         EMPTY: tl.constexpr,
+        ALT: tl.constexpr,
         NORM: tl.constexpr,
         BIAS: tl.constexpr,
         SILU_MUL: tl.constexpr,
@@ -369,7 +396,9 @@ if triton is not None:
         is loaded and 1/rms (from the sum of squares of the same loads) on the output.
         With SILU_MUL or ROPE each column comes with a second one (its up row; the other half of
         its rotary pair), whose product is summed beside it in `up`. PUSH_WORLD > 0: the
-        columns are also stored into the other ranks' inboxes (`peer_sum.Push`)."""
+        columns are also stored into the other ranks' inboxes (`peer_sum.Push`). ALT: a row
+        whose `alt_rows` entry is 1 reads its weights `alt_apart` elements further on
+        (`Alt`)."""
         dtype = out_ptr.dtype.element_ty
         row = tl.program_id(0)  # (rows vary fastest: a tile's readers run close together)
         x_ptr += row * K
@@ -390,6 +419,8 @@ if triton is not None:
             col_ok = cols < N
             second = N * K  # SILU_MUL: the up rows follow the gate rows
         ks = tl.arange(0, BK)
+        if ALT:
+            w_ptr += tl.load(alt_rows_ptr + row).to(tl.int64) * alt_apart
         w_rows = w_ptr + cols[:, None].to(tl.int64) * K
         paired: tl.constexpr = SILU_MUL or ROPE
         w, w2 = _weight_tile(w_rows, second, ks, K, col_ok, paired)
