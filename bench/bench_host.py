@@ -177,7 +177,7 @@ def run(args: argparse.Namespace, decoder: str) -> dict[str, Any]:
         f"worst {sorted((round(t * 1e6), i) for i, t in enumerate(times))[-4:]} us"
     )
     if profiler:
-        pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
+        pstats.Stats(profiler).sort_stats(args.sort).print_stats(25)
     return {"mean": mean, "median": median, "drafted": drafted, "in_flight": in_flight, **launches}
 
 
@@ -231,6 +231,7 @@ def main() -> None:
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--logprobs", type=int, help="each token's logprob and N alternatives")
     parser.add_argument("--profile", action="store_true", help="cProfile the decode steps")
+    parser.add_argument("--sort", default="tottime", help="the profile's order (pstats key)")
     args = parser.parse_args()
     torch.set_num_threads(1)
 
