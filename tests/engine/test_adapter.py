@@ -1,9 +1,14 @@
 """The MASK-slot adapter: real rows compute the base model bit for bit, MASK rows compute what
-training computes (the same hooks on a transformers model), and it saves and loads."""
+training computes (the same hooks on a transformers model), merged into the fused kernels they
+compute what the hooks do, and it saves and loads."""
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,6 +22,7 @@ from tests.helpers.adapters import SLOTS, random_adapter
 from tests.helpers.models import load_hf
 
 PROMPT = [100, 101, 102, 103, 104, 105, 106]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def engine_over(model_dir) -> Engine:
@@ -86,3 +92,17 @@ def test_an_adapter_for_another_model_is_refused(tiny_dir, eagle_target, tmp_pat
     (tmp_path / "deep" / "config.json").write_text("{}")
     with pytest.raises(ValueError, match="no MASK-slot adapter"):
         MaskAdapter.load(tmp_path / "deep", engine_over(tiny_dir).model)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU runs them compiled")
+def test_the_fused_kernels_run_the_merged_adapter_as_the_hooks_do_under_the_interpreter():
+    pytest.importorskip("triton")
+    numpy = pytest.importorskip("numpy")
+    if numpy.lib.NumpyVersion(numpy.__version__) >= "2.4.0":
+        pytest.skip("Triton's interpreter cannot loop to a runtime bound under numpy >= 2.4")
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path}
+    code = "from tests.helpers import fused_adapter; fused_adapter.check()"
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          timeout=600, cwd=ROOT)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
