@@ -174,18 +174,18 @@ class ModelRunner:
             self._forward_graph(spans, [0], out, fed, one_span=True)
             return out  # type: ignore[return-value]
         groups: dict[bool, list[int]] = {False: [], True: []}  # by: holds MASK slots?
-        rows = {False: 0, True: 0}
+        filled = {False: 0, True: 0}  # each group's rows
         for i, c in enumerate(spans):
             if not self._graphable(c):
                 if c.fed is not None:
                     raise ValueError(f"a fed span of {c.seq.request_id} does not fit the graphs")
                 continue
             adapted = MASK_TOKEN in c.token_ids
-            if rows[adapted] + len(c.token_ids) > graphs.max_batch:
+            if filled[adapted] + len(c.token_ids) > graphs.max_batch:
                 self._forward_graph(spans, groups[adapted], out, fed, adapted=adapted)
-                groups[adapted], rows[adapted] = [], 0
+                groups[adapted], filled[adapted] = [], 0
             groups[adapted].append(i)
-            rows[adapted] += len(c.token_ids)
+            filled[adapted] += len(c.token_ids)
         for adapted, group in groups.items():
             if group:
                 self._forward_graph(spans, group, out, fed, adapted=adapted)
