@@ -137,19 +137,27 @@ class MaskAdapter(nn.Module):
         config = {**asdict(self.config), "projections": list(self.config.projections)}
         (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
-    def merged(self, layer: int, projections: tuple[str, ...], model: nn.Module) -> torch.Tensor:
-        """Layer `layer`'s `projections` of `model` stacked (as a fused QKV stacks them), each
-        with its low-rank product added: the weight a MASK row sees, for the fused kernels
-        (their results differ from the hooks' by rounding alone)."""
+    def merged(
+        self, model: nn.Module, groups: tuple[tuple[str, ...], ...]
+    ) -> list[tuple[torch.Tensor, ...]]:
+        """Per layer of `model`, each group of its projections stacked (as a fused QKV stacks
+        them), each with its low-rank product added: the weights a MASK row sees, for the fused
+        kernels (their results differ from the hooks' by rounding alone)."""
         by_path = dict(zip(self.paths, self.low_rank, strict=True))
         modules = dict(model.named_modules())
-        weights = []
-        for name in projections:
-            path = f"model.layers.{layer}.{name}"
-            weight = modules[path].weight
-            delta = by_path[path].delta().to(weight.device) if path in by_path else 0.0
-            weights.append(weight.float() + delta)
-        return torch.cat(weights).to(modules[path].weight.dtype)
+
+        def stacked(layer: int, names: tuple[str, ...]) -> torch.Tensor:
+            weights = []
+            for name in names:
+                path = f"model.layers.{layer}.{name}"
+                weight = modules[path].weight
+                delta = by_path[path].delta().to(weight.device) if path in by_path else 0.0
+                weights.append(weight.float() + delta)
+            return torch.cat(weights).to(weight.dtype)
+
+        return [
+            tuple(stacked(i, names) for names in groups) for i in range(self.config.num_layers)
+        ]
 
     def attach(self, model: nn.Module) -> MaskAdapter:
         """Hook the adapter into `model` (once); the hooks are inert outside `on_rows`."""

@@ -75,11 +75,9 @@ class DecodeGraphs:
         self._host_np = self._host.numpy()
         self._inputs = torch.zeros(max_batch, width, dtype=torch.int32, device=device)
         self._copied = torch.cuda.Event()
-        self._host_np[:, LENGTH] = 1  # padding rows: see `_pack`
-        self._inputs.copy_(self._host)
         self._masks_host = torch.zeros(max_batch, MASK_WIDTH, dtype=torch.bool, pin_memory=True)
-        self._masks_host[:, 0] = True  # padding rows see their one slot
-        self._masks = self._masks_host.to(device)
+        self._masks = torch.zeros(max_batch, MASK_WIDTH, dtype=torch.bool, device=device)
+        self._pad_all()
         self._steps_host: torch.Tensor | None = None  # `run_steps`' inputs, one array per step
         self._steps_inputs: torch.Tensor | None = None
         vocab = model.config.vocab_size  # (split over ranks, the head all-gathers it whole)
@@ -136,14 +134,19 @@ class DecodeGraphs:
         an adapter (`FusedForward.adapt`). The buffers are reset to padding first: the warm-up
         steps then write only block 0, whatever a replay left in them."""
         self._copied.synchronize()
+        self._pad_all()
+        self._capture([(b, False, "adapted") for b in reversed(self.buckets)])
+        self.adapted = True
+
+    def _pad_all(self) -> None:
+        """Every row of the buffers a padding row (see `_pack`): one slot of block 0, a mask
+        that sees it."""
         self._host_np[:] = 0
         self._host_np[:, LENGTH] = 1
         self._inputs.copy_(self._host)
         self._masks_host[:] = False
         self._masks_host[:, 0] = True
         self._masks.copy_(self._masks_host)
-        self._capture([(b, False, "adapted") for b in reversed(self.buckets)])
-        self.adapted = True
 
     @torch.inference_mode()
     def _capture(self, shapes: list[tuple[int, bool, Layout]]) -> None:

@@ -129,9 +129,7 @@ class FusedForward:
             ("mlp.down_proj",),
         )
         model = self.model
-        self.adapted = [
-            tuple(adapter.merged(i, n, model) for n in names) for i in range(model.num_layers)
-        ]
+        self.adapted = adapter.merged(model, names)
         self.mask_embedding = adapter.mask_embedding.detach().to(model.lm_head.weight.dtype)
 
     def __call__(

@@ -160,8 +160,7 @@ def graph_masks(
 def span_mask(c: Span, lengths: list[int]) -> tuple[list[int], torch.Tensor]:
     """One span's rows as one tree: all start where its mask does (its last w slots; a causal
     span's own n), each row's mask over them."""
-    mask = c.mask.cpu() if c.mask is not None else torch.ones(len(lengths), len(lengths),
-                                                              dtype=torch.bool).tril()  # fmt: skip
+    mask = _causal(len(lengths)) if c.mask is None else c.mask.cpu()
     return [lengths[-1] - mask.shape[1]] * len(lengths), mask
 
 

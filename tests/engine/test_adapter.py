@@ -5,10 +5,6 @@ compute what the hooks do, and it saves and loads."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -18,11 +14,11 @@ from stride.engine.config import EngineConfig
 from stride.engine.engine import Engine
 from stride.engine.sequence import SamplingParams, Sequence
 from stride.engine.spans import Span
+from tests.helpers import interpreter
 from tests.helpers.adapters import SLOTS, random_adapter
 from tests.helpers.models import load_hf
 
 PROMPT = [100, 101, 102, 103, 104, 105, 106]
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def engine_over(model_dir) -> Engine:
@@ -100,9 +96,4 @@ def test_the_fused_kernels_run_the_merged_adapter_as_the_hooks_do_under_the_inte
     numpy = pytest.importorskip("numpy")
     if numpy.lib.NumpyVersion(numpy.__version__) >= "2.4.0":
         pytest.skip("Triton's interpreter cannot loop to a runtime bound under numpy >= 2.4")
-    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path}
-    code = "from tests.helpers import fused_adapter; fused_adapter.check()"
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                          timeout=600, cwd=ROOT)  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
+    interpreter.run("from tests.helpers import fused_adapter; fused_adapter.check()", 600)
