@@ -64,10 +64,11 @@ from stride.engine.parallel import RowParallelLinear
 # 8 rows are faster on cuBLAS; docs/BENCHMARKS.md).
 FEW_ROWS = 6
 # Rows up to which a call with MASK slots among them (`adapt`) takes the fused GEMV too, each
-# slot's row reading the merged weights: one stream's pass of up to 4 slots (25 rows) then runs
+# slot's row reading the merged weights: one stream's pass of up to 3 slots (16 rows) then runs
 # a plain decode step's six kernels a layer, where the many-rows kernels run each product
-# twice and pick rows after it.
-ADAPTED_FEW_ROWS = 32
+# twice and pick rows after it. The GEMV's time grows with its rows: a pass of 4 slots
+# (25 rows) is faster on the many-rows kernels (docs/BENCHMARKS.md).
+ADAPTED_FEW_ROWS = 16
 
 
 def supported(model: CausalLM, device: torch.device) -> bool:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from stride.engine import fused
 from stride.engine.adapter import MASK_TOKEN
 from stride.engine.config import EngineConfig
 from stride.engine.engine import Engine
@@ -52,10 +53,13 @@ def test_greedy_equals_plain_decoding_on_the_gpu(tiny_dir):
         assert tokens[f"a{i}"] == tokens[f"i{i}"] == ref[i]
 
 
-def test_slot_spans_replay_what_the_hooks_score(tiny_dir):
+@pytest.mark.parametrize("few_rows", [0, 64], ids=["many-rows", "few-row-gemv"])
+def test_slot_spans_replay_what_the_hooks_score(tiny_dir, monkeypatch, few_rows):
     """A pass's spans (slots under a mask, slots plainly causal, a masked span without slots
     beside them) through the graphs, the slots' spans on the adapted ones, against decode rows
-    of the module forward with the adapter's hooks: the same logits in fp32, every row."""
+    of the module forward with the adapter's hooks: the same logits in fp32, every row, on the
+    many-rows kernels and on the few-row GEMV (the rows' count picks one; here the test does)."""
+    monkeypatch.setattr(fused, "ADAPTED_FEW_ROWS", few_rows)
     core = cuda_core(tiny_dir, "float32")
     runner = core.engine.runner
     assert runner.graphs.adapted
