@@ -10,12 +10,15 @@ For the real shapes of the default model (SmolLM2-135M) and an 8B Llama:
   - the same kernel over the verify rows of EAGLE draft trees (64 or 128 rows per sequence
     after its context, each under its tree mask) at batch 1 and 8, with the same rows as plain
     causal rows beside (what the mask itself costs) and through the tree kernel (each tree's
-    rows together, `DecodeMetadata.tree_rows`); `--trees-only` runs just these.
+    rows together, `DecodeMetadata.tree_rows`); `--trees-only` runs just these;
+  - with `--rows`, the default model's fused GEMVs at a few rows (a chain's verification, a
+    MASK-slot pass), plain and with some rows on other weights, against cuBLAS.
 Each number is the mean of 20 back-to-back launches captured in one graph, replayed 10 times;
 GEMVs cycle through copies of their weights 4x the L2 size, so that each reads HBM.
 
     python bench/bench_kernels.py [--json kernels.json] [--trees-only | --gemvs-only]
     python bench/bench_kernels.py --attention-only  # the decode attention sweeps alone
+    python bench/bench_kernels.py --rows 1,6,16  # the default model's GEMVs at a few rows
 """
 
 from __future__ import annotations
@@ -81,16 +84,18 @@ def graph_us(fn, reps: int = 20) -> float:
     return start.elapsed_time(end) * 1000 / 10 / reps
 
 
-def bench_gemv(name: str, n: int, k: int, silu: bool) -> dict:
+def gemv_case(name: str, n: int, k: int, silu: bool, rows: int = 1):
+    """x [rows, K], copies of the product's weights 4x the L2 size, the engine's arguments for
+    the product (norm and SiLU before and after it, or the residual add) and the same work as
+    cuBLAS with the separate kernels: (x, weights, kwargs, cublas)."""
     torch.manual_seed(0)
-    x = torch.randn(1, k, device=DEV, dtype=torch.bfloat16)
+    x = torch.randn(rows, k, device=DEV, dtype=torch.bfloat16)
     shape = (n * (2 if silu else 1), k)
     copies = -(-L2_BYTES * 4 // (shape[0] * k * 2))
     ws = [torch.randn(shape, device=DEV, dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
     norm = RMSNorm(k, 1e-5).to(DEV, torch.bfloat16)
-    residual = torch.zeros(1, n, device=DEV, dtype=torch.bfloat16)
-    takes_norm = name in ("qkv", "gate_up")  # o and down add into the residual instead
-    if takes_norm:
+    residual = torch.zeros(rows, n, device=DEV, dtype=torch.bfloat16)
+    if name in ("qkv", "gate_up"):  # o and down add into the residual instead
         kwargs = dict(norm=norm, silu_mul=silu)
 
         def cublas(i):
@@ -102,6 +107,12 @@ def bench_gemv(name: str, n: int, k: int, silu: bool) -> dict:
         def cublas(i):
             return residual.add_(F.linear(x, ws[i % copies]))
 
+    return x, ws, kwargs, cublas
+
+
+def bench_gemv(name: str, n: int, k: int, silu: bool) -> dict:
+    x, ws, kwargs, cublas = gemv_case(name, n, k, silu)
+    copies = len(ws)
     gigabytes = ws[0].numel() * ws[0].element_size() / 1e9
     result = {"shipped_us": graph_us(lambda i: layer.gemv(x, ws[i % copies], **kwargs))}
     result["cublas_and_separate_kernels_us"] = graph_us(cublas)
@@ -115,6 +126,25 @@ def bench_gemv(name: str, n: int, k: int, silu: bool) -> dict:
     result.update(best_tile=best, best_us=sweep[best], sweep_us=sweep)
     result["shipped_TB_s"] = gigabytes / result["shipped_us"] * 1e3
     return {k: round(v, 2) if isinstance(v, float) else v for k, v in result.items()}
+
+
+def bench_gemv_rows(name: str, n: int, k: int, silu: bool, rows: int) -> dict:
+    """One product at `rows` rows: the fused GEMV, plain and with an `Alt` for every other row
+    (a MASK-slot pass), against cuBLAS with the separate kernels; what `fused.FEW_ROWS` and
+    `fused.ADAPTED_FEW_ROWS` are set from."""
+    x, ws, kwargs, cublas = gemv_case(name, n, k, silu, rows)
+    copies = len(ws)
+    picks = (torch.arange(rows, device=DEV) % 2).to(torch.int32)
+
+    def alt(i: int) -> layer.Alt:
+        return layer.Alt(ws[(i + 1) % copies], picks)
+
+    result = {
+        "shipped_us": graph_us(lambda i: layer.gemv(x, ws[i % copies], **kwargs)),
+        "alt_us": graph_us(lambda i: layer.gemv(x, ws[i % copies], **kwargs, alt=alt(i))),
+        "cublas_and_separate_kernels_us": graph_us(cublas),
+    }
+    return {k: round(v, 2) for k, v in result.items()}
 
 
 def bench_attention(
@@ -184,8 +214,19 @@ def main() -> None:
     parser.add_argument("--trees-only", action="store_true", help="just the draft-tree rows")
     parser.add_argument("--gemvs-only", action="store_true", help="just the GEMVs")
     parser.add_argument("--attention-only", action="store_true", help="just decode attention")
+    parser.add_argument("--rows", type=lambda v: [int(r) for r in v.split(",")],
+                        help="just the default model's GEMVs at these row counts (e.g. 1,6,16)")
     args = parser.parse_args()
     results: dict = {"device": torch.cuda.get_device_name()}
+    if args.rows:
+        for rows in args.rows:
+            for name, n, k, silu in GEMVS["smollm2-135m"]:
+                r = bench_gemv_rows(name, n, k, silu, rows)
+                results[f"smollm2-135m/gemv/{name}/rows{rows}"] = r
+                print(f"smollm2-135m gemv {name} [{n}x{k}] x {rows} rows: {r}", flush=True)
+        if args.json:
+            Path(args.json).write_text(json.dumps(results, indent=1))
+        return
     heads, kv_heads, dim = HEADS["smollm2-135m"]
     trees = itertools.product((64, 128), (1, 8), (256, 1024, 4096))
     for tree, batch, context in [] if args.gemvs_only or args.attention_only else trees:
