@@ -18,20 +18,15 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench_head import prompt_set  # noqa: E402
+from bench_head import answer  # noqa: E402
 
 from stride.engine.adapter import MaskAdapter  # noqa: E402
-from stride.engine.config import EngineConfig  # noqa: E402
-from stride.engine.engine import Engine  # noqa: E402
-from stride.scheduler.core import EngineCore  # noqa: E402
-from stride.scheduler.policy import SchedulerConfig  # noqa: E402
 from stride.train import data  # noqa: E402
 from stride.train.cli import teacher  # noqa: E402
 from stride.train.introspective import answer_anchors, forward, layout  # noqa: E402
@@ -115,14 +110,7 @@ def main() -> None:
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
 
-    engine = Engine(EngineConfig(model=args.model, device=args.device, dtype="auto"))
-    core = EngineCore(engine, SchedulerConfig(max_num_seqs=128, max_num_batched_tokens=8192))
-    start = time.perf_counter()
-    answers = {
-        name: data.generate(core, prompt_set(name), args.tokens, sampled_share=0.0)
-        for name in args.prompts
-    }
-    print(f"answered in {time.perf_counter() - start:.1f} s", flush=True)
+    engine, answers = answer(args.model, args.device, args.prompts, args.tokens)
     model = teacher(engine)
     adapter = MaskAdapter.load(args.adapter, model).attach(model).eval()
     card = torch.cuda.get_device_name() if engine.device.type == "cuda" else "cpu"

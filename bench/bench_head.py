@@ -48,6 +48,20 @@ def prompt_set(name: str) -> list[Prompt]:
     return read_prompts(Path(name))
 
 
+def answer(
+    model: str | None, device: str, prompts: list[str], tokens: int
+) -> tuple[Engine, dict[str, list[data.Sample]]]:
+    """The engine over the target, and its greedy answers to each named prompt set."""
+    engine = Engine(EngineConfig(model=model, device=device, dtype="auto"))
+    core = EngineCore(engine, SchedulerConfig(max_num_seqs=128, max_num_batched_tokens=8192))
+    start = time.perf_counter()
+    answers = {
+        name: data.generate(core, prompt_set(name), tokens, sampled_share=0.0) for name in prompts
+    }
+    print(f"answered in {time.perf_counter() - start:.1f} s", flush=True)
+    return engine, answers
+
+
 @torch.no_grad()
 def measure(head, target: Target, samples: list[data.Sample], depth: int = 6) -> dict:
     """Top-1 per chained position, chain tokens per pass for K = 1..depth, vocab coverage."""
@@ -81,14 +95,7 @@ def main() -> None:
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
 
-    engine = Engine(EngineConfig(model=args.model, device=args.device, dtype="auto"))
-    core = EngineCore(engine, SchedulerConfig(max_num_seqs=128, max_num_batched_tokens=8192))
-    start = time.perf_counter()
-    answers = {
-        name: data.generate(core, prompt_set(name), args.tokens, sampled_share=0.0)
-        for name in args.prompts
-    }
-    print(f"answered in {time.perf_counter() - start:.1f} s", flush=True)
+    engine, answers = answer(args.model, args.device, args.prompts, args.tokens)
     card = torch.cuda.get_device_name() if engine.device.type == "cuda" else "cpu"
     model = teacher(engine)
     result: dict = {"card": card, "model": engine.name, "dtype": str(engine.dtype),
