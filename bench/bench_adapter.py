@@ -29,7 +29,7 @@ from bench_head import answer  # noqa: E402
 from stride.engine.adapter import MaskAdapter  # noqa: E402
 from stride.train import data  # noqa: E402
 from stride.train.cli import teacher  # noqa: E402
-from stride.train.introspective import answer_anchors, forward, layout  # noqa: E402
+from stride.train.introspective import answer_anchors, by_origin, forward, layout  # noqa: E402
 from stride.train.loop import tokens_per_pass  # noqa: E402
 
 BINS = (0.5, 0.7, 0.9, 0.99)  # the target's top-1 probability: < 0.5, 0.5-0.7, ..., > 0.99
@@ -70,10 +70,7 @@ def measure(model, adapter: MaskAdapter, samples: list[data.Sample], k: int) -> 
                     bins = torch.bucketize(sure[rows], edges)
                     bin_seen[b] += torch.bincount(bins, minlength=len(BINS) + 1).cpu().float()
                     bin_hits[b] += torch.bincount(bins[hit[ok]], minlength=len(BINS) + 1).cpu()
-        preds = [[0] * len(s.token_ids) for _ in range(k)]
-        for j in range(k):
-            for t, g in zip(origins, guesses[:, j].tolist(), strict=True):
-                preds[j][t] = g
+        preds = by_origin(guesses, origins, len(s.token_ids))
         for slots in range(1, k + 1):
             p, c = tokens_per_pass(s, preds, slots)
             passes[slots] += p

@@ -57,8 +57,8 @@ from bench_constrained import STRINGS, schema  # noqa: E402
 from stride.decoders.refine import Refine  # noqa: E402
 from stride.decoders.registry import build_decoders  # noqa: E402
 from stride.decoders.speculative import Speculative  # noqa: E402
-from stride.engine.config import EngineConfig  # noqa: E402
 from stride.engine.adapter import MaskAdapter  # noqa: E402
+from stride.engine.config import EngineConfig  # noqa: E402
 from stride.engine.cuda_graphs import MASK_WIDTH, TABLE, DecodeGraphs  # noqa: E402
 from stride.engine.engine import Engine  # noqa: E402
 from stride.engine.runner import MAX_GRAPH_QUERY  # noqa: E402

@@ -27,6 +27,7 @@ import argparse
 import itertools
 import json
 import sys
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -84,7 +85,9 @@ def graph_us(fn, reps: int = 20) -> float:
     return start.elapsed_time(end) * 1000 / 10 / reps
 
 
-def gemv_case(name: str, n: int, k: int, silu: bool, rows: int = 1):
+def gemv_case(
+    name: str, n: int, k: int, silu: bool, rows: int = 1
+) -> tuple[torch.Tensor, list[torch.Tensor], dict, Callable[[int], torch.Tensor]]:
     """x [rows, K], copies of the product's weights 4x the L2 size, the engine's arguments for
     the product (norm and SiLU before and after it, or the residual add) and the same work as
     cuBLAS with the separate kernels: (x, weights, kwargs, cublas)."""

@@ -144,11 +144,17 @@ def heldout_tokens_per_pass(model, adapter: MaskAdapter, samples: list[Sample], 
             continue
         lay = layout([s], [origins], k, device)
         slots = forward(model, adapter, lay)[0, lay.real :]
-        guesses = model.lm_head(slots).argmax(-1).view(len(origins), k).T.tolist()  # [k][A]
-        preds = [[0] * (len(s.token_ids)) for _ in range(k)]
-        for j in range(k):
-            for t, g in zip(origins, guesses[j], strict=True):
-                preds[j][t] = g
-        p, c = tokens_per_pass(s, preds, k)
+        guesses = model.lm_head(slots).argmax(-1).view(len(origins), k)
+        p, c = tokens_per_pass(s, by_origin(guesses, origins, len(s.token_ids)), k)
         passes, committed = passes + p, committed + c
     return committed / max(passes, 1)
+
+
+def by_origin(guesses: torch.Tensor, origins: list[int], length: int) -> list[list[int]]:
+    """Slot guesses [origins, k] as `tokens_per_pass` reads them: preds[j][t], origin t's
+    guess j (0 where t is no origin)."""
+    preds = [[0] * length for _ in range(guesses.shape[1])]
+    for j, column in enumerate(guesses.T.tolist()):
+        for t, g in zip(origins, column, strict=True):
+            preds[j][t] = g
+    return preds
