@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -44,13 +45,16 @@ def transformers_kwargs(path: Path) -> dict[str, str]:
 
 
 def convert(gguf: Path, out: Path) -> None:
-    """Write `out`: config, generation config, tokenizer, tensor index and a link to `gguf`."""
+    """Write `out`: config, generation config, tokenizer, tensor index and a link to `gguf`.
+
+    Each conversion writes a directory of its own and renames it into place, so processes that
+    start on one file at once (a server beside a trainer, workers of one node) all succeed: the
+    first to finish provides `out`, the others drop their copy."""
     from gguf import GGUFReader
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)  # what an interrupted conversion left
-    tmp.mkdir(parents=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f"{out.name}.tmp-", dir=out.parent))
     start = time.perf_counter()
     log.info("first use of %s: converting its tokenizer and config into %s", gguf.name, out)
     config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
@@ -80,8 +84,14 @@ def convert(gguf: Path, out: Path) -> None:
         }
     (tmp / INDEX).write_text(json.dumps({"file": gguf.name, "tensors": tensors}, indent=1))
     (tmp / GGUF_LINK).symlink_to(gguf.resolve())
-    shutil.rmtree(out, ignore_errors=True)  # an older Stride's cache: 517 MB of float32
-    tmp.rename(out)
+    if not is_gguf_dir(out):
+        shutil.rmtree(out, ignore_errors=True)  # an older Stride's cache: 517 MB of float32
+    try:
+        tmp.rename(out)
+    except OSError:  # another conversion finished first
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not is_gguf_dir(out):
+            raise
     log.info("converted in %.1f s (later starts reuse it)", time.perf_counter() - start)
 
 

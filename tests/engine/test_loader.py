@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -44,6 +45,17 @@ def test_gguf_path_is_converted_once_and_cached(default_engine):
     config = json.loads((first / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLM"] and "quantization_config" not in config
     assert loader.resolve(str(gguf)) == first
+
+
+def test_conversions_of_one_gguf_at_once_all_succeed(default_engine, tmp_path):
+    """A server and a trainer starting on one file together (each converts it on first use)."""
+    gguf, out = loader.default_gguf(), tmp_path / "cache" / "model"
+    with ThreadPoolExecutor(3) as pool:
+        list(pool.map(lambda _: gguf_file.convert(gguf, out), range(3)))
+    assert gguf_file.is_gguf_dir(out) and (out / "tokenizer.json").exists()
+    assert [p.name for p in out.parent.iterdir()] == ["model"]  # no copy left behind
+    gguf_file.convert(gguf, out)  # again over a finished one
+    assert gguf_file.is_gguf_dir(out)
 
 
 def test_gguf_weights_are_transformers_bit_for_bit(default_engine, default_hf):
