@@ -22,11 +22,13 @@ alike, and each kind's best run is reported. Each run also counts its engine ste
 (`<kind>_steps`, the last repeat's): what refused tokens cost in steps, apart from what each
 step costs the host. `--profile` runs each kind once more at the last concurrency under
 cProfile: its launches by kind (decode bursts, forwards) and its costliest functions by own
-time, where a GPU's wait for the device shows as the synchronising call's.
+time (`--sort cumulative`: by time under them), where a GPU's wait for the device shows as
+the synchronising call's.
 
     python bench/bench_constrained.py --model ./SmolLM2-135M-Instruct.Q4_1.gguf --json OUT
     python bench/bench_constrained.py --device cpu --concurrency 1,4 --new 16  # a quick check
     python bench/bench_constrained.py --device cuda --concurrency 64 --temperatures 0 --profile
+    python bench/bench_constrained.py --device cuda --concurrency 64 --profile --sort cumulative
 """
 
 from __future__ import annotations
@@ -77,6 +79,8 @@ def main() -> None:
     parser.add_argument("--schemas", default=",".join(STRINGS), help="of: " + ", ".join(STRINGS))
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--profile", action="store_true", help="cProfile a run of each kind")
+    parser.add_argument("--sort", default="tottime", help="the profile's order (pstats key)")
+    parser.add_argument("--lines", type=int, default=20, help="the profile's lines")
     args = parser.parse_args()
 
     engine = Engine(
@@ -141,7 +145,8 @@ def main() -> None:
             for name, given in (("free", None), *constraints.items()):
                 params = SamplingParams(max_tokens=args.new, temperature=temperature, seed=0,
                                         ignore_eos=True, constraint=given)  # fmt: skip
-                profile(core, batch, params, f"temperature {temperature:g}, {c} streams, {name}")
+                label = f"temperature {temperature:g}, {c} streams, {name}"
+                profile(core, batch, params, label, args.sort, args.lines)
 
     if args.json:
         cuda = engine.device.type == "cuda"
@@ -162,9 +167,16 @@ def main() -> None:
         Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
 
 
-def profile(core: EngineCore, batch: list[list[int]], params: SamplingParams, label: str) -> None:
-    """One run of `batch` under cProfile: its launches by kind and sequences, and the 20
-    functions of most own time."""
+def profile(
+    core: EngineCore,
+    batch: list[list[int]],
+    params: SamplingParams,
+    label: str,
+    sort: str = "tottime",
+    lines: int = 20,
+) -> None:
+    """One run of `batch` under cProfile: its launches by kind and sequences, and the first
+    `lines` functions in `sort`'s order."""
     runner = core.engine.runner
     launches: Counter = Counter()
     plain = {"decode_steps": runner.decode_steps, "forward": runner.forward}
@@ -186,7 +198,7 @@ def profile(core: EngineCore, batch: list[list[int]], params: SamplingParams, la
     finally:
         runner.decode_steps, runner.forward = plain["decode_steps"], plain["forward"]
     print(f"profile, {label}: {tokens} tokens in {seconds:.3f} s, launches {dict(launches)}")
-    pstats.Stats(profiler).sort_stats("tottime").print_stats(20)
+    pstats.Stats(profiler).sort_stats(sort).print_stats(lines)
 
 
 if __name__ == "__main__":

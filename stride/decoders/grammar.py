@@ -113,13 +113,14 @@ class Matcher:
     """One sequence's position in its grammar: after its committed output tokens (and, for a
     JSON grammar, where its text stands, so that numbers stay bounded: `numbers`)."""
 
-    __slots__ = ("ll", "digits", "scan", "refused", "instead", "__weakref__")
+    __slots__ = ("ll", "digits", "scan", "stopped", "refused", "instead", "__weakref__")
 
     def __init__(self, ll: llguidance.LLMatcher, digits: Digits | None = None) -> None:
         self.ll = ll
         self.digits = digits
         self.scan = None if digits is None else Scan()
-        self.refused = False  # a token drawn without the mask was refused here (`refuses`)
+        self.stopped = ll.is_stopped()  # the grammar allows nothing more (but EOS)
+        self.refused = False  # a token drawn without the mask was refused here (`take`)
         self.instead: int | None = None  # and the token the mask allows alone here, if any
 
     def scan_after(self, pending: list[int]) -> Scan | None:
@@ -134,8 +135,10 @@ class Matcher:
 
     def forced(self) -> list[int]:
         """The canonical tokens of the text the grammar forces from here (none: it forces
-        nothing). Where it forces text, its mask allows the first of them and no other token."""
-        return self.ll.compute_ff_tokens()
+        nothing). Where it forces text, its mask allows the first of them and no other token.
+        (The forced bytes first: where there are none, as inside a free string, they cost a
+        fraction of tokenizing them.)"""
+        return self.ll.compute_ff_tokens() if self.ll.compute_ff_bytes() else []
 
     def allows(self, token: int, forced: list[int]) -> bool:
         """True if the mask (`bitmask`) surely allows `token` next, checked for that token
@@ -145,34 +148,50 @@ class Matcher:
         tell."""
         if forced and forced[0] != token or self.ll.validate_tokens([token]) != 1:
             return False
-        return self.scan is None or self.digits.fits(self.scan, token)
+        return self._fits(token)
 
-    def refuses(self, token: int) -> bool:
-        """Is `token`, drawn without the mask, one the mask might refuse (`allows`)? Then the
-        next draw is masked (`refused`, until a token is committed), unless the grammar forces
-        text here: its mask then allows the forced text's first token alone, which is what any
-        draw under it gives (`instead`)."""
+    def take(self, token: int) -> bool:
+        """Consume `token`, drawn without the mask, if the mask surely allows it (`allows`:
+        checked and consumed in one call). Else consume nothing and return False: the next draw
+        is masked (`refused`, until a token is committed), unless the grammar forces text here:
+        its mask then allows the forced text's first token alone, which is what any draw under
+        it gives (`instead`)."""
         forced = self.forced()
-        self.refused = not self.allows(token, forced)
-        only = forced[0] if self.refused and forced else None
-        fits = only is not None and (self.scan is None or self.digits.fits(self.scan, only))
-        self.instead = only if fits else None
-        return self.refused
+        if (
+            self.stopped
+            or forced and forced[0] != token
+            or not self._fits(token)
+            or self.ll.try_consume_tokens([token]) != 1
+        ):
+            only = forced[0] if forced else None
+            self.refused = True
+            self.instead = only if only is not None and self._fits(only) else None
+            return False
+        self._consumed(token)
+        return True
 
     def advance(self, token: int) -> bool:
-        """Consume a committed token; True once the grammar allows nothing more (but EOS).
+        """Consume a committed token drawn under the mask; True once the grammar allows nothing
+        more (but EOS).
 
         A grammar that allows nothing at all from the start (a regex of no string) offers EOS
         only: taking it ends the sequence as any end of the grammar does."""
-        self.refused = False
-        ended = self.ll.is_stopped()
         if not self.ll.consume_token(token):
-            if ended:
+            if self.stopped:
                 return True
             raise GrammarError(f"token {token} breaks the grammar: {self.ll.get_error()}")
+        self._consumed(token)
+        return self.stopped
+
+    def _fits(self, token: int) -> bool:
+        """A number stays bounded with `token` (JSON grammars; anything else: always)."""
+        return self.scan is None or self.digits.fits(self.scan, token)
+
+    def _consumed(self, token: int) -> None:
+        self.refused = False
         if self.scan is not None:
             self.scan = self.scan.feed(self.digits.token_bytes[token])
-        return self.ll.is_stopped()
+        self.stopped = self.ll.is_stopped()
 
 
 class Grammars:

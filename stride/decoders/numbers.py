@@ -28,6 +28,8 @@ _DIGITS = frozenset(b"0123456789")
 _MANTISSA_RUN = re.compile(rb"[0-9.]*")
 _EXPONENT_RUN = re.compile(rb"[+-]?([0-9]*)")
 _INTO_EXPONENT = re.compile(rb"[0-9.]*[eE][+-]?([0-9]*)")
+_ENDS_STRING = re.compile(rb'["\\]')  # what can change the state inside a string
+_STARTS_SOMETHING = re.compile(rb'["0-9-]')  # and outside a string and a number
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +43,11 @@ class Scan:
 
     def feed(self, text: bytes) -> Scan:
         """The state after `text` as well."""
+        if self.in_string and not self.escaped:
+            if not _ENDS_STRING.search(text):  # (most of a JSON answer's tokens)
+                return self
+        elif not self.in_string and self.part == _OUTSIDE and not _STARTS_SOMETHING.search(text):
+            return self
         in_string, escaped, part, digits = self.in_string, self.escaped, self.part, self.digits
         for byte in text:
             if in_string:

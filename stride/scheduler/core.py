@@ -329,14 +329,16 @@ class EngineCore:
         stop_reason: str | int | None = None
         n = 0
         for token in commit.tokens:
-            refused = grammar is not None and not commit.masked and grammar.refuses(token)
+            checked = grammar is not None and not commit.masked  # drawn without the mask
+            taken = checked and grammar.take(token)  # (checked and consumed)
+            refused = checked and not taken
             if refused and (token := seq.redraw()) is None:
                 break  # (that token is drawn again, under the mask)
             token_ids.append(token)
             n += 1
             produced = len(token_ids) - num_prompt
             stop_string = detok.add(token)
-            if grammar is not None and grammar.advance(token):
+            if grammar is not None and (grammar.stopped if taken else grammar.advance(token)):
                 reason = "stop"  # the grammar allows nothing more
             elif produced >= p.min_tokens:
                 if token in p.stop_token_ids:

@@ -409,6 +409,18 @@ def test_the_number_scan_follows_strings_and_numbers(written, in_number, digits)
     assert (scan.in_number, scan.digits if in_number else 0) == (in_number, digits)
 
 
+def test_the_number_scan_is_the_same_fed_in_pieces():
+    """Token by token (where most pieces change nothing and skip the byte loop) as at once."""
+    written = '{"a": "x\\"9 y", "b": [-0.0012, 12, true, "z"], "c": 1.5e+12, "d": "w", "e": 3'
+    whole = Scan().feed(written.encode())
+    for size in (1, 2, 3, 5):
+        scan = Scan()
+        for i in range(0, len(written), size):
+            scan = scan.feed(written[i : i + size].encode())
+            assert scan == Scan().feed(written[: i + size].encode())
+        assert scan == whole
+
+
 def allowed_tokens(core: EngineCore, matcher: grammar.Matcher) -> list[str]:
     vocab = core.engine.hf_config.vocab_size
     flags = np.unpackbits(grammar.bitmask([(matcher, [])], vocab).view(np.uint8), bitorder="little")
@@ -463,8 +475,10 @@ def test_a_model_that_loves_digits_writes_a_bounded_number(tiny_dir, name):
 def test_a_token_the_matcher_allows_alone_is_one_the_mask_allows(tiny_dir):
     """`Matcher.allows` (a greedy draw's check of its argmax) never allows what the mask would
     not: every token, at every state of seeded walks through each kind of constraint, numbers
-    driven to their bound and past it where the grammar asks for that. And where a refused
-    token names the token to take instead (`Matcher.instead`), the mask allows that one alone."""
+    driven to their bound and past it where the grammar asks for that. `Matcher.take` (the
+    check at commit) takes what `allows` allows and nothing else, and where it refuses a token
+    and names the token to take instead (`Matcher.instead`), the mask allows that one alone.
+    The walks alternate taking and advancing."""
     core = make(tiny_dir)
     vocab, eos = core.engine.hf_config.vocab_size, core.engine.eos_ids
     digits = {t for t in range(vocab) if core.engine.tokenizer.decode([t]).isdigit()}
@@ -484,17 +498,29 @@ def test_a_token_the_matcher_allows_alone_is_one_the_mask_allows(tiny_dir):
                 bits = grammar.bitmask([(matcher, [])], vocab)
                 mask = np.unpackbits(bits.view(np.uint8), bitorder="little")[:vocab].astype(bool)
                 forced = matcher.forced()
+                assert forced == matcher.ll.compute_ff_tokens()
                 allows = np.array([matcher.allows(t, forced) for t in range(vocab)])
                 assert not (allows & ~mask).any(), np.flatnonzero(allows & ~mask)
                 surely, masked = surely + allows.sum(), masked + mask.sum()
-                refused = int(np.flatnonzero(~allows)[0]) if not allows.all() else None
-                if refused is not None and matcher.refuses(refused) and matcher.instead is not None:
+                # refused: the first token refused, and the first the matcher would accept
+                # (another spelling of forced text, a number past its bound)
+                refused = np.flatnonzero(~allows)[:1].tolist()
+                refused += [t for t in np.flatnonzero(~allows) if matcher.valid_prefix([t])][:1]
+                for t in refused:
+                    assert not matcher.take(t) and matcher.refused
+                if refused and matcher.instead is not None:
                     assert np.flatnonzero(mask).tolist() == [matcher.instead]
                     instead += 1
                 choices = np.flatnonzero(mask)
                 favoured = [t for t in choices if t in digits] or list(choices)
                 token = int(rng.choice(favoured if rng.random() < 0.7 else choices))
-                if token in eos or matcher.advance(token):
+                if allows[token] and rng.random() < 0.5:
+                    assert matcher.take(token) and not matcher.refused
+                    stopped = matcher.stopped
+                else:
+                    stopped = matcher.advance(token)
+                assert stopped == matcher.ll.is_stopped()
+                if token in eos or stopped:
                     break
     assert surely > 0.9 * masked  # (the check is no mask: it allows nearly all the mask does)
     assert instead > 0  # (the walks pass through forced text)
