@@ -158,17 +158,17 @@ class Matcher:
         it gives (`instead`)."""
         forced = self.forced()
         if (
-            self.stopped
-            or forced and forced[0] != token
-            or not self._fits(token)
-            or self.ll.try_consume_tokens([token]) != 1
+            not self.stopped
+            and (not forced or forced[0] == token)
+            and self._fits(token)
+            and self.ll.try_consume_tokens([token]) == 1  # (consumed)
         ):
-            only = forced[0] if forced else None
-            self.refused = True
-            self.instead = only if only is not None and self._fits(only) else None
-            return False
-        self._consumed(token)
-        return True
+            self._consumed(token)
+            return True
+        only = forced[0] if forced else None
+        self.refused = True
+        self.instead = only if only is not None and self._fits(only) else None
+        return False
 
     def advance(self, token: int) -> bool:
         """Consume a committed token drawn under the mask; True once the grammar allows nothing

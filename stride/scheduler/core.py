@@ -319,20 +319,18 @@ class EngineCore:
         seq.stats.forward_passes += commit.forward_passes
         if seq.first_token_time is None:
             seq.first_token_time = time.monotonic()
-
         p, detok = seq.params, self._detok[seq.request_id]
         num_prompt = len(seq.prompt_ids)
         first = len(token_ids) == num_prompt
         eos_ids = () if p.ignore_eos else self.engine.eos_ids
-        grammar = seq.grammar
         reason: str | None = None
         stop_reason: str | int | None = None
         n = 0
+        grammar = seq.grammar
+        checked = grammar is not None and not commit.masked  # drawn without the mask
         for token in commit.tokens:
-            checked = grammar is not None and not commit.masked  # drawn without the mask
             taken = checked and grammar.take(token)  # (checked and consumed)
-            refused = checked and not taken
-            if refused and (token := seq.redraw()) is None:
+            if (refused := checked and not taken) and (token := seq.redraw()) is None:
                 break  # (that token is drawn again, under the mask)
             token_ids.append(token)
             n += 1
