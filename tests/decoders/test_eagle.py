@@ -12,12 +12,14 @@ from safetensors.torch import save_file
 
 from stride import drafts
 from stride.decoders.speculative import cycles as cycles_module
+from stride.decoders.speculative import decoder as decoder_module
 from stride.decoders.speculative.bursts import Ahead
 from stride.decoders.speculative.cycles import EagleCycles
 from stride.decoders.speculative.device_tree import TreeShape
 from stride.decoders.speculative.drafters import Draft
 from stride.decoders.speculative.eagle import EagleDrafter
 from stride.decoders.speculative.tree import Tree
+from stride.decoders.speculative.verify import verify_greedy
 from stride.engine.config import EngineConfig
 from stride.engine.eagle import EagleConfig, load_head
 from stride.engine.engine import Engine
@@ -143,13 +145,12 @@ def test_a_random_head_still_decodes_exactly(eagle_target, tmp_path, eagle_ref):
 # ---- sampling ---------------------------------------------------------------------------------
 
 
-def test_sampled_output_follows_the_target_distribution(eagle_target, eagle_head):
-    """Sampled requests draft chains from the head's distribution; the rejection rule keeps
-    the target's (and a test of the same counts rejects a wrong distribution)."""
+def _sampled_counts(eagle_target, eagle_head, tree_nodes: int) -> tuple[dict, dict, object]:
+    """1,200 seeded requests of three tokens: the prefill samples the first, verifying the
+    head's drafts the second."""
     prompt, n = PROMPTS[2], 1200
-    # The prefill samples the first token; the second comes from verifying the head's drafts.
     params = SamplingParams(max_tokens=3, temperature=1.5, top_k=4, ignore_eos=True)
-    options = dict(CHAIN, num_speculative_tokens=2, tree_nodes=12)  # sampled: a chain all the same
+    options = dict(CHAIN, num_speculative_tokens=2, tree_nodes=tree_nodes)
     core = eagle_core(eagle_target, eagle_head, max_waiting=n)
     requests = [
         GenerateRequest(str(i), prompt, replace(params, seed=i), "speculative", options)
@@ -158,9 +159,48 @@ def test_sampled_output_follows_the_target_distribution(eagle_target, eagle_head
     tokens, stats = run(core, requests)
     assert sum(s.get("draft_tokens", 0) for s in stats.values()) > 0
     hf = load_hf(eagle_target)
-    assert joint_pvalue(tokens, exact_joint(hf, prompt, params)) > 1e-3
-    wrong = exact_joint(hf, prompt, SamplingParams(temperature=0.8, top_k=4))
+    return tokens, exact_joint(hf, prompt, params), hf
+
+
+@pytest.mark.parametrize("tree_nodes", [0, 12], ids=["chain", "tree"])
+def test_sampled_output_follows_the_target_distribution(eagle_target, eagle_head, tree_nodes):
+    """Sampled requests draft chains from the head's distribution (the rejection rule) or trees
+    of its most likely tokens (followed where they equal the target's draws: `verify_drawn`);
+    either keeps the target's distribution (and a test of the same counts rejects a wrong
+    distribution)."""
+    tokens, joint, hf = _sampled_counts(eagle_target, eagle_head, tree_nodes)
+    assert joint_pvalue(tokens, joint) > 1e-3
+    wrong = exact_joint(hf, PROMPTS[2], SamplingParams(temperature=0.8, top_k=4))
     assert joint_pvalue(tokens, wrong) < 1e-3
+
+
+def test_a_sampled_tree_followed_by_the_argmax_fails_the_distribution_test(
+    eagle_target, eagle_head, monkeypatch
+):
+    """The test above can fail for a wrong rule: trees of sampled requests whose nodes are
+    followed where they equal the target's argmax (the greedy rule)."""
+    monkeypatch.setattr(
+        decoder_module, "verify_drawn", lambda adjusted, rows, trees: verify_greedy(adjusted, trees)
+    )
+    tokens, joint, _ = _sampled_counts(eagle_target, eagle_head, 12)
+    assert joint_pvalue(tokens, joint) < 1e-3
+
+
+@pytest.mark.parametrize("truncation", [{"top_k": 20}, {"top_p": 0.9}], ids=["top_k", "top_p"])
+def test_a_seeded_sampled_tree_makes_the_tokens_of_plain_decoding(
+    eagle_target, eagle_head, truncation
+):
+    """Every token a sampled tree commits is the target's draw at its position, with the noise
+    a plain step draws with there: a seed gives `ar`'s tokens (fp32)."""
+    core = eagle_core(eagle_target, eagle_head)
+    params = SamplingParams(max_tokens=24, temperature=1.0, ignore_eos=True, **truncation)
+    for i, prompt in enumerate(PROMPTS[:3]):
+        seeded = replace(params, seed=11 + i)
+        plain, _ = run(core, [GenerateRequest("a", prompt, seeded)])
+        tokens, stats = run(core, [GenerateRequest("s", prompt, seeded, "speculative", TREE)])
+        assert tokens["s"] == plain["a"]
+        assert stats["s"]["draft_tokens"] > 0
+    assert free(core)
 
 
 # ---- published layouts -------------------------------------------------------------------------

@@ -11,8 +11,8 @@ Request options (`{"type": "speculative", ...}`):
         a grammar: `bursts.runnable`) decodes plainly
     exit_layer: early_exit only, how many target layers draft (default: half of them)
     ngram_max: ngram only, the longest suffix looked up (default 3)
-    tree_nodes, tree_topk: eagle only, draft a tree (greedy requests) instead of a chain (0: a
-        chain; unset: a chain, or in the device loop `loop_policy.DEFAULT_TREE` as well)
+    tree_nodes, tree_topk: eagle only, draft a tree instead of a chain (0: a chain; unset: a
+        chain, or in the device loop `loop_policy.DEFAULT_TREE`; its sampled rows: chains)
 
 Step by step: `extra_tokens` asks the policy (`policy.AdaptivePolicy`) for the sequence's K (the
 scheduler reserves KV for it) and notes the answer in the step's `StepPlans`; `propose` hands
@@ -73,7 +73,7 @@ from stride.decoders.speculative.loop_policy import LoopPolicy
 from stride.decoders.speculative.options import SpeculativeOptions
 from stride.decoders.speculative.policy import MAX_K, AdaptivePolicy, SeqState, StepPlans
 from stride.decoders.speculative.tree import Tree
-from stride.decoders.speculative.verify import paths, verify_greedy, verify_sampled
+from stride.decoders.speculative.verify import paths, verify_drawn, verify_greedy, verify_sampled
 from stride.engine.engine import Engine
 from stride.engine.sequence import SamplingParams, Sequence
 
@@ -154,8 +154,7 @@ class Speculative(Decoder):
         elif opts.ngram_max is not None:
             raise DecoderError("ngram_max applies to draft 'ngram' only")
         if draft == EAGLE:
-            # Trees verify greedy requests; a sampled one drafts chains (exact rejection rule).
-            out["tree_nodes"] = opts.tree_nodes if params.greedy else 0
+            out["tree_nodes"] = opts.tree_nodes
             out["tree_topk"] = 8 if opts.tree_topk is None else opts.tree_topk
         elif opts.tree_nodes is not None or opts.tree_topk is not None:
             raise DecoderError("tree_nodes and tree_topk apply to draft 'eagle' only")
@@ -369,7 +368,9 @@ class Speculative(Decoder):
         adjusted = sampling.adjust(raw, rows, ctx.eos_ids)
         if all(s.params.greedy for s in seqs):
             accepted_paths, last = verify_greedy(adjusted, trees)
-        else:  # (sampled requests draft chains only)
+        elif any(st.tree is not None for st in states):  # (greedy rows: their argmax drawn)
+            accepted_paths, last = verify_drawn(adjusted, rows, trees)
+        else:
             accepted, last = verify_sampled(adjusted, rows, seqs, drafted)
             accepted_paths = [list(range(n)) for n in accepted]
 

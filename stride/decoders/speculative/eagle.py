@@ -5,7 +5,7 @@ features. The engine hands those features out with every pass (`Sequence.feature
 per pass that scored the sequence); when drafting, the head first catches up on the positions
 scored since (row t reads the feature at t and token t+1) in one batched forward, whose last
 row, reading the sequence's last token, drafts the first token after it. Chains then feed each
-draft back with the head's own output; trees (EAGLE-2's dynamic trees, greedy requests) expand
+draft back with the head's own output; trees (EAGLE-2's dynamic trees) expand
 the most likely nodes level by level and keep the best `budget` of them.
 
 Drafted rows are scratch: they sit in slots past the target's cached ones, which the next
@@ -172,7 +172,8 @@ class EagleDrafter(Drafter):
     def draft_trees(
         self, seqs: list[Sequence], depths: list[int], budgets: list[int], topk: int
     ) -> list[Tree]:
-        """Greedy trees of at most `budgets[i]` nodes and `depths[i]` levels (EAGLE-2).
+        """Trees of at most `budgets[i]` nodes and `depths[i]` levels (EAGLE-2), of the head's
+        most likely tokens (for sampled requests too: `verify.verify_drawn`).
 
         Level by level, the `topk` most likely nodes of the last level (by cumulative draft
         log-probability) are expanded into their `topk` most likely children, all sequences'

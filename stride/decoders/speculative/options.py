@@ -26,7 +26,7 @@ class SpeculativeOptions(Options):
     ngram_max: int | None = Field(None, ge=1, le=MAX_NGRAM, description="ngram: longest suffix")
     tree_nodes: int | None = Field(
         None, ge=0, le=MAX_TREE_NODES,
-        description="eagle: draft a tree of this many nodes (0: a chain; greedy requests only)",
+        description="eagle: draft a tree of this many nodes (0: a chain)",
     )  # fmt: skip
     tree_topk: int | None = Field(
         None, ge=1, le=MAX_TREE_TOPK, description="eagle: children expanded per tree node"

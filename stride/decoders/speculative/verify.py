@@ -8,7 +8,9 @@ bonus token is drawn from the next p. The output distribution is the target's, t
 Greedy requests have one-hot p, so this reduces to "accept while the draft equals the target's
 argmax", which also verifies a draft tree (`accept_greedy`: the longest path of nodes that each
 equal the target's choice after their parent, as tensors: the host's steps and the device loop
-use the same function); deterministic drafters (n-gram) have one-hot q.
+use the same function); deterministic drafters (n-gram) have one-hot q. A sampled request's
+tree, whose nodes are the drafter's most likely tokens (one-hot q each), follows the nodes
+equal to the target's own draws (`verify_drawn`): the rule for several one-hot candidates.
 """
 
 from __future__ import annotations
@@ -88,8 +90,29 @@ def verify_greedy(adjusted: torch.Tensor, trees: list[Tree]) -> tuple[list[list[
     """Greedy: follow the nodes equal to the target's argmax; then take the argmax.
 
     `adjusted`: each tree's rows [root, nodes] one after another. Returns each tree's accepted
-    path (node indices) and the token after it (`accept_greedy`, on trees padded to one size:
-    padding rows hang under the root at depth 1 and never match)."""
+    path (node indices) and the token after it."""
+    return follow(adjusted.argmax(-1).cpu(), trees)
+
+
+def verify_drawn(
+    adjusted: torch.Tensor, rows: list[sampling.Row], trees: list[Tree]
+) -> tuple[list[list[int]], list[int]]:
+    """Sampled requests' trees: the target draws the token after every row, with the noise a
+    plain step draws with at that row's position (`sampling.draw`), and the nodes equal to
+    those draws are followed; the draw after the last one is the next token. Each committed
+    token is the target's draw at its position, whatever the drafts: the output distribution
+    is the target's, and a seeded request makes the tokens it makes without drafts. (For a
+    tree, whose nodes are the drafter's most likely tokens rather than draws from it, this is
+    the multi-candidate rejection rule: a node is accepted with the target's probability of it
+    once its elder siblings were refused.)"""
+    return follow(_longs(sampling.draw(sampling.probabilities(adjusted, rows), rows)), trees)
+
+
+def follow(choices: torch.Tensor, trees: list[Tree]) -> tuple[list[list[int]], list[int]]:
+    """Each tree's path of nodes equal to the target's choice after their parent, and the
+    target's choice after it. `choices`: the target's token after each row of the trees' rows
+    [root, nodes] one after another (`accept_greedy`, on trees padded to one size: padding
+    rows hang under the root at depth 1 and never match)."""
     b, width = len(trees), 1 + max(len(t) for t in trees)
     tokens: list[int] = []
     parents: list[int] = []  # each row's parent, -1 for the root (and padding): +1 below
@@ -105,7 +128,7 @@ def verify_greedy(adjusted: torch.Tensor, trees: list[Tree]) -> tuple[list[list[
     parents_t = (_longs(parents) + 1).view(b, width)
     sees = ancestors(parents_t)
     depths = sees.sum(-1) - 1
-    best = adjusted.argmax(-1).cpu()[_longs(index)].view(b, width)
+    best = choices[_longs(index)].view(b, width)
     tokens_t = _longs(tokens).view(b, width)
     depth = int(depths.max())
     accepted, path, last = accept_greedy(tokens_t, parents_t, sees, depths, best, depth)
@@ -122,7 +145,7 @@ def _longs(values: list[int]) -> torch.Tensor:
 def verify_sampled(
     adjusted: torch.Tensor, rows: list[sampling.Row], seqs: list[Sequence], drafts: list[Draft]
 ) -> tuple[list[int], list[int]]:
-    """Sampled requests (chains only): how many drafts each accepts, and the token after them.
+    """Sampled requests' chains: how many drafts each accepts, and the token after them.
 
     The uniforms of the rule and the draw after it come from the counter-based generator
     (`counter`), keyed by each sequence's seed and the drafts' positions, in streams of their
