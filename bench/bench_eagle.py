@@ -5,8 +5,10 @@ them from the generator the shipped head was trained on. `--prompt-set training`
 prompts from that generator instead (`stride.train.prompts.builtin_prompts`, seed 0): the gap
 between the two accepted lengths is how far the head falls off outside its training prompts;
 `--prompt-set FILE` reads a JSONL file (`bench/data/test_prompts.jsonl`: a second held-out set).
-Every request decodes greedily; each configuration's outputs are compared with AR's token for
-token (exact in fp32; bf16 may differ by rounding). Two parts:
+Every request decodes greedily, or with `--temperature`, request i seeded with i; each
+configuration's outputs are compared with AR's token for token (exact in fp32 where greedy, and
+for sampled trees, whose tokens are the target's seeded draws; bf16 may differ by rounding).
+Two parts:
 
 - acceptance: all prompts at once, each configuration's mean accepted length: tokens committed
   per verification pass that checked drafts (the accepted drafts plus the target's own token);
@@ -24,6 +26,7 @@ batch and context: `--cycles-only` does just that.
     python bench/bench_eagle.py --device cuda --concurrency 1 8 64 --json eagle-h100.json
     python bench/bench_eagle.py --device cuda --cycles-only --json eagle-cycles.json
     python bench/bench_eagle.py --device cuda --concurrency 1 8 --configs "tree 32 d4 k8"
+    python bench/bench_eagle.py --device cpu --temperature 0.7 --configs "chain K=5" "tree 64"
 """
 
 from __future__ import annotations
@@ -86,10 +89,19 @@ def named(name: str) -> str:
     return name
 
 
-def run(core: EngineCore, prompts: list[list[int]], tokens: int, decoder: str, options: dict):
-    """All prompts in flight at once; (seconds, outputs, summed decoder stats)."""
-    params = SamplingParams(max_tokens=tokens, temperature=0.0)
+def run(
+    core: EngineCore,
+    prompts: list[list[int]],
+    tokens: int,
+    decoder: str,
+    options: dict,
+    temperature: float = 0.0,
+):
+    """All prompts in flight at once; (seconds, outputs, summed decoder stats). Sampled
+    (`temperature`): request i seeded with i."""
     for i, p in enumerate(prompts):
+        params = SamplingParams(max_tokens=tokens, temperature=temperature,
+                                seed=i if temperature else None)  # fmt: skip
         core.add(GenerateRequest(str(i), p, params, decoder, {"draft": "eagle", **options}
                                  if decoder == "speculative" else {}))  # fmt: skip
     outs: dict[str, list[int]] = {}
@@ -107,13 +119,20 @@ def run(core: EngineCore, prompts: list[list[int]], tokens: int, decoder: str, o
     return time.perf_counter() - start, outs, stats
 
 
-def timed(core, groups: list[list[list[int]]], tokens: int, decoder: str, options: dict):
+def timed(
+    core,
+    groups: list[list[list[int]]],
+    tokens: int,
+    decoder: str,
+    options: dict,
+    temperature: float = 0.0,
+):
     """Each group of prompts in flight at once, one group after another: (tok/s, outputs, the
     summed stats)."""
     seconds, made, outs = 0.0, 0, []
     stats = {"drafts": 0, "accepted_tokens": 0}
     for group in groups:
-        secs, out, st = run(core, group, tokens, decoder, options)
+        secs, out, st = run(core, group, tokens, decoder, options, temperature)
         seconds += secs
         made += sum(map(len, out.values()))
         outs.append(out)
@@ -142,7 +161,14 @@ def policy_view(core: EngineCore) -> dict:
 
 
 def speed(
-    core, encoded, conc: int, tokens: int, requests: int, configs: list[str], busy: bool = False
+    core,
+    encoded,
+    conc: int,
+    tokens: int,
+    requests: int,
+    configs: list[str],
+    busy: bool = False,
+    temperature: float = 0.0,
 ) -> dict:
     """Output tok/s of each configuration against AR at `conc`, AR timed before and after each
     configuration and each compared with the mean of the two beside it (a machine whose speed
@@ -150,15 +176,16 @@ def speed(
     time in which the GPU runs a kernel."""
     runs = max(1, requests // conc)
     groups = [[encoded[(r * conc + i) % len(encoded)] for i in range(conc)] for r in range(runs)]
-    first, ref, _ = timed(core, groups, tokens, "ar", {})
+    t = temperature
+    first, ref, _ = timed(core, groups, tokens, "ar", {}, t)
     ars, rows, shares = [first], {}, {}
     for name in configs:  # each run once untimed: its graphs captured, its policy settled
-        timed(core, groups, tokens, "speculative", CONFIGS[name])
-        rows[name] = timed(core, groups, tokens, "speculative", CONFIGS[name])
+        timed(core, groups, tokens, "speculative", CONFIGS[name], t)
+        rows[name] = timed(core, groups, tokens, "speculative", CONFIGS[name], t)
         if busy:
             shares[name] = busy_share(lambda n=name: timed(core, groups, tokens, "speculative",
                                                            CONFIGS[n]))  # fmt: skip
-        ars.append(timed(core, groups, tokens, "ar", {})[0])
+        ars.append(timed(core, groups, tokens, "ar", {}, t)[0])
     base = sum(ars) / len(ars)
     entry: dict = {"concurrency": conc, "ar_tok_s": round(base, 1), "configs": {}}
     if busy:
@@ -294,6 +321,8 @@ def main() -> None:
     ap.add_argument("--prompt-set", default="heldout",
                     help="heldout, training, or a JSONL file of prompts")  # fmt: skip
     ap.add_argument("--kv-gib", type=float, default=2.0)
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="sample (request i seeded with i); 0: greedy")  # fmt: skip
     ap.add_argument(
         "--fused-decode-steps",
         type=int,
@@ -340,14 +369,16 @@ def main() -> None:
         "tokens": args.tokens,
         "prompts": len(encoded),
         "prompt_set": args.prompt_set,
+        "temperature": args.temperature,
     }
     print(f"{engine.name} on {card}, {engine.dtype}: {len(encoded)} {args.prompt_set} prompts")
     run(core, encoded[:2], 8, "speculative", CONFIGS["chain K=5"])  # warm-up
     if not args.skip_acceptance and not args.cycles_only:
-        _, ref, _ = run(core, encoded, args.tokens, "ar", {})
+        t = args.temperature
+        _, ref, _ = run(core, encoded, args.tokens, "ar", {}, t)
         result["acceptance"] = {}
         for name in args.configs:
-            _, outs, stats = run(core, encoded, args.tokens, "speculative", CONFIGS[name])
+            _, outs, stats = run(core, encoded, args.tokens, "speculative", CONFIGS[name], t)
             same = sum(outs[k] == ref[k] for k in ref)
             entry = {"accepted_length": round(accepted_length(stats), 3), "same_as_ar": same,
                      "drafts": stats["drafts"]}  # fmt: skip
@@ -356,7 +387,7 @@ def main() -> None:
     if not args.cycles_only:
         result["speed"] = [
             speed(core, encoded, conc, args.tokens, args.speed_prompts, args.configs,
-                  args.busy and engine.device.type == "cuda")  # fmt: skip
+                  args.busy and engine.device.type == "cuda", args.temperature)  # fmt: skip
             for conc in args.concurrency
         ]
     # The device's share of a cycle (the rest is the host's). Not after `--busy`'s profiled runs,
