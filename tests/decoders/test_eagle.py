@@ -426,6 +426,34 @@ def test_sampled_chains_in_the_loop_draw_what_the_host_draws_seed_for_seed(
     assert free(core)
 
 
+@pytest.mark.parametrize("truncation", [{"top_k": 20}, {"top_p": 0.9}], ids=["top_k", "top_p"])
+def test_sampled_trees_in_the_loop_make_the_tokens_of_plain_decoding(
+    eagle_target, eagle_head, eagle_ref, truncation
+):
+    """Sampled rows of a tree run the device loop's sampled tree (its nodes followed where they
+    equal the target's draws, each keyed by the request's seed and the token's position): the
+    tokens of each seeded request equal `ar`'s, alone and in a batch with a greedy row, whose
+    tokens stay AR's."""
+    sampled = SamplingParams(max_tokens=24, temperature=0.9, ignore_eos=True, **truncation)
+    requests = [
+        GenerateRequest(str(i), p, replace(sampled, seed=i), "speculative", TREE)
+        for i, p in enumerate(PROMPTS[:3])
+    ] + [GenerateRequest("g", PROMPTS[3], greedy(24), "speculative", TREE)]
+    plain, _ = run(eagle_core(eagle_target, None), [replace(r, decoder="ar", decoder_options={})
+                                                    for r in requests[:3]])  # fmt: skip
+    core = eagle_core(eagle_target, eagle_head, fused_decode_steps=4)
+    ran = record_bursts(core)
+    alone, _ = run(core, [replace(r) for r in requests[:1]])
+    together, stats = run(core, [replace(r, request_id=f"b{r.request_id}") for r in requests])
+    shape = TreeShape.of(TREE["tree_nodes"], K, TREE["tree_topk"], sampled=True)
+    assert {s for _, s, _ in ran} == {shape}
+    assert alone["0"] == plain["0"]
+    assert all(together[f"b{i}"] == plain[str(i)] for i in range(3))
+    assert together["bg"] == eagle_ref[3]
+    assert sum(stats[f"b{i}"]["accepted_tokens"] for i in range(3)) > 0
+    assert free(core)
+
+
 def test_bursts_launched_at_the_commit_before_decode_exactly(
     eagle_target, eagle_head, eagle_ref, monkeypatch
 ):

@@ -1,5 +1,6 @@
 """EAGLE on the GPU: greedy chains as device cycles in CUDA graphs (the head on fused kernels)
-decode exactly what plain decoding does, in fp32; sampled chains draw what the host draws."""
+decode exactly what plain decoding does, in fp32; sampled chains and trees draw what the host
+draws."""
 
 from __future__ import annotations
 
@@ -57,14 +58,16 @@ def test_device_cycles_decode_exactly_on_the_gpu(tmp_path):
         assert tokens[str(i)] == ref["r"]
 
 
-def test_sampled_chains_in_graphs_draw_what_the_host_draws_seed_for_seed(tmp_path):
-    """Seeded sampled requests of a fixed chain: the graphed loop's tokens equal those of steps
-    drafted and verified on the host (no bursts), alone and beside a greedy row (AR's)."""
+@pytest.mark.parametrize("options", [CHAIN, TREE], ids=["chain", "tree"])
+def test_sampled_rows_in_graphs_draw_what_the_host_draws_seed_for_seed(tmp_path, options):
+    """Seeded sampled requests of a fixed chain or tree: the graphed loop's tokens equal those
+    of steps drafted and verified on the host (no bursts), alone and beside a greedy row (AR's).
+    (A sampled tree's are `ar`'s own: every token the target's seeded draw.)"""
     model = make_model_dir(tmp_path / "target", layers=4)
     head = random_head(model, tmp_path / "head")
     sampled = SamplingParams(max_tokens=24, temperature=0.9, top_p=0.95, top_k=20,
                              ignore_eos=True)  # fmt: skip
-    requests = [GenerateRequest(str(i), p, replace(sampled, seed=i), "speculative", CHAIN)
+    requests = [GenerateRequest(str(i), p, replace(sampled, seed=i), "speculative", options)
                 for i, p in enumerate(PROMPTS[:3])]  # fmt: skip
     host = cuda_core(str(model), str(head), SchedulerConfig(fused_decode_steps=1))
     ref, _ = run(host, requests)
@@ -72,8 +75,12 @@ def test_sampled_chains_in_graphs_draw_what_the_host_draws_seed_for_seed(tmp_pat
     cycles = core.decoders["speculative"].eagle.cycles
     greedy_ref, _ = run(core, [GenerateRequest("g", PROMPTS[3], greedy(24))])
     tokens, stats = run(core, requests + [
-        GenerateRequest("s", PROMPTS[3], greedy(24), "speculative", CHAIN)])  # fmt: skip
-    assert (4, TreeShape.chain(CHAIN["num_speculative_tokens"], sampled=True)) in cycles._graphs
+        GenerateRequest("s", PROMPTS[3], greedy(24), "speculative", options)])  # fmt: skip
+    k = options["num_speculative_tokens"]
+    shape = TreeShape.chain(k, sampled=True)
+    if options.get("tree_nodes"):
+        shape = TreeShape.of(options["tree_nodes"], k, options["tree_topk"], sampled=True)
+    assert (4, shape) in cycles._graphs
     assert all(tokens[str(i)] == ref[str(i)] for i in range(3))
     assert tokens["s"] == greedy_ref["g"]
 

@@ -10,7 +10,7 @@ next one, as plain steps kept in flight hide theirs."""
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 from stride.decoders import sampling
@@ -70,9 +70,10 @@ def loop_shape(seq: Sequence, state: SeqState, eagle: EagleDrafter) -> TreeShape
         k = options["num_speculative_tokens"]
     else:
         return None
-    if not options.get("tree_nodes") or not seq.params.greedy:  # (sampled rows draft chains)
-        return TreeShape.chain(k, sampled=not seq.params.greedy)
-    return TreeShape.of(max(options["tree_nodes"], k), k, options["tree_topk"])
+    sampled = not seq.params.greedy
+    if not options.get("tree_nodes"):
+        return TreeShape.chain(k, sampled)
+    return TreeShape.of(max(options["tree_nodes"], k), k, options["tree_topk"], sampled)
 
 
 def runnable(seq: Sequence) -> bool:
@@ -96,17 +97,15 @@ def batch_menu(seqs: list[Sequence]) -> tuple[TreeShape, ...] | None:
 
 
 def _one_shape(shapes: set[TreeShape | None]) -> TreeShape | None:
-    """The shape a batch's sequences share, if any: chains of one length where some rows
-    sample are the sampled chain (its greedy rows accept their argmax under it)."""
+    """The shape a batch's sequences share, if any: chains or trees of one size where some
+    rows sample are the sampled one (its greedy rows accept their argmax under it)."""
     known = {s for s in shapes if s is not None}
     if len(known) < len(shapes):
         return None
     if len(known) == 1:
         return known.pop()
-    depths = {s.depth for s in known}
-    if len(depths) > 1 or not all(s.is_chain for s in known):
-        return None
-    return TreeShape.chain(depths.pop(), sampled=True)
+    sizes = {replace(s, sampled=True) for s in known}
+    return sizes.pop() if len(sizes) == 1 else None
 
 
 def _loop_choice(spec: Speculative, seqs: list[Sequence]) -> Choice | None:

@@ -17,11 +17,12 @@ a whole cycle is tensor work on the device, replayed as one CUDA graph per (batc
    sequence are one tree for the attention kernel, which reads their prefix once) and hands
    out their hidden states;
 3. accept (`verify.accept_greedy`): the longest path of drafts equal to the target's argmax
-   after their parents; the target's argmax after it is the bonus token (a sampled chain:
-   `verify.verify`, the rejection rule, then a draw from the residual or the bonus
-   distribution, every uniform from `counter` keyed by the request's seed and the token's
-   position, as on the host, so a seeded request's tokens do not depend on the path or the
-   batch; greedy rows of the batch have one-hot distributions); the committed tokens
+   after their parents; the target's argmax after it is the bonus token (a sampled tree: its
+   draws instead, `_drawn`; a sampled chain: `verify.verify`, the rejection rule, then a draw
+   from the residual or the bonus distribution; every uniform and draw from `counter` keyed by
+   the request's seed and the token's position, as on the host, so a seeded request's tokens
+   do not depend on the path or the batch; greedy rows of the batch have one-hot
+   distributions); the committed tokens
    of the cycle go to an output buffer; a tree's accepted rows then move their keys and values
    to the slots of the positions they take (`device_tree.compact`);
 4. catch up: depth + 1 head rows read the accepted path's hidden states and the token after
@@ -355,7 +356,8 @@ class EagleCycles:
         rows = Rows(at, self._slots(at, tables), (at + 1).to(torch.int32))
         # 1. drafts
         qs: list[torch.Tensor] = []  # a sampled chain's draft distributions
-        if shape.sampled:
+        drawn_chain = shape.sampled and shape.is_chain
+        if drawn_chain:
             tree = self._draft_chain(b, depth, rows, fixed, lambda h, j: self._draw(h, j, qs))
         elif shape.is_chain:
             tree = self._draft_chain(b, depth, rows, fixed, lambda h, j: self._best(h))
@@ -372,11 +374,14 @@ class EagleCycles:
                                              aux=aux_layers)  # fmt: skip
         logits = self.model.lm_head(hidden)
         steps = fixed.steps[: depth + 1]
-        if shape.sampled:  # 3. accept by the rejection rule, then draw the token after
+        if drawn_chain:  # 3. accept by the rejection rule, then draw the token after
             n, bonus = self._accept_sampled(logits, tree.tokens[:, 1:], torch.stack(qs, 1), steps)
             path = torch.where(steps <= n[:, None], steps, 0)
         else:  # 3. accept the longest path of drafts equal to the target's choice, then its next
-            best = logits.argmax(-1).view(b, n_rows)  # (in its dtype: the same argmax)
+            if shape.sampled:  # (a sampled tree: its draws)
+                best = self._drawn(logits, tree.depths)
+            else:
+                best = logits.argmax(-1).view(b, n_rows)  # (in its dtype: the same argmax)
             n, path, bonus = accept_greedy(tree.tokens, tree.parents, tree.sees, tree.depths,
                                            best, depth)  # fmt: skip
         after = torch.cat([tree.tokens.gather(1, path[:, 1:]), bonus[:, None]], 1)
@@ -416,6 +421,17 @@ class EagleCycles:
         keys = counter.keys_at(self.bases[counter.TARGET, :b], places.gather(1, n[:, None])[:, 0])
         noise = counter.gumbel(keys[:, None], None, dist.shape[-1])
         return n, (dist.log() + noise).argmax(-1)
+
+    def _drawn(self, logits: torch.Tensor, depths: torch.Tensor) -> torch.Tensor:
+        """A sampled tree's target choices [B, N]: the target's draw after each of its rows
+        (`logits` [B * N, V]), at the row's position and with the noise a plain step draws
+        with there, as `verify.verify_drawn` draws on the host."""
+        b, n = depths.shape
+        p = sampling.row_probabilities(logits, Fixed.per_row(self.floats[:b], n))
+        places = self.base[:b, None] + 1 + depths  # the token each row draws
+        keys = counter.keys_at(self.bases[counter.TARGET, :b, None], places)
+        noise = counter.gumbel(keys.flatten()[:, None], None, p.shape[-1])
+        return (p.log() + noise).argmax(-1).view(b, n)
 
     def _rows_meta(self, rows: Rows, r: int, fixed: Fixed, sees: torch.Tensor) -> DecodeMetadata:
         """Decode rows for the first `r` slots of every sequence's span, one tree of `r` rows

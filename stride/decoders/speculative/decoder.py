@@ -12,7 +12,7 @@ Request options (`{"type": "speculative", ...}`):
     exit_layer: early_exit only, how many target layers draft (default: half of them)
     ngram_max: ngram only, the longest suffix looked up (default 3)
     tree_nodes, tree_topk: eagle only, draft a tree instead of a chain (0: a chain; unset: a
-        chain, or in the device loop `loop_policy.DEFAULT_TREE`; its sampled rows: chains)
+        chain, or in the device loop `loop_policy.DEFAULT_TREE`, for sampled batches a chain)
 
 Step by step: `extra_tokens` asks the policy (`policy.AdaptivePolicy`) for the sequence's K (the
 scheduler reserves KV for it) and notes the answer in the step's `StepPlans`; `propose` hands

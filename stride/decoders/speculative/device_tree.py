@@ -25,8 +25,10 @@ class TreeShape:
     """What a cycle's graph is captured for: `nodes` verified rows per sequence (the root, the
     tail the target scores anyway, then nodes - 1 drafts) over `depth` levels, `topk` children
     per expanded node. A chain of K drafts is `TreeShape.chain(K)`: one child per level.
-    `sampled`: the cycle draws its drafts and accepts them by the rejection rule, so that its
-    rows may sample (chains only); otherwise drafts and acceptance are the argmax."""
+    `sampled`: its rows may sample; a chain then draws its drafts and accepts them by the
+    rejection rule, a tree follows its nodes (the head's most likely, as for greedy rows) where
+    they equal the target's draws (`verify.verify_drawn`); otherwise drafts and acceptance are
+    the argmax."""
 
     nodes: int
     depth: int
@@ -38,12 +40,12 @@ class TreeShape:
         return cls(k + 1, k, 1, sampled)
 
     @classmethod
-    def of(cls, drafts: int, depth: int, topk: int) -> TreeShape:
+    def of(cls, drafts: int, depth: int, topk: int, sampled: bool = False) -> TreeShape:
         """The tree of at most `drafts` nodes a request asks for, made to fit what EAGLE-2
         produces: at most `drafts` levels, and no more nodes than candidates."""
         depth = min(depth, drafts)
         candidates = topk + (depth - 1) * topk * topk
-        return cls(min(drafts, candidates) + 1, depth, topk)
+        return cls(min(drafts, candidates) + 1, depth, topk, sampled)
 
     @property
     def is_chain(self) -> bool:
