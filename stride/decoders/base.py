@@ -154,7 +154,7 @@ class Scored:
     logits: list[torch.Tensor] | None = None
     tokens: list[list[int]] | None = None
     logprobs: list[Logprobs] | None = None  # of `tokens`, where drawn so
-    masked: list[bool] | None = None  # `tokens` drawn under their grammar's mask (none: all raw)
+    drawn_from: list[torch.Tensor | None] | None = None  # the raw logits of `tokens`, kept
 
 
 @dataclass
@@ -169,6 +169,9 @@ class Commit:
     # False: drawn on the device without a grammar's mask (`sampling.drawn_then_checked`); each
     # token is checked as it is committed, and the first refused one ends the commit.
     masked: bool = True
+    # Such tokens' raw logits [tokens, V], where the launch kept them: a refused one is drawn
+    # again from its row under the mask at once (`sampling.redrawn`).
+    drawn_from: torch.Tensor | None = None
 
 
 @dataclass
@@ -191,10 +194,10 @@ def plain_commits(scored: Scored) -> list[Commit]:
     last with their KV kept (the last is the next step's tail)."""
     assert scored.tokens is not None
     lps = scored.logprobs or [[None] * len(t) for t in scored.tokens]
-    masked = scored.masked or [False] * len(scored.tokens)
+    kept = scored.drawn_from or [None] * len(scored.tokens)
     return [
-        Commit(t, lp, len(t) - 1, forward_passes=len(t), masked=m)
-        for t, lp, m in zip(scored.tokens, lps, masked, strict=True)
+        Commit(t, lp, len(t) - 1, forward_passes=len(t), masked=False, drawn_from=k)
+        for t, lp, k in zip(scored.tokens, lps, kept, strict=True)
     ]
 
 

@@ -32,11 +32,10 @@ How every decoder keeps to it:
   (`EngineCore._apply`), and the first refused one is dropped with all after it, and with what
   launches still in flight made from it (they are `Sequence.void`, no longer pending). Where
   the grammar forces text, the mask allows one token, which takes the refused one's place
-  (`Matcher.instead`); elsewhere the sequence draws that token again under the mask
-  (`refused`) in the next launch, without waiting for the void ones, its mask filled at launch
-  from its committed state for a draw on the device where a launch kept in flight can take it
-  (`sampling.masked_on_device`), else on the host. Nothing constrained rides EAGLE's device
-  cycles (`sampling.on_device`).
+  (`Matcher.instead`); elsewhere that token is drawn again under the mask at once, from the
+  raw logits its launch kept (`sampling.redrawn`), the draw a launch would make there; a row
+  with logprobs (which a kept row's draw would not give) draws it on the host in its next
+  step (`refused`). Nothing constrained rides EAGLE's device cycles (`sampling.on_device`).
 """
 
 from __future__ import annotations

@@ -125,6 +125,7 @@ class Refine(Decoder):
                 None if scored.logits is None else [scored.logits[i] for i in idx],
                 None if scored.tokens is None else [scored.tokens[i] for i in idx],
                 None if scored.logprobs is None else [scored.logprobs[i] for i in idx],
+                None if scored.drawn_from is None else [scored.drawn_from[i] for i in idx],
             )
             commits = self.causal[method].commit(
                 [seqs[i] for i in idx], [proposals[i] for i in idx], part, ctx

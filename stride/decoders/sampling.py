@@ -321,6 +321,21 @@ def on_device(seq: Sequence) -> bool:
     )
 
 
+def redrawn(seq: Sequence, drawn_from: torch.Tensor | None, i: int) -> int | None:
+    """The token a draw under `seq`'s grammar mask gives in place of its refused token, where it
+    is known without scoring that place again: the forced text's first token (the mask allows
+    it alone: `Matcher.instead`), or a draw under the mask from the raw logits row the refused
+    token was drawn from (`drawn_from[i]`, kept by its launch), the draw a launch makes under
+    the mask. None where logprobs are asked for (they are the raw logits' of a scored row)."""
+    if seq.params.logprobs is not None:
+        return None
+    if seq.grammar.instead is not None or drawn_from is None:
+        return seq.grammar.instead
+    logits = drawn_from[i : i + 1].clone()
+    grammar.mask_logits(logits, [0], [(seq.grammar, [])])
+    return _draw(logits, [Row(seq)]).tolist()[0]
+
+
 def checked_alone(row: Row) -> bool:
     """May this row's token be drawn from its raw logits and checked alone afterwards
     (`_draw_checked`)? Nothing for `adjust` to do but a grammar's mask, and a draw that the mask
@@ -337,25 +352,11 @@ def checked_alone(row: Row) -> bool:
 def drawn_then_checked(seq: Sequence) -> bool:
     """May this constrained sequence's tokens be drawn on the device from the raw logits,
     several passes in a row and in launches kept in flight, and each checked when it is
-    committed? What `checked_alone` allows, except right after a refused token (the grammar's
-    `refused`: that token is drawn again under the mask, `masked_on_device`)."""
+    committed? What `checked_alone` allows, except after a refused token that its commit could
+    not draw again (`redrawn`: with logprobs; the grammar's `refused`): that token is drawn on
+    the host, under the mask."""
     grammar = seq.grammar
     return grammar is not None and not grammar.refused and checked_alone(Row(seq))
-
-
-def masked_on_device(seq: Sequence) -> bool:
-    """Is this the draw after a refused token (the grammar's `refused`, nothing pending), one
-    the device can make under the mask of the sequence's committed state, filled at launch,
-    so that a launch kept in flight need not wait for it? As `drawn_then_checked` allows, but
-    without logprobs (they are the raw logits', which the device draw would not see)."""
-    grammar = seq.grammar
-    return (
-        grammar is not None
-        and grammar.refused
-        and not seq.pending
-        and seq.params.logprobs is None
-        and checked_alone(Row(seq))
-    )
 
 
 def sample(logits: torch.Tensor, rows: list[Row], eos_ids: set[int]) -> list[int]:

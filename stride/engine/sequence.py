@@ -203,18 +203,17 @@ class Sequence:
         """Prompt logprobs asked for and not all scored: its prompt is computed, not cached."""
         return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_ids)
 
-    def redraw(self) -> int | None:
+    def redraw(self, known: int | None) -> int | None:
         """Its grammar refused the token drawn after its committed ones, and what launches in
-        flight made from that one is void. Returns the token a draw under the grammar's mask
-        gives there when the mask allows it alone (`Matcher.instead`; not where logprobs are
-        asked for, which are the raw logits'). Else None: that token is drawn again, from its
-        last committed token re-scored (the tail)."""
+        flight made from that one is void. `known`: the token a draw under the grammar's mask
+        gives there, where it is known without scoring again (`sampling.redrawn`), which it
+        returns. Else None: that token is drawn again, from its last committed token re-scored
+        (the tail)."""
         self.refusals += 1
         self.void += self.pending
         self.pending = 0
-        instead = None if self.params.logprobs is not None else self.grammar.instead
-        self.num_cached = len(self.token_ids) - (instead is None)
-        return instead
+        self.num_cached = len(self.token_ids) - (known is None)
+        return known
 
     @property
     def fed_offset(self) -> int:

@@ -29,6 +29,7 @@ from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 
+from stride.decoders import sampling
 from stride.decoders.base import Commit, Decoder, DecodersConfig, StepContext
 from stride.decoders.registry import build_decoders
 from stride.engine import loader
@@ -308,8 +309,9 @@ class EngineCore:
         """Append a commit's tokens under the stop rules, roll back rejected KV, emit output.
 
         An output that does not end its request gets its text later, from `untexted`. A token
-        drawn without its grammar's mask that the grammar refuses ends the commit before it.
-        `proposed`: how many tokens the decoder proposed after the tail (traced requests)."""
+        drawn without its grammar's mask that the grammar refuses is drawn again under the mask
+        (`sampling.redrawn`) or ends the commit before it. `proposed`: how many tokens the
+        decoder proposed after the tail (traced requests)."""
         token_ids = seq.token_ids
         cached = len(token_ids)  # the whole tail was scored
         if commit.kv_from is not None and commit.kv_from != list(range(commit.kv_keep)):
@@ -330,8 +332,9 @@ class EngineCore:
         checked = grammar is not None and not commit.masked  # drawn without the mask
         for token in commit.tokens:
             taken = checked and grammar.take(token)  # (checked and consumed)
-            if (refused := checked and not taken) and (token := seq.redraw()) is None:
-                break  # (that token is drawn again, under the mask)
+            if (refused := checked and not taken) and (token := seq.redraw(
+                    sampling.redrawn(seq, commit.drawn_from, n))) is None:  # fmt: skip
+                break  # (drawn again under the mask, on the host, once re-scored)
             token_ids.append(token)
             n += 1
             produced = len(token_ids) - num_prompt
@@ -418,14 +421,8 @@ class EngineCore:
             return []
         now = time.monotonic()
         late = [s for s in self.seqs.values() if s.deadline is not None and s.deadline <= now]
-        return [
-            self._finish(
-                s,
-                "deadline",
-                error=EngineError("deadline_exceeded", "the request's deadline passed"),
-            )
-            for s in late
-        ]
+        error = EngineError("deadline_exceeded", "the request's deadline passed")
+        return [self._finish(s, "deadline", error=error) for s in late]
 
     def fail_all(self, message: str) -> list[RequestOutput]:
         """The loop is dying: every request still in flight gets an error as its last output."""

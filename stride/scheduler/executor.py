@@ -11,8 +11,7 @@ launch that has finished. A batch runs one of three ways:
   tokens. Every row must be a plain step sampled on the device (`sampling.on_device`: greedy
   or sampled, with the rows' settings as tensors, `sampling.DrawSettings`; logprobs taken
   beside, `drawn_logprobs`; or under a grammar that checks each token as it is committed,
-  `sampling.drawn_then_checked`; or, in a launch of one step, drawn under its grammar's mask
-  after a refused token, `sampling.masked_on_device`)
+  `sampling.drawn_then_checked`, the raw logits it was drawn from kept for a refused one)
   whose decoder promised that many plain steps (`Proposal.plain_steps`), and nobody may wait.
   Several steps only for batches up to `MAX_BURST_BATCH`, where host work is a large share of a
   step: a request arriving meanwhile waits up to `steps - 1` steps longer, and a sequence that
@@ -36,7 +35,7 @@ from collections.abc import Iterator
 
 import torch
 
-from stride.decoders import adjustments, draw_kernels, grammar, sampling
+from stride.decoders import adjustments, draw_kernels, sampling
 from stride.decoders.base import Proposal
 from stride.decoders.draw_graphs import DrawGraphs
 from stride.decoders.drawn_logprobs import DrawnLogprobs
@@ -117,23 +116,20 @@ class Executor:
         graphed = self.engine.runner.decodes_in_graphs(seqs)  # (then its draws are graphed too)
         draw = self._draw_graphs if graphed else sampling.device_sample
 
-        refused = any(sampling.masked_on_device(s) for s in seqs)
-        assert steps == 1 or not refused  # (`_shape`: only a row's first draw is under its mask)
-        masked: set[str] = set()
+        checked, kept = _checked_rows(seqs), []
+        at = checked and torch.tensor(checked).to(self.engine.device, non_blocking=True)
 
         def sample(logits: torch.Tensor, step: int) -> torch.Tensor:
-            drawing = draw
-            if refused:  # masked in a copy (the graphs' logits buffer is theirs), drawn from it
-                logits, drawing = logits.clone(), sampling.device_sample
-                masked.update(_mask_refused(logits, seqs))
+            if checked:  # (a copy: the graphs' logits buffer is theirs)
+                kept.append(logits.index_select(0, at))
             if logprobs is not None:  # (with logprobs, the draws are not graphed)
                 return logprobs.draw(logits, draws, step)
-            return drawing(logits, draws, step)
+            return draw(logits, draws, step)
 
         made = self.engine.runner.decode_steps(seqs, tokens, steps, sample, offsets)
         self.load.add_decode_steps(seqs, steps, offsets)
         launch = BurstLaunch(batch, made, continuable)
-        launch.masked = masked
+        launch.drawn_from = _kept(seqs, checked, kept)
         launch.logprobs = logprobs and logprobs.copied()
         launch.sampled, launch.sampling, launch.draws = made.on_device[-1], seqs, draws
         self._started(launch, [steps] * len(plan))
@@ -164,7 +160,9 @@ class Executor:
             draws = launch.draws = self._draw_settings(seqs, 1)
             logprobs = DrawnLogprobs.of(seqs)
             stacked = torch.cat([logits[i] for i in committing])
-            launch.masked = _mask_refused(stacked, seqs)
+            checked = _checked_rows(seqs)
+            if checked:
+                launch.drawn_from = _kept(seqs, checked, [stacked[checked]])
             if logprobs is None:
                 drawn = sampling.device_sample(stacked, draws)
             else:
@@ -266,11 +264,9 @@ class Executor:
         launch, and its next row one the decode graphs can feed. A burst needs every row to be
         such a decode row (a constrained one too, whose tokens are checked as they are
         committed: `sampling.drawn_then_checked`); several steps only for batches up to
-        `MAX_BURST_BATCH` where nobody waits, and one where a row draws under its grammar's
-        mask after a refusal (`sampling.masked_on_device`: only its first token is)."""
+        `MAX_BURST_BATCH` where nobody waits."""
         plan = batch.plan
         decodes = plain = True  # every row a plain decode row / every committing row plain
-        masked = False  # some row drawn under its grammar's mask (one step, its mask at launch)
         promised = left = 1 << 30  # plain steps promised, tokens left, the least of any row
         made = 0  # the most tokens of any committing row (pending ones included)
         for item, prop in zip(plan, batch.proposals, strict=True):  # (every row, every step)
@@ -282,10 +278,8 @@ class Executor:
                 return 0, False
             if seq.grammar is None:
                 device = item.fed or sampling.on_device(seq)  # (fed: checked at launch)
-            else:  # checked as it commits, or drawn under its mask (filled at launch)
-                under_mask = sampling.masked_on_device(seq)
-                device = item.fed or under_mask or sampling.drawn_then_checked(seq)
-                masked = masked or under_mask
+            else:  # checked as it commits
+                device = item.fed or sampling.drawn_then_checked(seq)
             if not device:
                 return 0, False
             decodes = decodes and item.num_tail == 1
@@ -301,7 +295,7 @@ class Executor:
 
         steps = 0
         if decodes and (self.burst_steps > 1 or self.overlap):
-            alone = len(plan) <= MAX_BURST_BATCH and batch.alone and not masked
+            alone = len(plan) <= MAX_BURST_BATCH and batch.alone
             burst = self.burst_steps if alone else 1
             steps = max(0, min(burst, promised, left, self.engine.max_model_len - made))
         if steps <= 1:  # (one step that stays no launch in flight: a forward does as well)
@@ -383,18 +377,19 @@ class Executor:
             return logits, failed
 
 
-def _mask_refused(logits: torch.Tensor, seqs: list[Sequence]) -> set[str]:
-    """Mask, in place, the rows of sequences whose last token drawn without the mask was
-    refused (`sampling.masked_on_device`): their draw now is under the mask of their committed
-    state, so their next tokens continue from it (the grammar no longer counts as refused).
-    Returns their request ids."""
-    rows = [i for i, seq in enumerate(seqs)
-            if seq.grammar is not None and sampling.masked_on_device(seq)]  # fmt: skip
-    if rows:
-        grammar.mask_logits(logits, rows, [(seqs[i].grammar, []) for i in rows])
-        for i in rows:
-            seqs[i].grammar.refused = False
-    return {seqs[i].request_id for i in rows}
+def _checked_rows(seqs: list[Sequence]) -> list[int]:
+    """The rows of sequences whose tokens are drawn without their grammar's mask and checked
+    as they are committed (`sampling.drawn_then_checked`), without logprobs (a token drawn
+    again would have none): a launch keeps their raw logits, so that a refused token is drawn
+    again under the mask at its commit (`sampling.redrawn`), not in a launch of its own."""
+    return [i for i, s in enumerate(seqs)
+            if s.params.logprobs is None and sampling.drawn_then_checked(s)]  # fmt: skip
+
+
+def _kept(seqs: list[Sequence], rows: list[int], kept: list[torch.Tensor]) -> dict:
+    """`rows`' logits [steps, V] by request id, from `kept` (one [rows, V] a step)."""
+    stacked = torch.stack(kept, 1) if rows else None
+    return {seqs[i].request_id: stacked[r] for r, i in enumerate(rows)}
 
 
 def _prompt_rows(plan: list[Scheduled], spans: list[Span]) -> dict[int, tuple[int, int]]:

@@ -37,7 +37,8 @@ class Launch:
         self.tokens: SampledTokens | None = None
         self.draws: sampling.DrawSettings | None = None  # their settings (the next may reuse)
         self.logprobs: DrawnLogprobs | None = None  # of their draws, where asked for
-        self.masked: set[str] = set()  # whose draws were under their grammar's mask, by id
+        # the raw logits [steps, V] of rows drawn without their grammar's mask, by id (`Commit`)
+        self.drawn_from: dict[str, torch.Tensor] = {}
 
     @cached_property
     def rows(self) -> dict[str, int]:
@@ -69,8 +70,8 @@ class ForwardLaunch(Launch):
                 ids = [self.batch.plan[i].seq.request_id for i in idx]
                 rows = [self.rows[request_id] for request_id in ids]
                 picked = None if lps is None else [lps[r] for r in rows]
-                masked = [i in self.masked for i in ids] if self.masked else None
-                out[name] = Scored(tokens=[made[r] for r in rows], logprobs=picked, masked=masked)
+                kept = [self.drawn_from.get(i) for i in ids] if self.drawn_from else None
+                out[name] = Scored(tokens=[made[r] for r in rows], logprobs=picked, drawn_from=kept)
             return out
         for name, idx in decoders.live(self.batch).items():
             out[name] = Scored(logits=[self.logits[i] for i in idx])
@@ -91,10 +92,11 @@ class BurstLaunch(Launch):
         lps = None if self.logprobs is None else self.logprobs.per_sequence(made)
         plan, out = self.batch.plan, {}
         for name, idx in decoders.live(self.batch).items():
-            masked = [plan[i].seq.request_id in self.masked for i in idx] if self.masked else None
+            ids = [plan[i].seq.request_id for i in idx]
+            kept = [self.drawn_from.get(i) for i in ids] if self.drawn_from else None
             out[name] = Scored(tokens=[made[i] for i in idx],
                                logprobs=None if lps is None else [lps[i] for i in idx],
-                               masked=masked)  # fmt: skip
+                               drawn_from=kept)  # fmt: skip
         return out
 
 

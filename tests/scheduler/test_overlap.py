@@ -16,6 +16,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from stride.decoders import sampling
 from stride.decoders.registry import DecodersConfig, build_decoders
 from stride.decoders.speculative import Speculative
 from stride.engine.config import EngineConfig
@@ -407,29 +408,34 @@ def test_rows_under_a_grammar_stay_in_flight_and_change_no_output(
 ):
     """Rows under a grammar whose tokens can be checked as they commit (greedy, or sampled
     without truncation) are drawn on the device in launches kept in flight; a token the grammar
-    refuses voids what the launch in flight made for its sequence, which draws that token again
-    under the mask in the next launch, without waiting for the void one, its mask filled at
-    launch, in a launch that stays in flight too (a decode step of the graphs where every row is
-    one). A row with a top-k is drawn on the host every step. Every output is what one launch
-    at a time gives."""
+    refuses voids what the launch in flight made for its sequence, and is drawn again under the
+    mask at its commit, from the raw logits its launch kept (`sampling.redrawn`), in bursts and
+    in forwards. A row with a top-k is drawn on the host every step. Every output is what one
+    launch at a time gives."""
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("no GPU")
     launches = []  # (kept in flight, whose rows it drew on the device)
-    under_mask = []  # whose rows launches kept in flight drew under their mask
-    masked_by = set()  # the kinds of launch that drew them
     while_void = []  # whose rows launched while a launch in flight made void tokens for them
-    launch = executor_module.Executor._launch
+    redrawn = []  # (request id, the kind of launch that kept the logits) of each redraw
+    launch, redraw = executor_module.Executor._launch, sampling.redrawn
+    kinds = {}  # the kind of launch that made each row's last draw, by request id
 
     def recording(self, batch):
         while_void.extend(item.seq.request_id for item in batch.plan if item.seq.void)
         made = launch(self, batch)
         if made is not None:
             launches.append((made.continuable, {seq.request_id for seq in made.sampling}))
-            under_mask.extend(made.masked if made.continuable else ())
-            masked_by.update([type(made).__name__] if made.masked else [])
+            kinds.update(dict.fromkeys(made.drawn_from, type(made).__name__))
         return made
 
+    def redrawing(seq, drawn_from, i):
+        token = redraw(seq, drawn_from, i)
+        if drawn_from is not None and seq.grammar.instead is None:
+            redrawn.append((seq.request_id, kinds[seq.request_id]))
+        return token
+
     monkeypatch.setattr(executor_module.Executor, "_launch", recording)
+    monkeypatch.setattr(sampling, "redrawn", redrawing)
     config = EngineConfig(model=str(tiny_dir), device=device, dtype="float32",
                           kv_cache_memory=16 << 20)  # fmt: skip
     runs = []
@@ -441,12 +447,10 @@ def test_rows_under_a_grammar_stay_in_flight_and_change_no_output(
         assert bool({"r0", "r2", "r5"} & in_flight) == overlap  # constrained, drawn on the device
         assert "r7" not in set().union(*(drawn for _, drawn in launches))  # (its top-k)
         assert bool(while_void) == overlap  # refused tokens with a launch in flight after them
-        assert bool(under_mask) == overlap
-        assert ("BurstLaunch" in masked_by) == overlap  # (a step of decode rows only)
+        assert ("BurstLaunch" in {kind for _, kind in redrawn}) == overlap
         launches.clear()
         while_void.clear()
-        under_mask.clear()
-        masked_by.clear()
+        redrawn.clear()
     _same_mixed(*runs)
     ends = {request_id: r[3] for request_id, r in runs[0].items()}
     assert ends["r0"] == ends["r5"] == "stop"  # the grammar ended them
