@@ -84,3 +84,13 @@ def uniforms(keys: torch.Tensor, tokens: torch.Tensor | None, vocab: int) -> tor
 def gumbel(keys: torch.Tensor, tokens: torch.Tensor | None, vocab: int) -> torch.Tensor:
     """Gumbel(0, 1) noise per (row, token): argmax(log p + noise) draws exactly from p."""
     return uniforms(keys, tokens, vocab).log_().neg_().log_().neg_()
+
+
+def pick(
+    probs: torch.Tensor, keys: torch.Tensor, tokens: torch.Tensor | None = None, vocab: int = 0
+) -> torch.Tensor:
+    """Each row's draw from `probs` [B, C] with its key (`keys` [B] int64): the column that
+    argmax(log p + `gumbel` noise) picks, over every token id (C the vocabulary) or over the
+    ids `tokens` [B, C] below `vocab`."""
+    noise = gumbel(keys[:, None], tokens, vocab if tokens is not None else probs.shape[-1])
+    return (probs.log() + noise).argmax(-1)

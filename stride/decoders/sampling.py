@@ -131,9 +131,7 @@ def draw(probs: torch.Tensor, rows: list[Row], stream: int = counter.TARGET) -> 
     if all(r.seq.params.greedy for r in rows):
         return probs.argmax(-1).tolist()
     keys = counter.keys([r.seq.seed for r in rows], np.array([r.position for r in rows]), stream)
-    keys_t = torch.from_numpy(keys)[:, None].to(probs.device, non_blocking=True)
-    noise = counter.gumbel(keys_t, None, probs.shape[-1])
-    return (probs.log() + noise).argmax(-1).tolist()
+    return counter.pick(probs, torch.from_numpy(keys).to(probs.device, non_blocking=True)).tolist()
 
 
 @dataclass

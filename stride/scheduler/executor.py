@@ -382,8 +382,8 @@ def _checked_rows(seqs: list[Sequence]) -> list[int]:
     as they are committed (`sampling.drawn_then_checked`), without logprobs (a token drawn
     again would have none): a launch keeps their raw logits, so that a refused token is drawn
     again under the mask at its commit (`sampling.redrawn`), not in a launch of its own."""
-    return [i for i, s in enumerate(seqs)
-            if s.params.logprobs is None and sampling.drawn_then_checked(s)]  # fmt: skip
+    return [i for i, s in enumerate(seqs) if s.grammar is not None
+            and s.params.logprobs is None and sampling.drawn_then_checked(s)]  # fmt: skip
 
 
 def _kept(seqs: list[Sequence], rows: list[int], kept: list[torch.Tensor]) -> dict:

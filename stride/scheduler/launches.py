@@ -92,8 +92,9 @@ class BurstLaunch(Launch):
         lps = None if self.logprobs is None else self.logprobs.per_sequence(made)
         plan, out = self.batch.plan, {}
         for name, idx in decoders.live(self.batch).items():
-            ids = [plan[i].seq.request_id for i in idx]
-            kept = [self.drawn_from.get(i) for i in ids] if self.drawn_from else None
+            kept = None
+            if self.drawn_from:
+                kept = [self.drawn_from.get(plan[i].seq.request_id) for i in idx]
             out[name] = Scored(tokens=[made[i] for i in idx],
                                logprobs=None if lps is None else [lps[i] for i in idx],
                                drawn_from=kept)  # fmt: skip

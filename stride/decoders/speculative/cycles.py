@@ -301,7 +301,7 @@ class EagleCycles:
         probs = sampling.row_probabilities(self._logits(h), self.floats[:b])
         ids = self.draft_ids.expand(b, -1)
         keys = counter.keys_at(self.bases[counter.DRAFT, :b], self.base[:b] + 1 + j)
-        picked = (probs.log() + counter.gumbel(keys[:, None], ids, self.vocab)).argmax(-1)
+        picked = counter.pick(probs, keys, ids, self.vocab)
         qs.append(probs.new_zeros(b, self.vocab).scatter_(1, ids, probs))
         return self.draft_ids[picked]
 
@@ -419,8 +419,7 @@ class EagleCycles:
         u = counter.unit(counter.keys_at(self.bases[counter.ACCEPT, :b, None], places[:, :k]))
         n, dist = verify(p.view(b, k + 1, -1), q, drafts, torch.full_like(self.base[:b], k), u)
         keys = counter.keys_at(self.bases[counter.TARGET, :b], places.gather(1, n[:, None])[:, 0])
-        noise = counter.gumbel(keys[:, None], None, dist.shape[-1])
-        return n, (dist.log() + noise).argmax(-1)
+        return n, counter.pick(dist, keys)
 
     def _drawn(self, logits: torch.Tensor, depths: torch.Tensor) -> torch.Tensor:
         """A sampled tree's target choices [B, N]: the target's draw after each of its rows
@@ -430,8 +429,7 @@ class EagleCycles:
         p = sampling.row_probabilities(logits, Fixed.per_row(self.floats[:b], n))
         places = self.base[:b, None] + 1 + depths  # the token each row draws
         keys = counter.keys_at(self.bases[counter.TARGET, :b, None], places)
-        noise = counter.gumbel(keys.flatten()[:, None], None, p.shape[-1])
-        return (p.log() + noise).argmax(-1).view(b, n)
+        return counter.pick(p, keys.flatten()).view(b, n)
 
     def _rows_meta(self, rows: Rows, r: int, fixed: Fixed, sees: torch.Tensor) -> DecodeMetadata:
         """Decode rows for the first `r` slots of every sequence's span, one tree of `r` rows
