@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import save_file
 
 from stride import drafts
+from stride.decoders import sampling
 from stride.decoders.speculative import cycles as cycles_module
 from stride.decoders.speculative import decoder as decoder_module
 from stride.decoders.speculative.bursts import Ahead
@@ -399,15 +400,23 @@ def test_a_prompt_the_prefix_cache_holds_but_its_last_token_drafts_after_its_fir
     assert stats["b"]["drafts"] > 0
 
 
+TRUNCATIONS = {  # each of `sampling.ranks`' three ways to draw
+    "top_p": {"top_p": 0.95, "top_k": 20, "min_p": 0.02},
+    "top_k": {"top_k": 20, "min_p": 0.02},
+    "none": {"min_p": 0.02},
+}
+
+
+@pytest.mark.parametrize("truncation", TRUNCATIONS.values(), ids=TRUNCATIONS)
 def test_sampled_chains_in_the_loop_draw_what_the_host_draws_seed_for_seed(
-    eagle_target, eagle_head, eagle_ref
+    eagle_target, eagle_head, eagle_ref, truncation
 ):
     """Sampled rows run the device loop's sampled chain (drafts drawn from the head, accepted by
     the rejection rule, every uniform keyed by the request's seed and the token's position, as
-    on the host): the tokens of each seeded request equal the host path's, alone and in a batch
-    with greedy rows, whose tokens stay AR's."""
-    sampled = SamplingParams(max_tokens=24, temperature=0.9, top_p=0.95, top_k=20, min_p=0.02,
-                             ignore_eos=True)  # fmt: skip
+    on the host; the tokens ranked only as far as the rows' truncation needs): the tokens of
+    each seeded request equal the host path's, alone and in a batch with greedy rows, whose
+    tokens stay AR's."""
+    sampled = SamplingParams(max_tokens=24, temperature=0.9, ignore_eos=True, **truncation)
     requests = [
         GenerateRequest(str(i), p, replace(sampled, seed=i), "speculative", CHAIN)
         for i, p in enumerate(PROMPTS[:3])
@@ -418,7 +427,7 @@ def test_sampled_chains_in_the_loop_draw_what_the_host_draws_seed_for_seed(
     ran = record_bursts(core)
     alone, _ = run(core, [replace(r) for r in requests[:1]])
     together, stats = run(core, [replace(r, request_id=f"b{r.request_id}") for r in requests])
-    assert {shape for _, shape, _ in ran} == {TreeShape.chain(K, sampled=True)}
+    assert {shape for _, shape, _ in ran} == {TreeShape.chain(K, True, sampling.ranks([sampled]))}
     assert alone["0"] == ref["0"]
     assert all(together[f"b{i}"] == ref[str(i)] for i in range(3))
     assert together["bg"] == eagle_ref[3]
@@ -426,7 +435,7 @@ def test_sampled_chains_in_the_loop_draw_what_the_host_draws_seed_for_seed(
     assert free(core)
 
 
-@pytest.mark.parametrize("truncation", [{"top_k": 20}, {"top_p": 0.9}], ids=["top_k", "top_p"])
+@pytest.mark.parametrize("truncation", TRUNCATIONS.values(), ids=TRUNCATIONS)
 def test_sampled_trees_in_the_loop_make_the_tokens_of_plain_decoding(
     eagle_target, eagle_head, eagle_ref, truncation
 ):
@@ -445,7 +454,7 @@ def test_sampled_trees_in_the_loop_make_the_tokens_of_plain_decoding(
     ran = record_bursts(core)
     alone, _ = run(core, [replace(r) for r in requests[:1]])
     together, stats = run(core, [replace(r, request_id=f"b{r.request_id}") for r in requests])
-    shape = TreeShape.of(TREE["tree_nodes"], K, TREE["tree_topk"], sampled=True)
+    shape = TreeShape.of(TREE["tree_nodes"], K, TREE["tree_topk"], True, sampling.ranks([sampled]))
     assert {s for _, s, _ in ran} == {shape}
     assert alone["0"] == plain["0"]
     assert all(together[f"b{i}"] == plain[str(i)] for i in range(3))

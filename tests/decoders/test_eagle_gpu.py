@@ -9,6 +9,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from stride.decoders import sampling
 from stride.decoders.registry import DecodersConfig, build_decoders
 from stride.decoders.speculative.device_tree import TreeShape
 from stride.engine.config import EngineConfig
@@ -58,15 +59,22 @@ def test_device_cycles_decode_exactly_on_the_gpu(tmp_path):
         assert tokens[str(i)] == ref["r"]
 
 
-@pytest.mark.parametrize("options", [CHAIN, TREE], ids=["chain", "tree"])
-def test_sampled_rows_in_graphs_draw_what_the_host_draws_seed_for_seed(tmp_path, options):
+@pytest.mark.parametrize(
+    "options, truncation",
+    [(CHAIN, {"top_p": 0.95, "top_k": 20}), (CHAIN, {"top_k": 20}), (TREE, {"top_p": 0.95}),
+     (TREE, {})],  # fmt: skip
+    ids=["chain-sorted", "chain-top-k", "tree-sorted", "tree-unranked"],
+)
+def test_sampled_rows_in_graphs_draw_what_the_host_draws_seed_for_seed(
+    tmp_path, options, truncation
+):
     """Seeded sampled requests of a fixed chain or tree: the graphed loop's tokens equal those
-    of steps drafted and verified on the host (no bursts), alone and beside a greedy row (AR's).
-    (A sampled tree's are `ar`'s own: every token the target's seeded draw.)"""
+    of steps drafted and verified on the host (no bursts), alone and beside a greedy row (AR's),
+    with their tokens ranked as `sampling.ranks` says (all, the best TOP_MAX, none). (A sampled
+    tree's are `ar`'s own: every token the target's seeded draw.)"""
     model = make_model_dir(tmp_path / "target", layers=4)
     head = random_head(model, tmp_path / "head")
-    sampled = SamplingParams(max_tokens=24, temperature=0.9, top_p=0.95, top_k=20,
-                             ignore_eos=True)  # fmt: skip
+    sampled = SamplingParams(max_tokens=24, temperature=0.9, ignore_eos=True, **truncation)
     requests = [GenerateRequest(str(i), p, replace(sampled, seed=i), "speculative", options)
                 for i, p in enumerate(PROMPTS[:3])]  # fmt: skip
     host = cuda_core(str(model), str(head), SchedulerConfig(fused_decode_steps=1))
@@ -77,9 +85,9 @@ def test_sampled_rows_in_graphs_draw_what_the_host_draws_seed_for_seed(tmp_path,
     tokens, stats = run(core, requests + [
         GenerateRequest("s", PROMPTS[3], greedy(24), "speculative", options)])  # fmt: skip
     k = options["num_speculative_tokens"]
-    shape = TreeShape.chain(k, sampled=True)
+    shape = TreeShape.chain(k, True, sampling.ranks([sampled]))
     if options.get("tree_nodes"):
-        shape = TreeShape.of(options["tree_nodes"], k, options["tree_topk"], sampled=True)
+        shape = TreeShape.of(options["tree_nodes"], k, options["tree_topk"], True, shape.ranks)
     assert (4, shape) in cycles._graphs
     assert all(tokens[str(i)] == ref[str(i)] for i in range(3))
     assert tokens["s"] == greedy_ref["g"]

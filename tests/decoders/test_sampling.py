@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from stride.decoders import sampling
+from stride.decoders import draw_kernels, sampling
 from stride.engine.sequence import SamplingParams, Sequence
 from stride.scheduler.client import EngineClient
 from stride.scheduler.outputs import GenerateRequest
@@ -51,6 +51,47 @@ def test_min_p_drops_tokens_below_fraction_of_max():
     probs_in = torch.tensor([[0.6, 0.3, 0.08, 0.02]])
     probs = sampling.probabilities(probs_in.log(), rows(min_p=0.1))
     assert (probs[0] > 0).tolist() == [True, True, True, False]
+
+
+SETTINGS = [
+    dict(temperature=0.0),
+    dict(temperature=0.7),
+    dict(temperature=1.3, min_p=0.01),
+    dict(temperature=0.9, top_k=20),
+    dict(temperature=0.9, top_k=64, min_p=0.001),
+    dict(temperature=0.8, top_p=0.9),
+    dict(temperature=1.0, top_k=100, top_p=0.95),
+]
+
+
+@pytest.mark.parametrize("params", SETTINGS, ids=lambda p: ",".join(map(str, p.items())))
+def test_the_loops_distributions_rank_only_what_their_rows_need(params):
+    """`row_probabilities` (the device loop's, from per-row tensors) equals `probabilities` (the
+    host's) at the rank `ranks` gives a row's settings and with the whole vocabulary sorted; a
+    sampled row's distribution at another rank differs (its truncation dropped, or made)."""
+    torch.manual_seed(0)
+    logits = torch.randn(3, 300)  # flat enough that top-p keeps more than TOP_MAX
+    seqs = [Sequence(f"r{i}", [1, 2], SamplingParams(**params)) for i in range(3)]
+    floats = torch.tensor([s.params.draw_row for s in seqs], dtype=torch.float32)
+    expected = sampling.probabilities(logits, [sampling.Row(s) for s in seqs])
+    need = sampling.ranks(s.params for s in seqs)
+    for rank in (0, draw_kernels.TOP_MAX, sampling.RANK_ALL):
+        got = sampling.row_probabilities(logits, floats, rank)
+        if rank in (need, sampling.RANK_ALL) or seqs[0].params.greedy:
+            torch.testing.assert_close(got, expected)
+        else:
+            assert not torch.allclose(got, expected, atol=1e-4)
+
+
+def test_a_batch_ranks_what_serves_all_its_sampled_rows():
+    top_k, plain, top_p = (SamplingParams(temperature=1.0, **kw)
+                           for kw in ({"top_k": 20}, {}, {"top_p": 0.9}))  # fmt: skip
+    greedy = SamplingParams(temperature=0.0, top_p=0.5)
+    assert sampling.ranks([greedy, plain]) == 0
+    assert sampling.ranks([greedy, top_k, top_k]) == draw_kernels.TOP_MAX
+    assert sampling.ranks([plain, top_k]) == sampling.RANK_ALL
+    assert sampling.ranks([top_p]) == sampling.RANK_ALL
+    assert sampling.ranks([SamplingParams(temperature=1.0, top_k=65)]) == sampling.RANK_ALL
 
 
 def test_temperature_sharpens():

@@ -70,10 +70,10 @@ def loop_shape(seq: Sequence, state: SeqState, eagle: EagleDrafter) -> TreeShape
         k = options["num_speculative_tokens"]
     else:
         return None
-    sampled = not seq.params.greedy
+    sampled, ranks = not seq.params.greedy, sampling.ranks([seq.params])
     if not options.get("tree_nodes"):
-        return TreeShape.chain(k, sampled)
-    return TreeShape.of(max(options["tree_nodes"], k), k, options["tree_topk"], sampled)
+        return TreeShape.chain(k, sampled, ranks)
+    return TreeShape.of(max(options["tree_nodes"], k), k, options["tree_topk"], sampled, ranks)
 
 
 def runnable(seq: Sequence) -> bool:
@@ -89,23 +89,27 @@ def batch_menu(seqs: list[Sequence]) -> tuple[TreeShape, ...] | None:
     """The shapes the loop may run a batch of adaptive requests in (`loop_policy.menu`; the
     sampled chain alone where some row samples), or None where their menus differ."""
     sampled = not all(s.params.greedy for s in seqs)
+    ranks = sampling.ranks(s.params for s in seqs)
     options = seqs[0].decoder_options
     if all(s.decoder_options == options for s in seqs):
-        return menu(options, sampled)
-    menus = {menu(s.decoder_options, sampled) for s in seqs}  # (a sampled row has no tree)
+        return menu(options, sampled, ranks)
+    menus = {menu(s.decoder_options, sampled, ranks) for s in seqs}  # (a sampled row: no tree)
     return menus.pop() if len(menus) == 1 else None
 
 
 def _one_shape(shapes: set[TreeShape | None]) -> TreeShape | None:
     """The shape a batch's sequences share, if any: chains or trees of one size where some
-    rows sample are the sampled one (its greedy rows accept their argmax under it)."""
+    rows sample are the sampled one (its greedy rows accept their argmax under it), at a rank
+    that serves every sampled row."""
     known = {s for s in shapes if s is not None}
     if len(known) < len(shapes):
         return None
     if len(known) == 1:
         return known.pop()
-    sizes = {replace(s, sampled=True) for s in known}
-    return sizes.pop() if len(sizes) == 1 else None
+    sizes = {replace(s, sampled=True, ranks=0) for s in known}
+    if len(sizes) > 1:
+        return None
+    return replace(sizes.pop(), ranks=sampling.joint_rank({s.ranks for s in known if s.sampled}))
 
 
 def _loop_choice(spec: Speculative, seqs: list[Sequence]) -> Choice | None:

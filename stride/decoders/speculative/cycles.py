@@ -292,13 +292,13 @@ class EagleCycles:
             return self.draft_ids[self.head_forward.best(h, self.lm_weight)]
         return self.draft_ids[self.head.logits(h).argmax(-1)]
 
-    def _draw(self, h: torch.Tensor, j: int, qs: list[torch.Tensor]) -> torch.Tensor:
+    def _draw(self, h: torch.Tensor, j: int, qs: list[torch.Tensor], ranks: int) -> torch.Tensor:
         """A sampled cycle's draft j of each head output: a draw from the head's distribution
         under the row's settings, keyed by the row's seed and the draft's position (as
         `drafters.run_drafts` draws on the host); its distribution over the target's
         vocabulary goes to `qs`."""
         b = len(h)
-        probs = sampling.row_probabilities(self._logits(h), self.floats[:b])
+        probs = sampling.row_probabilities(self._logits(h), self.floats[:b], ranks)
         ids = self.draft_ids.expand(b, -1)
         keys = counter.keys_at(self.bases[counter.DRAFT, :b], self.base[:b] + 1 + j)
         picked = counter.pick(probs, keys, ids, self.vocab)
@@ -358,7 +358,9 @@ class EagleCycles:
         qs: list[torch.Tensor] = []  # a sampled chain's draft distributions
         drawn_chain = shape.sampled and shape.is_chain
         if drawn_chain:
-            tree = self._draft_chain(b, depth, rows, fixed, lambda h, j: self._draw(h, j, qs))
+            tree = self._draft_chain(
+                b, depth, rows, fixed, lambda h, j: self._draw(h, j, qs, shape.ranks)
+            )
         elif shape.is_chain:
             tree = self._draft_chain(b, depth, rows, fixed, lambda h, j: self._best(h))
         else:
@@ -375,11 +377,11 @@ class EagleCycles:
         logits = self.model.lm_head(hidden)
         steps = fixed.steps[: depth + 1]
         if drawn_chain:  # 3. accept by the rejection rule, then draw the token after
-            n, bonus = self._accept_sampled(logits, tree.tokens[:, 1:], torch.stack(qs, 1), steps)
+            n, bonus = self._accept_sampled(logits, tree.tokens[:, 1:], torch.stack(qs, 1), shape)
             path = torch.where(steps <= n[:, None], steps, 0)
         else:  # 3. accept the longest path of drafts equal to the target's choice, then its next
             if shape.sampled:  # (a sampled tree: its draws)
-                best = self._drawn(logits, tree.depths)
+                best = self._drawn(logits, tree.depths, shape.ranks)
             else:
                 best = logits.argmax(-1).view(b, n_rows)  # (in its dtype: the same argmax)
             n, path, bonus = accept_greedy(tree.tokens, tree.parents, tree.sees, tree.depths,
@@ -407,26 +409,26 @@ class EagleCycles:
         self.cycle.add_(1)
 
     def _accept_sampled(
-        self, logits: torch.Tensor, drafts: torch.Tensor, q: torch.Tensor, steps: torch.Tensor
+        self, logits: torch.Tensor, drafts: torch.Tensor, q: torch.Tensor, shape: TreeShape
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """A sampled chain's accepted drafts [B] and the token after them [B], from the target's
         logits [B * (K + 1), V] over [tail, drafts], the drafts [B, K] and their distributions
-        q [B, K, V] (`steps`: 0..K): `verify.verify`, its uniforms and the last draw keyed as
+        q [B, K, V] in `shape`: `verify.verify`, its uniforms and the last draw keyed as
         `verify_sampled`'s."""
         b, k = drafts.shape
-        p = sampling.row_probabilities(logits, Fixed.per_row(self.floats[:b], k + 1))
-        places = self.base[:b, None] + 1 + steps
+        p = sampling.row_probabilities(logits, Fixed.per_row(self.floats[:b], k + 1), shape.ranks)
+        places = self.base[:b, None] + 1 + self._fixed(b, shape).steps[: k + 1]
         u = counter.unit(counter.keys_at(self.bases[counter.ACCEPT, :b, None], places[:, :k]))
         n, dist = verify(p.view(b, k + 1, -1), q, drafts, torch.full_like(self.base[:b], k), u)
         keys = counter.keys_at(self.bases[counter.TARGET, :b], places.gather(1, n[:, None])[:, 0])
         return n, counter.pick(dist, keys)
 
-    def _drawn(self, logits: torch.Tensor, depths: torch.Tensor) -> torch.Tensor:
+    def _drawn(self, logits: torch.Tensor, depths: torch.Tensor, ranks: int) -> torch.Tensor:
         """A sampled tree's target choices [B, N]: the target's draw after each of its rows
         (`logits` [B * N, V]), at the row's position and with the noise a plain step draws
         with there, as `verify.verify_drawn` draws on the host."""
         b, n = depths.shape
-        p = sampling.row_probabilities(logits, Fixed.per_row(self.floats[:b], n))
+        p = sampling.row_probabilities(logits, Fixed.per_row(self.floats[:b], n), ranks)
         places = self.base[:b, None] + 1 + depths  # the token each row draws
         keys = counter.keys_at(self.bases[counter.TARGET, :b, None], places)
         return counter.pick(p, keys.flatten()).view(b, n)

@@ -28,24 +28,28 @@ class TreeShape:
     `sampled`: its rows may sample; a chain then draws its drafts and accepts them by the
     rejection rule, a tree follows its nodes (the head's most likely, as for greedy rows) where
     they equal the target's draws (`verify.verify_drawn`); otherwise drafts and acceptance are
-    the argmax."""
+    the argmax. `ranks`: how many of their most likely tokens the sampled rows' draws rank
+    (`sampling.ranks`: 0 where no row has a top-k or top-p, and no draw sorts)."""
 
     nodes: int
     depth: int
     topk: int
     sampled: bool = False
+    ranks: int = 0
 
     @classmethod
-    def chain(cls, k: int, sampled: bool = False) -> TreeShape:
-        return cls(k + 1, k, 1, sampled)
+    def chain(cls, k: int, sampled: bool = False, ranks: int = 0) -> TreeShape:
+        return cls(k + 1, k, 1, sampled, ranks)
 
     @classmethod
-    def of(cls, drafts: int, depth: int, topk: int, sampled: bool = False) -> TreeShape:
+    def of(
+        cls, drafts: int, depth: int, topk: int, sampled: bool = False, ranks: int = 0
+    ) -> TreeShape:
         """The tree of at most `drafts` nodes a request asks for, made to fit what EAGLE-2
         produces: at most `drafts` levels, and no more nodes than candidates."""
         depth = min(depth, drafts)
         candidates = topk + (depth - 1) * topk * topk
-        return cls(min(drafts, candidates) + 1, depth, topk, sampled)
+        return cls(min(drafts, candidates) + 1, depth, topk, sampled, ranks)
 
     @property
     def is_chain(self) -> bool:

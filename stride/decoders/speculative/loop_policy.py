@@ -134,13 +134,14 @@ class Timings:
 DEFAULT_TREE = TreeShape.of(64, 7, 8)  # EAGLE-2's tree: 64 drafts, 7 levels, 8 children a node
 
 
-def menu(options: dict, sampled: bool = False) -> tuple[TreeShape, ...]:
+def menu(options: dict, sampled: bool = False, ranks: int = 0) -> tuple[TreeShape, ...]:
     """The shapes an adaptive EAGLE request may draft in the loop: a chain of its K drafts, and
     its tree (`tree_nodes` drafts, K levels) or `DEFAULT_TREE` if it named none (0: no tree);
-    in a batch where some rows sample, the sampled chain alone (`TreeShape.sampled`)."""
+    in a batch where some rows sample, the sampled chain alone (`TreeShape.sampled`, its draws
+    ranking `ranks` tokens)."""
     k, nodes = options["num_speculative_tokens"], options.get("tree_nodes")
     if sampled:
-        return (TreeShape.chain(k, sampled=True),)
+        return (TreeShape.chain(k, sampled=True, ranks=ranks),)
     if nodes is None:
         return (TreeShape.chain(k), DEFAULT_TREE)
     if nodes == 0:
