@@ -463,6 +463,19 @@ def test_sampled_trees_in_the_loop_make_the_tokens_of_plain_decoding(
     assert free(core)
 
 
+def test_cycles_run_eagerly_keep_no_autograd_history(eagle_target, eagle_head):
+    """Off the GPU the loop's cycles run eagerly: they record no autograd graph (the head's
+    parameters require grad, as a trainer's do), or the loop's buffers would keep every cycle's
+    tensors alive, memory growing with each burst."""
+    core = eagle_core(eagle_target, eagle_head, fused_decode_steps=4)
+    ran = record_bursts(core)
+    run(core, [GenerateRequest("a", PROMPTS[0], greedy(16), "speculative", CHAIN)])
+    cycles = core.decoders["speculative"].eagle.cycles
+    assert ran
+    state = (cycles.g, cycles.tokens, cycles.heads.k, core.engine.runner.cache.k)
+    assert all(t.grad_fn is None for t in state)
+
+
 def test_bursts_launched_at_the_commit_before_decode_exactly(
     eagle_target, eagle_head, eagle_ref, monkeypatch
 ):

@@ -348,6 +348,7 @@ class EagleCycles:
         return draft_tree(shape, self.g[:b], self.tail[:b], expand, logprobs, self.draft_ids,
                           fixed.tree)  # fmt: skip
 
+    @torch.inference_mode()  # (eager, off the GPU: no autograd graph through the buffers)
     def _cycle(self, b: int, shape: TreeShape) -> None:
         base, tail, g, tables = self.base[:b], self.tail[:b], self.g[:b], self.tables[:b]
         fixed, n_rows, depth = self._fixed(b, shape), shape.nodes, shape.depth
