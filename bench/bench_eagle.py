@@ -15,7 +15,9 @@ Two parts:
 - speed: at each concurrency, the first `c` prompts in flight at once, output tok/s (prefill
   included) against AR run before and after in the same process; on a GPU `--busy` adds each
   one's share of wall time with a kernel running (a profiled run of its own, every kernel an
-  event: use a few prompts): below 1, the device waited for the host.
+  event: use a few prompts): below 1, the device waited for the host. The prompts run in
+  groups of `c` (all in flight at once, the next group after the last ends), or with
+  `--closed-loop` as `stride serve` sees traffic: `c` in flight, each end followed by an arrival.
 
 On a GPU it then times one device cycle (its CUDA graph replayed alone, `--context` tokens in)
 of chains and of trees of 64 and 128 verified rows (and of each "tree N dD kK" configuration
@@ -27,6 +29,7 @@ batch and context: `--cycles-only` does just that.
     python bench/bench_eagle.py --device cuda --cycles-only --json eagle-cycles.json
     python bench/bench_eagle.py --device cuda --concurrency 1 8 --configs "tree 32 d4 k8"
     python bench/bench_eagle.py --device cpu --temperature 0.7 --configs "chain K=5" "tree 64"
+    python bench/bench_eagle.py --device cuda --concurrency 8 --speed-prompts 32 --closed-loop
 """
 
 from __future__ import annotations
@@ -142,6 +145,46 @@ def timed(
     return made / seconds, outs, stats
 
 
+def closed_loop(
+    core,
+    prompts: list[list[int]],
+    conc: int,
+    tokens: int,
+    decoder: str,
+    options: dict,
+    temperature: float = 0.0,
+):
+    """`prompts` with `conc` in flight, each request's end followed by the next one's arrival
+    (a closed loop of `conc` users, as `stride serve` sees them): `timed`'s (tok/s, [outputs],
+    stats)."""
+    todo = list(enumerate(prompts))
+    outs: dict[str, list[int]] = {}
+    stats = {"drafts": 0, "accepted_tokens": 0}
+
+    def arrive() -> None:
+        i, p = todo.pop(0)
+        params = SamplingParams(max_tokens=tokens, temperature=temperature,
+                                seed=i if temperature else None)  # fmt: skip
+        core.add(GenerateRequest(str(i), p, params, decoder, {"draft": "eagle", **options}
+                                 if decoder == "speculative" else {}))  # fmt: skip
+
+    for _ in range(min(conc, len(todo))):
+        arrive()
+    sync = torch.cuda.synchronize if core.engine.device.type == "cuda" else lambda: None
+    sync()
+    start = time.perf_counter()
+    while core.has_work:
+        for out in core.step():
+            outs.setdefault(out.request_id, []).extend(out.token_ids)
+            if out.finished:
+                for key in stats:
+                    stats[key] += out.decoder_stats.get(key, 0)
+                if todo:
+                    arrive()
+    sync()
+    return sum(map(len, outs.values())) / (time.perf_counter() - start), [outs], stats
+
+
 def policy_view(core: EngineCore) -> dict:
     """What the speculative policies know after a run, per batch-size bucket (`costs.bucket`):
     the plain step the loop is priced against, the host's share beside the device time of
@@ -170,27 +213,33 @@ def speed(
     configs: list[str],
     busy: bool = False,
     temperature: float = 0.0,
+    closed: bool = False,
 ) -> dict:
     """Output tok/s of each configuration against AR at `conc`, AR timed before and after each
     configuration and each compared with the mean of the two beside it (a machine whose speed
     drifts within a run moves both alike); with `busy`, also the share of a further run's wall
-    time in which the GPU runs a kernel."""
+    time in which the GPU runs a kernel. `closed`: `closed_loop` instead of groups."""
     runs = max(1, requests // conc)
     groups = [[encoded[(r * conc + i) % len(encoded)] for i in range(conc)] for r in range(runs)]
-    t = temperature
-    first, ref, _ = timed(core, groups, tokens, "ar", {}, t)
+    prompts = [p for group in groups for p in group]
+
+    def measure(decoder: str, options: dict, t: float = temperature):
+        if closed:
+            return closed_loop(core, prompts, conc, tokens, decoder, options, t)
+        return timed(core, groups, tokens, decoder, options, t)
+
+    first, ref, _ = measure("ar", {})
     ars, rows, shares = [first], {}, {}
     for name in configs:  # each run once untimed: its graphs captured, its policy settled
-        timed(core, groups, tokens, "speculative", CONFIGS[name], t)
-        rows[name] = timed(core, groups, tokens, "speculative", CONFIGS[name], t)
+        measure("speculative", CONFIGS[name])
+        rows[name] = measure("speculative", CONFIGS[name])
         if busy:
-            shares[name] = busy_share(lambda n=name: timed(core, groups, tokens, "speculative",
-                                                           CONFIGS[n]))  # fmt: skip
-        ars.append(timed(core, groups, tokens, "ar", {}, t)[0])
+            shares[name] = busy_share(lambda n=name: measure("speculative", CONFIGS[n], 0.0))
+        ars.append(measure("ar", {})[0])
     base = sum(ars) / len(ars)
     entry: dict = {"concurrency": conc, "ar_tok_s": round(base, 1), "configs": {}}
     if busy:
-        entry["ar_gpu_busy"] = busy_share(lambda: timed(core, groups, tokens, "ar", {}))
+        entry["ar_gpu_busy"] = busy_share(lambda: measure("ar", {}, 0.0))
         print(f"c={conc} ar: gpu_busy {entry['ar_gpu_busy']}", flush=True)
     for i, (name, (rate, outs, stats)) in enumerate(rows.items()):
         beside = (ars[i] + ars[i + 1]) / 2
@@ -320,6 +369,8 @@ def main() -> None:
     )
     ap.add_argument("--skip-acceptance", action="store_true")
     ap.add_argument("--busy", action="store_true", help="GPU: share of a run with a kernel running")
+    ap.add_argument("--closed-loop", action="store_true",
+                    help="speed: c in flight, an arrival at each end")  # fmt: skip
     ap.add_argument("--cycles-only", action="store_true", help="GPU: time device cycles only")
     ap.add_argument("--context", type=int, default=512, help="cycle timing: tokens in context")
     ap.add_argument("--profile", action="store_true", help="with --cycles-only: kernels per cycle")
@@ -392,7 +443,8 @@ def main() -> None:
     if not args.cycles_only:
         result["speed"] = [
             speed(core, encoded, conc, args.tokens, args.speed_prompts, args.configs,
-                  args.busy and engine.device.type == "cuda", args.temperature)  # fmt: skip
+                  args.busy and engine.device.type == "cuda", args.temperature,
+                  args.closed_loop)  # fmt: skip
             for conc in args.concurrency
         ]
     # The device's share of a cycle (the rest is the host's). Not after `--busy`'s profiled runs,
