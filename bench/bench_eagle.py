@@ -100,14 +100,22 @@ def run(
     decoder: str,
     options: dict,
     temperature: float = 0.0,
+    in_flight: int | None = None,
 ):
-    """All prompts in flight at once; (seconds, outputs, summed decoder stats). Sampled
-    (`temperature`): request i seeded with i."""
-    for i, p in enumerate(prompts):
+    """All prompts in flight at once, or `in_flight` of them, each request's end followed by
+    the next one's arrival (a closed loop of users, as `stride serve` sees them); (seconds,
+    outputs, summed decoder stats). Sampled (`temperature`): request i seeded with i."""
+    todo = list(enumerate(prompts))
+
+    def arrive() -> None:
+        i, p = todo.pop(0)
         params = SamplingParams(max_tokens=tokens, temperature=temperature,
                                 seed=i if temperature else None)  # fmt: skip
         core.add(GenerateRequest(str(i), p, params, decoder, {"draft": "eagle", **options}
                                  if decoder == "speculative" else {}))  # fmt: skip
+
+    for _ in range(min(in_flight or len(todo), len(todo))):
+        arrive()
     outs: dict[str, list[int]] = {}
     stats = {"drafts": 0, "accepted_tokens": 0, "draft_tokens": 0, "forward_passes": 0}
     sync = torch.cuda.synchronize if core.engine.device.type == "cuda" else lambda: None
@@ -119,6 +127,8 @@ def run(
             if out.finished:
                 for key in stats:
                     stats[key] += out.decoder_stats.get(key, 0)
+                if todo:
+                    arrive()
     sync()
     return time.perf_counter() - start, outs, stats
 
@@ -143,46 +153,6 @@ def timed(
         for key in stats:
             stats[key] += st[key]
     return made / seconds, outs, stats
-
-
-def closed_loop(
-    core,
-    prompts: list[list[int]],
-    conc: int,
-    tokens: int,
-    decoder: str,
-    options: dict,
-    temperature: float = 0.0,
-):
-    """`prompts` with `conc` in flight, each request's end followed by the next one's arrival
-    (a closed loop of `conc` users, as `stride serve` sees them): `timed`'s (tok/s, [outputs],
-    stats)."""
-    todo = list(enumerate(prompts))
-    outs: dict[str, list[int]] = {}
-    stats = {"drafts": 0, "accepted_tokens": 0}
-
-    def arrive() -> None:
-        i, p = todo.pop(0)
-        params = SamplingParams(max_tokens=tokens, temperature=temperature,
-                                seed=i if temperature else None)  # fmt: skip
-        core.add(GenerateRequest(str(i), p, params, decoder, {"draft": "eagle", **options}
-                                 if decoder == "speculative" else {}))  # fmt: skip
-
-    for _ in range(min(conc, len(todo))):
-        arrive()
-    sync = torch.cuda.synchronize if core.engine.device.type == "cuda" else lambda: None
-    sync()
-    start = time.perf_counter()
-    while core.has_work:
-        for out in core.step():
-            outs.setdefault(out.request_id, []).extend(out.token_ids)
-            if out.finished:
-                for key in stats:
-                    stats[key] += out.decoder_stats.get(key, 0)
-                if todo:
-                    arrive()
-    sync()
-    return sum(map(len, outs.values())) / (time.perf_counter() - start), [outs], stats
 
 
 def policy_view(core: EngineCore) -> dict:
@@ -218,14 +188,15 @@ def speed(
     """Output tok/s of each configuration against AR at `conc`, AR timed before and after each
     configuration and each compared with the mean of the two beside it (a machine whose speed
     drifts within a run moves both alike); with `busy`, also the share of a further run's wall
-    time in which the GPU runs a kernel. `closed`: `closed_loop` instead of groups."""
+    time in which the GPU runs a kernel. `closed`: c in flight, an arrival at each end (`run`)."""
     runs = max(1, requests // conc)
     groups = [[encoded[(r * conc + i) % len(encoded)] for i in range(conc)] for r in range(runs)]
     prompts = [p for group in groups for p in group]
 
     def measure(decoder: str, options: dict, t: float = temperature):
         if closed:
-            return closed_loop(core, prompts, conc, tokens, decoder, options, t)
+            secs, outs, stats = run(core, prompts, tokens, decoder, options, t, conc)
+            return sum(map(len, outs.values())) / secs, [outs], stats
         return timed(core, groups, tokens, decoder, options, t)
 
     first, ref, _ = measure("ar", {})
