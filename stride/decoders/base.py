@@ -181,12 +181,14 @@ class StepContext:
     in between, the step's own proposals and launch, then the device: what the launch costs
     whether or not it overlapped), for the policies that price steps by measurement; None where
     the launch is no measure of its decode steps (it held prefill rows). `waiting`: requests
-    wait to be admitted this step (a burst's commit then launches no burst ahead: `Burst`)."""
+    wait to be admitted this step (a burst's commit then launches no burst ahead: `Burst`).
+    `bursts`: decoders' own bursts run (`--fused-decode-steps` above 1)."""
 
     eos_ids: set[int]
     device: torch.device
     timing: float | None = None
     waiting: bool = False
+    bursts: bool = False
 
 
 def plain_commits(scored: Scored) -> list[Commit]:

@@ -98,10 +98,10 @@ class EngineCore:
         self.engine = engine
         self.config = config or SchedulerConfig()
         self.scheduler = Scheduler(self.config, engine.cache, engine.max_model_len)
-        ctx = StepContext(eos_ids=engine.eos_ids, device=engine.device)
         burst_steps = self.config.fused_decode_steps
         if burst_steps is None:
             burst_steps = 8 if engine.runner.graphs is not None else 1
+        ctx = StepContext(eos_ids=engine.eos_ids, device=engine.device, bursts=burst_steps > 1)
         self.decoders = DecoderSet(decoders or build_decoders(engine), ctx, burst_steps)
         self.executor = Executor(engine, self.decoders, burst_steps)
         self.intake = Intake(engine, self.decoders)
@@ -444,4 +444,3 @@ class EngineCore:
         message = f"internal error while {what} this request: {type(error).__name__}: {error}"
         error_out = EngineError("internal_error", message[:500])
         self._failed.append(self._finish(seq, "error", error=error_out))
-

@@ -85,6 +85,13 @@ def runnable(seq: Sequence) -> bool:
     return p.logprobs is None and p.unbiased and sampling.on_device(seq)
 
 
+def bursts_only(seq: Sequence) -> bool:
+    """Where bursts run, does `seq` draft in them only, a step that is none (the one beside an
+    arrival's prefill) decoding it plainly? An EAGLE request the loop can run: on a GPU a step
+    drafted on the host costs several of the loop's cycles."""
+    return seq.decoder_options["draft"] == EAGLE and runnable(seq)
+
+
 def batch_menu(seqs: list[Sequence]) -> tuple[TreeShape, ...] | None:
     """The shapes the loop may run a batch of adaptive requests in (`loop_policy.menu`; the
     sampled chain alone where some row samples), or None where their menus differ."""

@@ -8,7 +8,8 @@ Request options (`{"type": "speculative", ...}`):
         adaptive eagle request drafts only in the device loop, which picks per batch among a
         chain of K, a tree and plain decoding (`loop_policy`; where rows sample, a sampled chain
         and plain decoding); a batch with rows the loop cannot run (logprobs, penalties, bias,
-        a grammar: `bursts.runnable`) decodes plainly
+        a grammar: `bursts.runnable`) decodes plainly. A fixed-K eagle request the loop can run
+        drafts in its bursts, and a step that is none (beside an arrival's prefill) is plain
     exit_layer: early_exit only, how many target layers draft (default: half of them)
     ngram_max: ngram only, the longest suffix looked up (default 3)
     tree_nodes, tree_topk: eagle only, draft a tree instead of a chain (0: a chain; unset: a
@@ -59,7 +60,7 @@ from stride.decoders.base import (
 )
 from stride.decoders.catalog import EAGLE, EARLY_EXIT, NGRAM, SPECULATIVE
 from stride.decoders.payoff import Payoff
-from stride.decoders.speculative.bursts import Ahead, batch_menu, runnable, start_burst
+from stride.decoders.speculative.bursts import Ahead, batch_menu, bursts_only, runnable, start_burst
 from stride.decoders.speculative.cycles import BUCKETS
 from stride.decoders.speculative.drafters import (
     Draft,
@@ -230,6 +231,9 @@ class Speculative(Decoder):
             policy.proposed(len(seqs), plans, self.quiet, None)
             return [self._plain(seqs)] * len(seqs)
         states = [self.state(s) for s in seqs]
+        if ctx.bursts and self.device_loop and len(seqs) <= self.loop.max_batch:
+            for seq, st in zip(seqs, states, strict=True):  # (a step that is no burst: plain)
+                st.reserved = 0 if bursts_only(seq) else st.reserved
         ks, pays = policy.plan_step(seqs, states)
         policy.proposed(len(seqs), plans, self.quiet, pays)
         by_drafter: dict[int, list[int]] = {}
@@ -334,11 +338,7 @@ class Speculative(Decoder):
         return drafts
 
     def commit(
-        self,
-        seqs: list[Sequence],
-        proposals: list[Proposal],
-        scored: Scored,
-        ctx: StepContext,
+        self, seqs: list[Sequence], proposals: list[Proposal], scored: Scored, ctx: StepContext
     ) -> list[Commit]:
         policy = self.policy
         if all(p.plain for p in proposals):  # nothing to verify: what plain decoding does
