@@ -48,8 +48,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from loadtest.prompts import BUILTIN_PROMPTS  # noqa: E402
-from stride.decoders import draw_kernels, sampling  # noqa: E402
+from stride.decoders import draw_kernels  # noqa: E402
 from stride.decoders.registry import DecodersConfig, build_decoders  # noqa: E402
+from stride.decoders.speculative import draws  # noqa: E402
 from stride.decoders.speculative.device_tree import TreeShape  # noqa: E402
 from stride.engine.config import EngineConfig  # noqa: E402
 from stride.engine.engine import Engine  # noqa: E402
@@ -258,12 +259,12 @@ SHAPES = {
     "chain K=3": TreeShape.chain(3),
     "sampled chain K=3": TreeShape.chain(3, sampled=True),  # temperature (and min-p) alone
     "sampled chain K=3, top-k": TreeShape.chain(3, True, draw_kernels.TOP_MAX),
-    "sampled chain K=3, top-p": TreeShape.chain(3, True, sampling.RANK_ALL),
+    "sampled chain K=3, top-p": TreeShape.chain(3, True, draws.RANK_ALL),
     "chain K=5": TreeShape.chain(5),
     "tree 64 rows": TreeShape.of(63, 7, 8),
     "tree 128 rows": TreeShape.of(127, 8, 10),
     "sampled tree 64 rows": TreeShape.of(63, 7, 8, sampled=True),
-    "sampled tree 64 rows, top-p": TreeShape.of(63, 7, 8, True, sampling.RANK_ALL),
+    "sampled tree 64 rows, top-p": TreeShape.of(63, 7, 8, True, draws.RANK_ALL),
 }
 
 

@@ -11,9 +11,9 @@ import torch
 from safetensors.torch import save_file
 
 from stride import drafts
-from stride.decoders import sampling
 from stride.decoders.speculative import cycles as cycles_module
 from stride.decoders.speculative import decoder as decoder_module
+from stride.decoders.speculative import draws
 from stride.decoders.speculative.bursts import Ahead
 from stride.decoders.speculative.cycles import EagleCycles
 from stride.decoders.speculative.device_tree import TreeShape
@@ -400,7 +400,7 @@ def test_a_prompt_the_prefix_cache_holds_but_its_last_token_drafts_after_its_fir
     assert stats["b"]["drafts"] > 0
 
 
-TRUNCATIONS = {  # each of `sampling.ranks`' three ways to draw
+TRUNCATIONS = {  # each of `draws.ranks`' three ways to draw
     "top_p": {"top_p": 0.95, "top_k": 20, "min_p": 0.02},
     "top_k": {"top_k": 20, "min_p": 0.02},
     "none": {"min_p": 0.02},
@@ -427,7 +427,7 @@ def test_sampled_chains_in_the_loop_draw_what_the_host_draws_seed_for_seed(
     ran = record_bursts(core)
     alone, _ = run(core, [replace(r) for r in requests[:1]])
     together, stats = run(core, [replace(r, request_id=f"b{r.request_id}") for r in requests])
-    assert {shape for _, shape, _ in ran} == {TreeShape.chain(K, True, sampling.ranks([sampled]))}
+    assert {shape for _, shape, _ in ran} == {TreeShape.chain(K, True, draws.ranks([sampled]))}
     assert alone["0"] == ref["0"]
     assert all(together[f"b{i}"] == ref[str(i)] for i in range(3))
     assert together["bg"] == eagle_ref[3]
@@ -454,7 +454,7 @@ def test_sampled_trees_in_the_loop_make_the_tokens_of_plain_decoding(
     ran = record_bursts(core)
     alone, _ = run(core, [replace(r) for r in requests[:1]])
     together, stats = run(core, [replace(r, request_id=f"b{r.request_id}") for r in requests])
-    shape = TreeShape.of(TREE["tree_nodes"], K, TREE["tree_topk"], True, sampling.ranks([sampled]))
+    shape = TreeShape.of(TREE["tree_nodes"], K, TREE["tree_topk"], True, draws.ranks([sampled]))
     assert {s for _, s, _ in ran} == {shape}
     assert alone["0"] == plain["0"]
     assert all(together[f"b{i}"] == plain[str(i)] for i in range(3))

@@ -9,8 +9,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from stride.decoders import sampling
 from stride.decoders.registry import DecodersConfig, build_decoders
+from stride.decoders.speculative import draws
 from stride.decoders.speculative.device_tree import TreeShape
 from stride.engine.config import EngineConfig
 from stride.engine.engine import Engine
@@ -70,7 +70,7 @@ def test_sampled_rows_in_graphs_draw_what_the_host_draws_seed_for_seed(
 ):
     """Seeded sampled requests of a fixed chain or tree: the graphed loop's tokens equal those
     of steps drafted and verified on the host (no bursts), alone and beside a greedy row (AR's),
-    with their tokens ranked as `sampling.ranks` says (all, the best TOP_MAX, none). (A sampled
+    with their tokens ranked as `draws.ranks` says (all, the best TOP_MAX, none). (A sampled
     tree's are `ar`'s own: every token the target's seeded draw.)"""
     model = make_model_dir(tmp_path / "target", layers=4)
     head = random_head(model, tmp_path / "head")
@@ -85,7 +85,7 @@ def test_sampled_rows_in_graphs_draw_what_the_host_draws_seed_for_seed(
     tokens, stats = run(core, requests + [
         GenerateRequest("s", PROMPTS[3], greedy(24), "speculative", options)])  # fmt: skip
     k = options["num_speculative_tokens"]
-    shape = TreeShape.chain(k, True, sampling.ranks([sampled]))
+    shape = TreeShape.chain(k, True, draws.ranks([sampled]))
     if options.get("tree_nodes"):
         shape = TreeShape.of(options["tree_nodes"], k, options["tree_topk"], True, shape.ranks)
     assert (4, shape) in cycles._graphs

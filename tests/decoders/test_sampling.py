@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from stride.decoders import draw_kernels, sampling
+from stride.decoders.speculative import draws
 from stride.engine.sequence import SamplingParams, Sequence
 from stride.scheduler.client import EngineClient
 from stride.scheduler.outputs import GenerateRequest
@@ -74,10 +75,10 @@ def test_the_loops_distributions_rank_only_what_their_rows_need(params):
     seqs = [Sequence(f"r{i}", [1, 2], SamplingParams(**params)) for i in range(3)]
     floats = torch.tensor([s.params.draw_row for s in seqs], dtype=torch.float32)
     expected = sampling.probabilities(logits, [sampling.Row(s) for s in seqs])
-    need = sampling.ranks(s.params for s in seqs)
-    for rank in (0, draw_kernels.TOP_MAX, sampling.RANK_ALL):
-        got = sampling.row_probabilities(logits, floats, rank)
-        if rank in (need, sampling.RANK_ALL) or seqs[0].params.greedy:
+    need = draws.ranks(s.params for s in seqs)
+    for rank in (0, draw_kernels.TOP_MAX, draws.RANK_ALL):
+        got = draws.row_probabilities(logits, floats, rank)
+        if rank in (need, draws.RANK_ALL) or seqs[0].params.greedy:
             torch.testing.assert_close(got, expected)
         else:
             assert not torch.allclose(got, expected, atol=1e-4)
@@ -87,11 +88,11 @@ def test_a_batch_ranks_what_serves_all_its_sampled_rows():
     top_k, plain, top_p = (SamplingParams(temperature=1.0, **kw)
                            for kw in ({"top_k": 20}, {}, {"top_p": 0.9}))  # fmt: skip
     greedy = SamplingParams(temperature=0.0, top_p=0.5)
-    assert sampling.ranks([greedy, plain]) == 0
-    assert sampling.ranks([greedy, top_k, top_k]) == draw_kernels.TOP_MAX
-    assert sampling.ranks([plain, top_k]) == sampling.RANK_ALL
-    assert sampling.ranks([top_p]) == sampling.RANK_ALL
-    assert sampling.ranks([SamplingParams(temperature=1.0, top_k=65)]) == sampling.RANK_ALL
+    assert draws.ranks([greedy, plain]) == 0
+    assert draws.ranks([greedy, top_k, top_k]) == draw_kernels.TOP_MAX
+    assert draws.ranks([plain, top_k]) == draws.RANK_ALL
+    assert draws.ranks([top_p]) == draws.RANK_ALL
+    assert draws.ranks([SamplingParams(temperature=1.0, top_k=65)]) == draws.RANK_ALL
 
 
 def test_temperature_sharpens():

@@ -16,6 +16,7 @@ from typing import Protocol
 from stride.decoders import sampling
 from stride.decoders.base import Burst, Commit, StepContext
 from stride.decoders.catalog import EAGLE
+from stride.decoders.speculative import draws
 from stride.decoders.speculative.cycles import CycleResult
 from stride.decoders.speculative.device_tree import TreeShape
 from stride.decoders.speculative.eagle import EagleDrafter
@@ -70,7 +71,7 @@ def loop_shape(seq: Sequence, state: SeqState, eagle: EagleDrafter) -> TreeShape
         k = options["num_speculative_tokens"]
     else:
         return None
-    sampled, ranks = not seq.params.greedy, sampling.ranks([seq.params])
+    sampled, ranks = not seq.params.greedy, draws.ranks([seq.params])
     if not options.get("tree_nodes"):
         return TreeShape.chain(k, sampled, ranks)
     return TreeShape.of(max(options["tree_nodes"], k), k, options["tree_topk"], sampled, ranks)
@@ -96,7 +97,7 @@ def batch_menu(seqs: list[Sequence]) -> tuple[TreeShape, ...] | None:
     """The shapes the loop may run a batch of adaptive requests in (`loop_policy.menu`; the
     sampled chain alone where some row samples), or None where their menus differ."""
     sampled = not all(s.params.greedy for s in seqs)
-    ranks = sampling.ranks(s.params for s in seqs)
+    ranks = draws.ranks(s.params for s in seqs)
     options = seqs[0].decoder_options
     if all(s.decoder_options == options for s in seqs):
         return menu(options, sampled, ranks)
@@ -116,7 +117,7 @@ def _one_shape(shapes: set[TreeShape | None]) -> TreeShape | None:
     sizes = {replace(s, sampled=True, ranks=0) for s in known}
     if len(sizes) > 1:
         return None
-    return replace(sizes.pop(), ranks=sampling.joint_rank({s.ranks for s in known if s.sampled}))
+    return replace(sizes.pop(), ranks=draws.joint_rank({s.ranks for s in known if s.sampled}))
 
 
 def _loop_choice(spec: Speculative, seqs: list[Sequence]) -> Choice | None:

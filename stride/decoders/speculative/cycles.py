@@ -46,8 +46,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from stride.decoders import counter, sampling
+from stride.decoders import counter
 from stride.decoders.speculative.device_tree import DraftedTree, TreeShape, compact, draft_tree
+from stride.decoders.speculative.draws import row_probabilities
 from stride.decoders.speculative.layout import Fixed, Rows, reach
 from stride.decoders.speculative.verify import accept_greedy, verify
 from stride.engine.eagle import HeadRunner
@@ -298,7 +299,7 @@ class EagleCycles:
         `drafters.run_drafts` draws on the host); its distribution over the target's
         vocabulary goes to `qs`."""
         b = len(h)
-        probs = sampling.row_probabilities(self._logits(h), self.floats[:b], ranks)
+        probs = row_probabilities(self._logits(h), self.floats[:b], ranks)
         ids = self.draft_ids.expand(b, -1)
         keys = counter.keys_at(self.bases[counter.DRAFT, :b], self.base[:b] + 1 + j)
         picked = counter.pick(probs, keys, ids, self.vocab)
@@ -417,7 +418,7 @@ class EagleCycles:
         q [B, K, V] in `shape`: `verify.verify`, its uniforms and the last draw keyed as
         `verify_sampled`'s."""
         b, k = drafts.shape
-        p = sampling.row_probabilities(logits, Fixed.per_row(self.floats[:b], k + 1), shape.ranks)
+        p = row_probabilities(logits, Fixed.per_row(self.floats[:b], k + 1), shape.ranks)
         places = self.base[:b, None] + 1 + self._fixed(b, shape).steps[: k + 1]
         u = counter.unit(counter.keys_at(self.bases[counter.ACCEPT, :b, None], places[:, :k]))
         n, dist = verify(p.view(b, k + 1, -1), q, drafts, torch.full_like(self.base[:b], k), u)
@@ -429,7 +430,7 @@ class EagleCycles:
         (`logits` [B * N, V]), at the row's position and with the noise a plain step draws
         with there, as `verify.verify_drawn` draws on the host."""
         b, n = depths.shape
-        p = sampling.row_probabilities(logits, Fixed.per_row(self.floats[:b], n), ranks)
+        p = row_probabilities(logits, Fixed.per_row(self.floats[:b], n), ranks)
         places = self.base[:b, None] + 1 + depths  # the token each row draws
         keys = counter.keys_at(self.bases[counter.TARGET, :b, None], places)
         return counter.pick(p, keys.flatten()).view(b, n)

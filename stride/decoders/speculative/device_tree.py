@@ -29,7 +29,7 @@ class TreeShape:
     rejection rule, a tree follows its nodes (the head's most likely, as for greedy rows) where
     they equal the target's draws (`verify.verify_drawn`); otherwise drafts and acceptance are
     the argmax. `ranks`: how many of their most likely tokens the sampled rows' draws rank
-    (`sampling.ranks`: 0 where no row has a top-k or top-p, and no draw sorts)."""
+    (`draws.ranks`: 0 where no row has a top-k or top-p, and no draw sorts)."""
 
     nodes: int
     depth: int
