@@ -133,30 +133,40 @@ def test_adaptive_eagle_requests_draft_only_in_the_loop_and_decode_exactly(
     assert free(core)
 
 
-@pytest.mark.parametrize("bursts", [True, False], ids=["bursts", "no bursts"])
-def test_fixed_k_requests_draft_in_bursts_only_where_bursts_run(eagle_target, eagle_head, bursts):
-    """Where the loop's bursts run, a request of a fixed K drafts in them only: the step beside
-    another request's prefill, which cannot be a burst, decodes it plainly (on a GPU a step
-    drafted on the host costs several cycles). Without bursts it drafts on the host. Its tokens
-    are `ar`'s either way."""
-    options = {"draft": "eagle", "num_speculative_tokens": 3, "adaptive": False}
-    plain = [GenerateRequest(str(i), p, greedy(40)) for i, p in enumerate(PROMPTS[:2])]
-    ref, _ = run(eagle_core(eagle_target, None), plain)
-    core = eagle_core(eagle_target, eagle_head, fused_decode_steps=4 if bursts else 1)
-    spec = core.decoders["speculative"]
-    spec.device_loop = True
-    ran, hosted = record_bursts(core), []
-    real_draft = spec.eagle.draft
-    spec.eagle.draft = lambda *a: hosted.append(a) or real_draft(*a)
+def arrivals(core, params: SamplingParams, options: dict) -> dict[str, list[int]]:
+    """Two requests, the second arriving while the first decodes: their tokens."""
     out: dict[str, list[int]] = {}
-    for i, prompt in enumerate(PROMPTS[:2]):  # the second arrives while the first decodes
-        core.add(GenerateRequest(str(i), prompt, greedy(40), "speculative", options))
+    for i, prompt in enumerate(PROMPTS[:2]):
+        core.add(GenerateRequest(str(i), prompt, replace(params, seed=i), "speculative", options))
         for _ in range(3 if i == 0 else 10**4):
             for o in core.step() if core.has_work else ():
                 out.setdefault(o.request_id, []).extend(o.token_ids)
-    assert out == ref
-    assert bool(ran) == bursts and bool(hosted) != bursts
-    assert free(core)
+    return out
+
+
+@pytest.mark.parametrize("bursts", [True, False], ids=["bursts", "no bursts"])
+def test_fixed_k_requests_draft_in_bursts_only_where_bursts_run(eagle_target, eagle_head, bursts):
+    """Where the loop's bursts run, a greedy request of a fixed K drafts in them only: the step
+    beside another request's prefill, which cannot be a burst, decodes it plainly (on a GPU a
+    step drafted on the host costs several cycles). Without bursts it drafts on the host. Its
+    tokens are `ar`'s either way. A sampled chain drafts at every step (its accepted drafts are
+    the head's draws), so its tokens are those of the host path, seed for seed."""
+    options = {"draft": "eagle", "num_speculative_tokens": 3, "adaptive": False}
+    plain = [GenerateRequest(str(i), p, greedy(40)) for i, p in enumerate(PROMPTS[:2])]
+    ref, _ = run(eagle_core(eagle_target, None), plain)
+    sampled = SamplingParams(max_tokens=40, temperature=0.8, ignore_eos=True)
+    host = arrivals(eagle_core(eagle_target, eagle_head), sampled, options)
+    for params, stepwise in ((greedy(40), bursts), (sampled, False)):
+        core = eagle_core(eagle_target, eagle_head, fused_decode_steps=4 if bursts else 1)
+        spec = core.decoders["speculative"]
+        spec.device_loop = True
+        ran, hosted = record_bursts(core), []
+        real_draft = spec.eagle.draft
+        spec.eagle.draft = lambda *a, d=real_draft, h=hosted: h.append(a) or d(*a)
+        out = arrivals(core, params, options)
+        assert out == (ref if params.greedy else host)
+        assert bool(ran) == bursts and bool(hosted) != stepwise
+        assert free(core)
 
 
 def test_requests_the_loop_cannot_run_decode_plainly_in_full_bursts(eagle_target, eagle_head):

@@ -88,9 +88,14 @@ def runnable(seq: Sequence) -> bool:
 
 def bursts_only(seq: Sequence) -> bool:
     """Where bursts run, does `seq` draft in them only, a step that is none (the one beside an
-    arrival's prefill) decoding it plainly? An EAGLE request the loop can run: on a GPU a step
-    drafted on the host costs several of the loop's cycles."""
-    return seq.decoder_options["draft"] == EAGLE and runnable(seq)
+    arrival's prefill) decoding it plainly? An EAGLE request the loop can run (on a GPU a step
+    drafted on the host costs several of the loop's cycles) whose tokens do not depend on which
+    steps draft: greedy, or a tree (its tokens are the target's draws). A sampled chain keeps
+    its accepted drafts, the head's draws: it drafts every step, so that a seed makes the same
+    tokens whatever shares its batch."""
+    options = seq.decoder_options
+    return (options["draft"] == EAGLE and runnable(seq)
+            and (seq.params.greedy or bool(options.get("tree_nodes"))))  # fmt: skip
 
 
 def batch_menu(seqs: list[Sequence]) -> tuple[TreeShape, ...] | None:

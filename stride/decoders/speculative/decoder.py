@@ -8,8 +8,8 @@ Request options (`{"type": "speculative", ...}`):
         adaptive eagle request drafts only in the device loop, which picks per batch among a
         chain of K, a tree and plain decoding (`loop_policy`; where rows sample, a sampled chain
         and plain decoding); a batch with rows the loop cannot run (logprobs, penalties, bias,
-        a grammar: `bursts.runnable`) decodes plainly. A fixed-K eagle request the loop can run
-        drafts in its bursts, and a step that is none (beside an arrival's prefill) is plain
+        a grammar: `bursts.runnable`) decodes plainly. A greedy or tree fixed-K one the loop can
+        run drafts in its bursts only: a step that is none (an arrival's prefill) is plain
     exit_layer: early_exit only, how many target layers draft (default: half of them)
     ngram_max: ngram only, the longest suffix looked up (default 3)
     tree_nodes, tree_topk: eagle only, draft a tree instead of a chain (0: a chain; unset: a
