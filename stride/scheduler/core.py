@@ -332,9 +332,11 @@ class EngineCore:
         checked = grammar is not None and not commit.masked  # drawn without the mask
         for token in commit.tokens:
             taken = checked and grammar.take(token)  # (checked and consumed)
-            if (refused := checked and not taken) and (token := seq.redraw(
-                    sampling.redrawn(seq, commit.drawn_from, n))) is None:  # fmt: skip
-                break  # (drawn again under the mask, on the host, once re-scored)
+            refused = checked and not taken
+            if refused:  # drawn again under the mask now, or on the host once re-scored
+                token = seq.redraw(sampling.redrawn(seq, commit.drawn_from, n))
+                if token is None:
+                    break
             token_ids.append(token)
             n += 1
             produced = len(token_ids) - num_prompt

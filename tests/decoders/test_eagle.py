@@ -400,6 +400,24 @@ def test_a_prompt_the_prefix_cache_holds_but_its_last_token_drafts_after_its_fir
     assert stats["b"]["drafts"] > 0
 
 
+def _seeded_beside_greedy(sampled: SamplingParams, options: dict) -> list[GenerateRequest]:
+    """Three requests sampled under `sampled`, seeded 0..2, then a greedy one: all `options`."""
+    return [
+        GenerateRequest(str(i), p, replace(sampled, seed=i), "speculative", options)
+        for i, p in enumerate(PROMPTS[:3])
+    ] + [GenerateRequest("g", PROMPTS[3], greedy(24), "speculative", options)]
+
+
+def _alone_then_in_a_batch(eagle_target, eagle_head, requests: list[GenerateRequest]):
+    """The device loop (run eagerly) over the first request alone, then all of them at once
+    (ids prefixed "b"): (core, the bursts it ran, tokens alone, tokens together, stats)."""
+    core = eagle_core(eagle_target, eagle_head, fused_decode_steps=4)
+    ran = record_bursts(core)
+    alone, _ = run(core, [replace(r) for r in requests[:1]])
+    together, stats = run(core, [replace(r, request_id=f"b{r.request_id}") for r in requests])
+    return core, ran, alone, together, stats
+
+
 TRUNCATIONS = {  # each of `draws.ranks`' three ways to draw
     "top_p": {"top_p": 0.95, "top_k": 20, "min_p": 0.02},
     "top_k": {"top_k": 20, "min_p": 0.02},
@@ -417,16 +435,10 @@ def test_sampled_chains_in_the_loop_draw_what_the_host_draws_seed_for_seed(
     each seeded request equal the host path's, alone and in a batch with greedy rows, whose
     tokens stay AR's."""
     sampled = SamplingParams(max_tokens=24, temperature=0.9, ignore_eos=True, **truncation)
-    requests = [
-        GenerateRequest(str(i), p, replace(sampled, seed=i), "speculative", CHAIN)
-        for i, p in enumerate(PROMPTS[:3])
-    ] + [GenerateRequest("g", PROMPTS[3], greedy(24), "speculative", CHAIN)]
+    requests = _seeded_beside_greedy(sampled, CHAIN)
     stepwise = eagle_core(eagle_target, eagle_head)
     ref, _ = run(stepwise, [replace(r) for r in requests[:3]])
-    core = eagle_core(eagle_target, eagle_head, fused_decode_steps=4)
-    ran = record_bursts(core)
-    alone, _ = run(core, [replace(r) for r in requests[:1]])
-    together, stats = run(core, [replace(r, request_id=f"b{r.request_id}") for r in requests])
+    core, ran, alone, together, stats = _alone_then_in_a_batch(eagle_target, eagle_head, requests)
     assert {shape for _, shape, _ in ran} == {TreeShape.chain(K, True, draws.ranks([sampled]))}
     assert alone["0"] == ref["0"]
     assert all(together[f"b{i}"] == ref[str(i)] for i in range(3))
@@ -444,16 +456,10 @@ def test_sampled_trees_in_the_loop_make_the_tokens_of_plain_decoding(
     tokens of each seeded request equal `ar`'s, alone and in a batch with a greedy row, whose
     tokens stay AR's."""
     sampled = SamplingParams(max_tokens=24, temperature=0.9, ignore_eos=True, **truncation)
-    requests = [
-        GenerateRequest(str(i), p, replace(sampled, seed=i), "speculative", TREE)
-        for i, p in enumerate(PROMPTS[:3])
-    ] + [GenerateRequest("g", PROMPTS[3], greedy(24), "speculative", TREE)]
+    requests = _seeded_beside_greedy(sampled, TREE)
     plain, _ = run(eagle_core(eagle_target, None), [replace(r, decoder="ar", decoder_options={})
                                                     for r in requests[:3]])  # fmt: skip
-    core = eagle_core(eagle_target, eagle_head, fused_decode_steps=4)
-    ran = record_bursts(core)
-    alone, _ = run(core, [replace(r) for r in requests[:1]])
-    together, stats = run(core, [replace(r, request_id=f"b{r.request_id}") for r in requests])
+    core, ran, alone, together, stats = _alone_then_in_a_batch(eagle_target, eagle_head, requests)
     shape = TreeShape.of(TREE["tree_nodes"], K, TREE["tree_topk"], True, draws.ranks([sampled]))
     assert {s for _, s, _ in ran} == {shape}
     assert alone["0"] == plain["0"]
