@@ -14,14 +14,17 @@ try of a losing mode costs is kept to a small share of the time, however slow th
   - a try ends after `PROBE` steps if it is already losing, and a try of refining after its
     first step if even the most tokens a refining step can commit (`most`) would lose at the
     time that step took;
-  - the wait until the next try, in epochs, is at least `EXPLORE_EVERY` times how many times
-    slower the mode measured (so that a try of one step takes about 1/(`EXPLORE_EVERY` ×
-    `EPOCH`) of the time, a try of `PROBE` steps a few times that, however slow the mode), up
-    to `LONGEST_WAIT` (a measure that far off may have timed a one-off, such as a compile), and
-    doubles each time it loses again, the doubling up to `MAX_WAIT`;
-  - a bucket that has measured one mode and not the other borrows the other's rate from the
-    nearest bucket that measured both (scaled by the ratio there), instead of trying it at once:
-    a batch that shrinks as its requests finish passes through every bucket below it.
+  - the wait until the next try, in epochs at the same bucket, is at least `EXPLORE_EVERY`
+    times how many times slower the mode measured there (so that a try of one step takes about
+    1/(`EXPLORE_EVERY` × `EPOCH`) of the time, a try of `PROBE` steps a few times that, however
+    slow the mode), up to `LONGEST_WAIT` (a measure that far off may have timed a one-off, such
+    as a compile), and doubles each time it loses there again, the doubling up to `MAX_WAIT`;
+    each bucket keeps its own wait, since a mode that loses at one batch size may win at
+    another (EAGLE's loop does, at 8 sequences, what it cannot at one);
+  - a bucket that has measured one mode and not the other borrows the other's rate from a
+    neighbouring bucket that has both (scaled by the ratio there), instead of trying it at
+    once: a batch that shrinks as its requests finish passes through every bucket below it. A
+    bucket with no such neighbour (a batch that jumps there) tries the mode itself.
 Epochs start plain (the first refining epoch is then a try against a measured plain rate) unless
 the owner says otherwise. The speculative decoder uses the same epochs for its adaptive requests
 (those its device loop drafts apart from the others), drafting as the refining mode, and starts
@@ -43,6 +46,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from stride.decoders.base import Commit, Proposal, Scored, StepContext, plain_commits
 from stride.decoders.rates import MIN_GAIN, bucket, ema
@@ -54,6 +58,16 @@ EXPLORE_EVERY = 8  # epochs of the faster mode before a slower one is tried agai
 MAX_WAIT = 64  # the longest that doubling makes the wait, in epochs
 LONGEST_WAIT = 1024  # the longest wait, in epochs, however much slower the mode measured
 PAUSE = 20.0  # records this many times a step's time apart: the epoch is dropped
+
+
+@dataclass
+class Tries:
+    """When a bucket tries the mode out of favour again: after `wait` epochs there (`since` so
+    far), which grows with the tries it lost in a row (`losses`)."""
+
+    wait: int = EXPLORE_EVERY
+    since: int = 0
+    losses: int = 0
 
 
 class Payoff:
@@ -68,9 +82,8 @@ class Payoff:
         self.refining = refining
         self.rates: dict[int, dict[bool, float]] = {}  # bucket -> mode -> tokens/s/sequence
         self.epochs = 0  # epochs measured so far
-        self._since_explore = 0
-        self._wait = EXPLORE_EVERY  # epochs before the mode out of favour is tried again
-        self._losses = 0  # tries it lost in a row
+        self._tries: dict[int, Tries] = {}  # bucket -> when the mode out of favour is tried
+        self._key: int | None = None  # the bucket of the last epoch measured
         self._probing = False  # this epoch tries the mode out of favour (or not yet measured)
         self._start: float | None = None  # when the epoch's clock started
         self._last = 0.0
@@ -84,9 +97,10 @@ class Payoff:
         the plain epochs after it, up to the next try of refining. (A promise the executor sees
         beyond its launch keeps that launch in flight: epochs are no reason to wait for one.)"""
         left = max(1, EPOCH - self._steps)
-        if self.refining or self._probing:
+        if self.refining or self._probing or self._key is None:
             return left
-        return left + EPOCH * max(0, self._wait - self._since_explore - 1)
+        tries = self._tries.get(self._key, Tries())
+        return left + EPOCH * max(0, tries.wait - tries.since - 1)
 
     def record(
         self, batch: int, tokens: int, launch_s: float | None, refining: bool, steps: int = 1
@@ -151,7 +165,8 @@ class Payoff:
             rates[self.refining] = ema(rates.get(self.refining), rate, 0.5)
             self._borrow(key)
             self.epochs += 1
-            self.refining = self._next(rates)
+            self._key = key
+            self.refining = self._next(rates, self._tries.setdefault(key, Tries()))
         self._restart(now)
 
     def _restart(self, now: float) -> None:
@@ -160,35 +175,38 @@ class Payoff:
         self._steps = self._tokens = self._rows = 0
 
     def _borrow(self, key: int) -> None:
-        """The mode bucket `key` has not measured, from the nearest bucket that measured both
-        (its ratio there, applied to the rate measured here)."""
+        """The mode bucket `key` has not measured, from a neighbouring bucket that has both (its
+        ratio there, applied to the rate measured here; the one below first)."""
         rates, other = self.rates[key], not self.refining
-        both = [k for k, r in self.rates.items() if len(r) == 2 and k != key]
-        if other in rates or not both:
+        if other in rates:
             return
-        near = self.rates[min(both, key=lambda k: abs(k - key))]
-        rates[other] = rates[self.refining] * near[other] / near[self.refining]
+        for k in (key - 1, key + 1):
+            near = self.rates.get(k, {})
+            if len(near) == 2:
+                rates[other] = rates[self.refining] * near[other] / near[self.refining]
+                return
 
-    def _next(self, rates: dict[bool, float]) -> bool:
-        """The next epoch's mode, now that this one's mode has a rate in `rates`."""
+    def _next(self, rates: dict[bool, float], tries: Tries) -> bool:
+        """The next epoch's mode, now that this one's mode has a rate in `rates`, at the bucket
+        whose `tries` these are."""
         other, tried = not self.refining, self._probing
         self._probing = other not in rates
         if self._probing:
             return other
         faster = _refining_wins(rates)
         if tried and faster == other:  # the try lost (again): wait longer before the next
-            self._losses += 1
+            tries.losses += 1
             slower = rates[other] / rates[self.refining]
-            doubled = min(EXPLORE_EVERY << (self._losses - 1), MAX_WAIT)
-            self._wait = max(doubled, min(round(EXPLORE_EVERY * slower), LONGEST_WAIT))
+            doubled = min(EXPLORE_EVERY << (tries.losses - 1), MAX_WAIT)
+            tries.wait = max(doubled, min(round(EXPLORE_EVERY * slower), LONGEST_WAIT))
         elif tried:  # it won: its epoch is the first of the mode now in favour
-            self._losses, self._wait = 0, EXPLORE_EVERY
+            tries.losses, tries.wait = 0, EXPLORE_EVERY
         if faster != self.refining:
-            self._since_explore = 0
+            tries.since = 0
             return faster
-        self._since_explore += 1
-        if self._since_explore >= self._wait:
-            self._since_explore, self._probing = 0, True
+        tries.since += 1
+        if tries.since >= tries.wait:
+            tries.since, self._probing = 0, True
             return other
         return faster
 

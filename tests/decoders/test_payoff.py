@@ -88,14 +88,50 @@ def test_refining_that_does_not_pay_gives_way_to_plain_steps_and_is_tried_ever_l
     assert {steps for refining, steps in seen if not refining} == {EPOCH}
 
 
-def test_a_bucket_borrows_the_mode_it_has_not_measured_from_the_nearest_one():
+def test_a_bucket_borrows_the_mode_it_has_not_measured_from_a_neighbour_only():
     p = clocked(refine_s=3.0, plain_s=1.0)
     modes(p, 2, {True: 1, False: 1}, batch=1)  # at 1 sequence: refining tried, 3x slower
     assert p.rates[bucket(1)][True] == pytest.approx(p.rates[bucket(1)][False] / 3)
-    for _ in range(EPOCH):  # an epoch of plain steps at 8 sequences ...
-        p.record(8, 8, 0.0, False)
+    for _ in range(EPOCH):  # an epoch of plain steps at 2 sequences, the next bucket ...
+        p.record(2, 2, 0.0, False)
     assert p.epochs == 3 and not p.refining  # ... and no try of refining there after it
-    assert p.rates[bucket(8)][True] == pytest.approx(p.rates[bucket(8)][False] / 3)
+    assert p.rates[bucket(2)][True] == pytest.approx(p.rates[bucket(2)][False] / 3)
+    for _ in range(EPOCH):  # at 8 sequences, far from both: refining is tried there
+        p.record(8, 8, 0.0, False)
+    assert p.epochs == 4 and p.refining
+    assert True not in p.rates[bucket(8)]
+
+
+def test_a_mode_that_loses_at_one_batch_size_is_still_tried_at_another():
+    """Each bucket waits for its own tries: losses at one sequence (refining 3x slower there,
+    as EAGLE's loop at batch 1) leave the next try at 8 sequences, where refining wins, as soon
+    as a bucket that never lost tries it."""
+    p = clocked(refine_s=3.0, plain_s=1.0)
+    seen = modes(p, 2 + 4 * (1 + 3 * EXPLORE_EVERY), {True: 1, False: 1}, batch=1)
+    assert sum(refining for refining, _ in seen) >= 3  # tried and lost, again and again
+    assert p.plain_steps() > EPOCH * 3 * EXPLORE_EVERY  # the wait there has grown
+    p.clock.cost[True] = 1.0  # at 8 sequences a refining step costs a plain one's ...
+    wins = {True: 3, False: 1}  # ... and makes 3 tokens a sequence
+    refined = 0
+    for _ in range(EPOCH * (2 + EXPLORE_EVERY)):
+        refined += p.refining
+        p.record(8, 8 * wins[p.refining], 0.0, p.refining)
+    assert p.rates[bucket(8)][True] > p.rates[bucket(8)][False]
+    assert refined >= EPOCH * EXPLORE_EVERY  # refining is the mode at 8 sequences now
+
+
+def test_each_bucket_waits_for_its_own_next_try():
+    """Refining lost once at 8 sequences and many times at one: back at 8, where it now pays,
+    it is tried again after 8 sequences' wait, not after the one grown at one sequence."""
+    p = clocked(refine_s=3.0, plain_s=1.0)
+    modes(p, 2, {True: 1, False: 1}, batch=8)  # at 8: plain, then a try of refining that lost
+    modes(p, 2 + 4 * (1 + 3 * EXPLORE_EVERY), {True: 1, False: 1}, batch=1)  # lost at 1, again
+    assert p.plain_steps() > EPOCH * 3 * EXPLORE_EVERY
+    p.clock.cost[True] = 1.0  # at 8 sequences refining now makes 3 tokens a plain step's time
+    epochs = p.epochs
+    while not p.refining:
+        p.record(8, 8, 0.0, False)
+    assert p.epochs - epochs <= 1 + 3 * EXPLORE_EVERY  # (the wait after one loss, 3x slower)
 
 
 def test_plain_steps_are_promised_up_to_the_next_try_of_refining():
