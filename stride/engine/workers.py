@@ -157,7 +157,9 @@ class Workers:
             try:
                 conn.send_bytes(data)
             except (OSError, ValueError) as e:
-                self.fail(f"tensor-parallel rank {rank} is gone ({type(e).__name__})")
+                # (a closed socket is most often a worker that exited: say how, once reaped)
+                gone = f"tensor-parallel rank {rank} is gone ({type(e).__name__})"
+                self.fail(self.exited() or gone)
                 raise WorkerDied(self.dead) from e
 
     def exited(self, wait: float = 1.0) -> str | None:
