@@ -39,8 +39,6 @@ def tiny_hf(tiny_dir):
     return load_hf(tiny_dir)
 
 
-
-
 @pytest.fixture(scope="session")
 def default_engine() -> Engine:
     """The real SmolLM2-135M-Instruct (its tokenizer converted once into STRIDE_CACHE)."""

@@ -26,8 +26,6 @@ MASK = VOCAB_SIZE  # the tiny tokenizer plus one added mask token
 PATTERN = [0.9, 0.5, 0.95, 0.6]  # the oracle's confidence at each offset of a 4-token block
 
 
-
-
 class Oracle(nn.Module):
     """Predicts token `oracle_token(p)` at position p with confidence PATTERN[p % 4], whatever
     the context; `favour_mask` puts most of the mass on the mask token instead."""

@@ -62,10 +62,6 @@ def make(model: Path, draft: Path | None = None, kv_bytes: int = 8 << 20, **sche
     return EngineCore(engine, SchedulerConfig(**sched), decoders)
 
 
-
-
-
-
 def spec(draft: str, k: int = K, adaptive: bool = False, **extra) -> dict:
     return dict(draft=draft, num_speculative_tokens=k, adaptive=adaptive, **extra)
 
@@ -95,8 +91,6 @@ def _sample_rule(p, q, n, wrong=False, seed=0):
         dist = pp[torch.arange(n), accepted]
     last = torch.multinomial(dist, 1, generator=g)[:, 0]
     return drafts, accepted, last
-
-
 
 
 def _committed_at(pos, drafts, accepted, last):
@@ -284,8 +278,6 @@ def test_draft_model_kv_rolls_back_to_the_accepted_prefix(tiny_dir, other_dir):
 
 
 # ---- sampling end to end: the joint distribution of two tokens ------------------------------
-
-
 
 
 @pytest.mark.parametrize("draft", ["other", "early_exit"])

@@ -26,7 +26,6 @@ def make_core(model_dir: Path | str | None, kv_bytes: int = 16 << 20, **sched) -
     return EngineCore(engine, SchedulerConfig(**sched))
 
 
-
 PROMPTS = [
     [5, 6, 7, 8, 9, 10, 5, 6, 7],  # repeats: prompt lookup finds something
     [20, 21, 22, 23],
@@ -106,7 +105,6 @@ def exact_joint(tiny_hf, prompt: list[int], params: SamplingParams) -> torch.Ten
         for t in first.nonzero()[:, 0].tolist():
             joint[t] = first[t].double() * dist(prompt + [t]).double()
     return joint
-
 
 
 def record(results: dict[str, tuple], out) -> None:

@@ -22,8 +22,6 @@ from tests.helpers.metrics import value
 USERS = [None, "alice", "bob", "mallory"]  # mallory is not on the allowlist
 
 
-
-
 def label_values(m: Metrics, name: str, label: str) -> set[str]:
     """The values of `label` in use: series above 0 (the known ones exist, at 0, from the start)."""
     return {

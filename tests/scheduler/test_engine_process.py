@@ -28,8 +28,6 @@ ROOT = Path(__file__).resolve().parents[2]
 SLOW = {"prompt": "x", "max_tokens": 40, "ignore_eos": True, "stream": True, "decoder": "slow"}
 
 
-
-
 @pytest.fixture(scope="module")
 def served(tiny_dir):
     port = free_port()

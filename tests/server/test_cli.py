@@ -157,8 +157,6 @@ def test_readme_lists_every_flag_with_its_variable_and_default():
                 assert cells[3] == f"`{shown}`", (flag, cells[3], shown)
 
 
-
-
 def test_sigterm_drains_requests_in_flight(tiny_dir):
     port = free_port()
     url = f"http://127.0.0.1:{port}"

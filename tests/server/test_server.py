@@ -48,8 +48,6 @@ def greedy(client, model, prompt, max_tokens=8, **kw):
     )
 
 
-
-
 # ---- happy paths ------------------------------------------------------------------------------
 
 
@@ -240,8 +238,6 @@ def test_tokenize_detokenize(server, model):
 
 
 # ---- errors -----------------------------------------------------------------------------------
-
-
 
 
 @pytest.mark.parametrize(
