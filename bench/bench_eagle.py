@@ -245,12 +245,17 @@ def busy_share(work) -> float:
         wall = time.perf_counter() - start
     spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
                    if e.device_type.name == "CUDA")  # fmt: skip
+    return round(busy_us(spans) / 1e6 / wall, 3)
+
+
+def busy_us(spans: list[tuple[float, float]]) -> float:
+    """The length of the union of sorted (start, end) intervals: the device's busy µs."""
     busy, end = 0.0, float("-inf")
-    for a, b in spans:  # (µs) the union of the kernels' intervals
+    for a, b in spans:
         if b > end:
             busy += b - max(a, end)
             end = b
-    return round(busy / 1e6 / wall, 3)
+    return busy
 
 
 # Device cycles timed: chains, and trees of 64 and 128 verified rows (the root and 63 or 127

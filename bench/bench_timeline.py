@@ -111,15 +111,12 @@ def profiled(work, device: torch.device, timeline: Path | None) -> dict:
         for e in events
         if e.device_type.name == "CUDA" and e.name not in LABEL_NAMES  # (not the annotations)
     )
-    busy, end, spans = 0.0, float("-inf"), []
-    for a, b in kernels:
+    busy, spans = bench_eagle.busy_us(kernels), []
+    for a, b in kernels:  # (kernels less than 5 µs apart: one span)
         if spans and a <= spans[-1][1] + 5:
             spans[-1][1] = max(spans[-1][1], b)
         else:
             spans.append([a, b])
-        if b > end:
-            busy += b - max(a, end)
-            end = b
     calls.sort(key=lambda e: e.time_range.start)
     starts = [e.time_range.start for e in calls]
 
